@@ -1,0 +1,154 @@
+"""Drop-in modules: :class:`LayerNorm`, :class:`RMSNorm` and :class:`AddNorm`.
+
+:class:`LayerNorm` and :class:`RMSNorm` subclass :class:`torch.nn.LayerNorm` and
+:class:`torch.nn.RMSNorm`: the constructor, parameters, ``state_dict`` keys,
+``reset_parameters``, ``extra_repr`` and ``isinstance`` checks are torch's own, so a
+torch checkpoint loads with ``strict=True`` and code that initialises "every
+``nn.LayerNorm``" keeps working. Only ``forward`` differs: it runs addnorm's ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as F
+
+Shape = int | Sequence[int]
+
+
+class LayerNorm(nn.LayerNorm):
+    r"""Layer Normalization over the trailing ``normalized_shape`` dims.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \cdot \gamma + \beta
+
+    Mean and (biased) variance are computed in float32 (float64 for float64 input).
+
+    Args:
+        normalized_shape: int or trailing shape to normalize over.
+        eps: added to the variance inside the square root. Default: 1e-5.
+        elementwise_affine: learnable ``weight`` (γ, init 1) and ``bias`` (β, init 0).
+        bias: with ``elementwise_affine``, whether to learn ``bias``. Default: True.
+        backend: ``"auto"``, ``"reference"`` or a kernel backend (keyword only).
+
+    Shape:
+        Input ``(*, *normalized_shape)``; output the same shape and dtype.
+
+    Example::
+
+        >>> ln = addnorm.LayerNorm(768)
+        >>> y = ln(torch.randn(4, 16, 768))
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self.backend = backend
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend)
+
+
+class RMSNorm(nn.RMSNorm):
+    r"""Root Mean Square Normalization over the trailing ``normalized_shape`` dims.
+
+    .. math::
+        y = \frac{x}{\sqrt{\mathrm{E}[x^2] + \epsilon}} \cdot \gamma
+
+    ``eps=None`` uses the machine epsilon of the compute dtype (float32's unless the input
+    is float64), as :class:`torch.nn.RMSNorm`.
+    Statistics are computed in float32 (float64 for float64 input).
+
+    Args and Shape: as :class:`torch.nn.RMSNorm`, plus ``backend`` (keyword only).
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Shape,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        self.backend = backend
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)
+
+
+class AddNorm(nn.Module):
+    r"""The residual add fused with the norm: one "Add & Norm" step of a Transformer.
+
+    ``forward(x, residual)`` computes ``s = x + residual`` and
+
+    - post-norm (``prenorm=False``, the original Transformer): returns ``norm(s)``, i.e.
+      ``LN(residual + sublayer(residual))`` when ``x = sublayer(residual)``;
+    - pre-norm (``prenorm=True``, GPT-2): returns ``(norm(s), s)``; ``s`` is the new
+      residual stream and ``norm(s)`` the input of the next sublayer.
+
+    Args:
+        normalized_shape: int or trailing shape to normalize over.
+        norm: ``"layer"`` (LayerNorm) or ``"rms"`` (RMSNorm).
+        prenorm: return the stream too, as above.
+        eps: default 1e-5 for ``"layer"``, the compute dtype's machine epsilon for ``"rms"``.
+        elementwise_affine, bias, device, dtype: as :class:`torch.nn.LayerNorm`
+            (``bias`` is ignored by ``"rms"``, which has none).
+        residual_dtype: dtype of ``s`` (e.g. ``torch.float32`` under bf16).
+        backend: ``"auto"``, ``"reference"`` or a kernel backend.
+
+    The parameters live in ``self.norm`` (an addnorm :class:`LayerNorm` or :class:`RMSNorm`),
+    so ``state_dict`` keys are ``norm.weight`` and ``norm.bias``.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Shape,
+        *,
+        norm: str = "layer",
+        prenorm: bool = False,
+        eps: float | None = None,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        residual_dtype: torch.dtype | None = None,
+        device=None,
+        dtype=None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if norm == "layer":
+            self.norm: LayerNorm | RMSNorm = LayerNorm(
+                normalized_shape, 1e-5 if eps is None else eps, elementwise_affine, bias,
+                device, dtype, backend=backend,
+            )
+        elif norm == "rms":
+            self.norm = RMSNorm(normalized_shape, eps, elementwise_affine, device, dtype, backend=backend)
+        else:
+            raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+        self.kind = norm
+        self.prenorm = prenorm
+        self.residual_dtype = residual_dtype
+
+    def forward(self, x: Tensor, residual: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        n = self.norm
+        common = dict(prenorm=self.prenorm, residual_dtype=self.residual_dtype, backend=n.backend)
+        if self.kind == "layer":
+            return F.add_layer_norm(x, residual, n.normalized_shape, n.weight, n.bias, n.eps, **common)
+        return F.add_rms_norm(x, residual, n.normalized_shape, n.weight, n.eps, **common)
+
+    def extra_repr(self) -> str:
+        return f"norm={self.kind!r}, prenorm={self.prenorm}, residual_dtype={self.residual_dtype}"

@@ -1,0 +1,283 @@
+"""Custom ops, argument checks and backend dispatch.
+
+Two ``torch.library`` custom ops carry every norm: ``addnorm::forward`` and
+``addnorm::backward``. Both work on a 2-D ``(M, N)`` view of the rows and call a
+backend module, which implements :func:`addnorm.reference.forward` and
+:func:`addnorm.reference.backward` with the same contract. Autograd is registered
+with the hand-written backward op (never autograd of the forward), and both ops have
+fake kernels, so ``torch.compile(fullgraph=True)`` traces through them without a
+graph break.
+
+The backend is chosen at call time by the ``backend=`` keyword of every public
+function: ``"auto"`` picks by device, dtype and size; a name picks that backend or
+fails with the reason it cannot run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import warnings
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+# name -> module implementing forward()/backward() as in reference.py.
+# A kernel module may define ``unavailable_reason(x) -> str | None`` (None: usable).
+BACKEND_MODULES: dict[str, str] = {
+    "reference": "addnorm.reference",
+}
+
+
+def backend_names() -> list[str]:
+    return ["auto", *BACKEND_MODULES]
+
+
+def backend_unavailable_reason(name: str, x: Tensor | None = None) -> str | None:
+    """Why backend ``name`` cannot run (on ``x``, if given), or ``None`` if it can."""
+    try:
+        module = importlib.import_module(BACKEND_MODULES[name])
+    except ImportError as err:  # an optional dependency is missing
+        return f"{err.name or err}: not installed"
+    check = getattr(module, "unavailable_reason", None)
+    return check(x) if check is not None else None
+
+
+def auto_backend(x: Tensor) -> str:
+    """The backend ``backend="auto"`` picks for ``x`` (2-D rows about to be normalized)."""
+    return "reference"
+
+
+def resolve_backend(name: str, x: Tensor) -> ModuleType:
+    if name == "auto":
+        name = auto_backend(x)
+    elif name not in BACKEND_MODULES:
+        raise ValueError(f"backend must be one of {backend_names()}, got {name!r}")
+    reason = backend_unavailable_reason(name, x)
+    if reason is not None:
+        raise RuntimeError(f"backend {name!r} cannot run here: {reason}")
+    return importlib.import_module(BACKEND_MODULES[name])
+
+
+# --------------------------------------------------------------------------- custom ops
+
+def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.empty((0,), dtype=dtype, device=like.device)
+
+
+@torch.library.custom_op("addnorm::forward", mutates_args=())
+def _forward_op(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    residual_dtype: torch.dtype | None,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    impl = resolve_backend(backend, x)
+    y, s, mean, rstd = impl.forward(x, residual, weight, bias, eps, rms, residual_dtype)
+    cd = rstd.dtype
+    return (
+        y.contiguous(),
+        s.contiguous() if s is not None else _empty(x, x.dtype),
+        mean if mean is not None else _empty(x, cd),
+        rstd,
+    )
+
+
+@_forward_op.register_fake
+def _forward_fake(x, residual, weight, bias, eps, rms, residual_dtype, backend):
+    m, n = x.shape
+    sd = reference.stream_dtype(x, residual, residual_dtype)
+    cd = reference.stats_dtype(sd)
+    s = x.new_empty((m, n), dtype=sd) if residual is not None else _empty(x, x.dtype)
+    mean = x.new_empty((m,), dtype=cd) if not rms else _empty(x, cd)
+    return x.new_empty((m, n)), s, mean, x.new_empty((m,), dtype=cd)
+
+
+@torch.library.custom_op("addnorm::backward", mutates_args=())
+def _backward_op(
+    dy: Tensor,
+    dstream: Tensor | None,
+    s: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    has_bias: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    impl = resolve_backend(backend, s)
+    ds, dweight, dbias = impl.backward(dy, dstream, s, weight, mean, rstd, has_bias)
+    cd = rstd.dtype
+    return (
+        ds.contiguous(),
+        dweight if dweight is not None else _empty(s, cd),
+        dbias if dbias is not None else _empty(s, cd),
+    )
+
+
+@_backward_op.register_fake
+def _backward_fake(dy, dstream, s, weight, mean, rstd, has_bias, backend):
+    n = s.shape[1]
+    cd = rstd.dtype
+    dweight = s.new_empty((n,), dtype=cd) if weight is not None else _empty(s, cd)
+    dbias = s.new_empty((n,), dtype=cd) if has_bias else _empty(s, cd)
+    return s.new_empty(s.shape), dweight, dbias
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, rms, residual_dtype, backend = inputs
+    y, s, mean, rstd = output
+    ctx.save_for_backward(x if residual is None else s, weight, None if rms else mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.backend = backend
+
+
+def _autograd_backward(ctx, dy, dstream, _dmean, _drstd):
+    saved, weight, mean, rstd = ctx.saved_tensors
+    if dy is None:  # only the stream output was used
+        dy = torch.zeros(saved.shape, dtype=ctx.x_dtype, device=saved.device)
+    if ctx.residual_dtype is None:
+        dstream = None
+    ds, dweight, dbias = _backward_op(dy, dstream, saved, weight, mean, rstd, ctx.has_bias, ctx.backend)
+    dx = ds.to(ctx.x_dtype)
+    dresidual = ds.to(ctx.residual_dtype) if ctx.residual_dtype is not None else None
+    dweight = dweight.to(weight.dtype) if weight is not None else None
+    dbias = dbias.to(ctx.bias_dtype) if ctx.has_bias else None
+    return dx, dresidual, dweight, dbias, None, None, None, None
+
+
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- checks
+
+_FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
+
+
+def _check_float_tensor(name: str, t: object) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor ({_FLOAT_DTYPES}), got {t.dtype}")
+    return t
+
+
+def normalize_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple of positive ints, or a clear error."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape: tuple = (int(normalized_shape),)
+    elif isinstance(normalized_shape, (Sequence, torch.Size)) and not isinstance(normalized_shape, str):
+        shape = tuple(normalized_shape)
+    else:
+        raise TypeError(
+            f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__}"
+        )
+    if not shape or not all(
+        isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0 for d in shape
+    ):
+        raise ValueError(f"normalized_shape must be one or more positive ints, got {normalized_shape!r}")
+    return tuple(int(d) for d in shape)
+
+
+def _check_param(name: str, p: Tensor | None, shape: tuple[int, ...], x: Tensor) -> None:
+    if p is None:
+        return
+    _check_float_tensor(name, p)
+    if tuple(p.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} (normalized_shape), got {tuple(p.shape)}")
+    if p.device != x.device:
+        raise ValueError(f"{name} is on {p.device} but x is on {x.device}; expected the same device")
+
+
+def check_eps(eps: object) -> float:
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or math.isnan(eps) or eps < 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    return float(eps)
+
+
+def check_inputs(
+    x: object,
+    residual: object,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: object,
+    residual_dtype: object,
+) -> tuple[tuple[int, ...], float]:
+    """Validate the arguments of a public op; returns ``(normalized_shape, eps)``."""
+    x = _check_float_tensor("x", x)
+    shape = normalize_shape(normalized_shape)
+    if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+        raise ValueError(
+            f"x of shape {tuple(x.shape)} must end with normalized_shape {shape}"
+        )
+    _check_param("weight", weight, shape, x)
+    _check_param("bias", bias, shape, x)
+    if residual is not None:
+        residual = _check_float_tensor("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
+            )
+        if residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device} but x is on {x.device}; expected the same device")
+    if residual_dtype is not None and (
+        not isinstance(residual_dtype, torch.dtype) or not residual_dtype.is_floating_point
+    ):
+        raise TypeError(f"residual_dtype must be a floating torch.dtype or None, got {residual_dtype!r}")
+    eps = check_eps(eps)
+    n = math.prod(shape)
+    if n <= 2:
+        warnings.warn(
+            f"normalizing over {n} feature(s): every output row is then ±1 (or 0) times weight, "
+            "plus bias, whatever the input; project the features to a wider dimension first",
+            UserWarning,
+            stacklevel=4,
+        )
+    return shape, eps
+
+
+# --------------------------------------------------------------------------- entry point
+
+def add_norm(
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    *,
+    rms: bool,
+    prenorm: bool,
+    residual_dtype: torch.dtype | None,
+    backend: str,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The one entry point behind every function of :mod:`addnorm.functional`."""
+    if eps is None:  # RMSNorm's default, as torch: the machine epsilon of the compute dtype
+        eps = torch.finfo(reference.stats_dtype(x.dtype)).eps if isinstance(x, Tensor) else 0.0
+    shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {backend_names()}, got {type(backend).__name__}")
+    if backend != "auto" and backend not in BACKEND_MODULES:
+        raise ValueError(f"backend must be one of {backend_names()}, got {backend!r}")
+    n = math.prod(shape)
+    x2 = x.reshape(-1, n)
+    r2 = residual.reshape(-1, n) if residual is not None else None
+    w = weight.reshape(n) if weight is not None else None
+    b = bias.reshape(n) if bias is not None else None
+    y, s, _, _ = _forward_op(x2, r2, w, b, eps, rms, residual_dtype, backend)
+    y = y.view(x.shape)
+    return (y, s.view(x.shape)) if prenorm else y

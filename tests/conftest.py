@@ -1,0 +1,64 @@
+"""Shared test helpers: the per-dtype tolerance table, the fp64 oracle, the backends to test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from addnorm import ops
+
+# (rtol, atol) per dtype, seeded from torch.testing.assert_close's defaults. fp16/bf16 use
+# flash-attn's rule instead (see assert_matches_oracle): the error against the fp64 oracle
+# may be at most twice torch's own error in that dtype, plus atol.
+TOLERANCES = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1.3e-6, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+DTYPES = list(TOLERANCES)
+
+
+def usable_backends() -> list[str]:
+    """Every registered backend that can run on CPU tensors here (CI installs them all)."""
+    probe = torch.empty(1, 4)
+    return [name for name in ops.BACKEND_MODULES if ops.backend_unavailable_reason(name, probe) is None]
+
+
+@pytest.fixture(params=usable_backends())
+def backend(request) -> str:
+    return request.param
+
+
+def assert_matches_oracle(ours: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor | None = None,
+                          *, scale: float = 1.0) -> None:
+    """``ours`` (any dtype) against an fp64 ``oracle``, with the tolerance of ``ours.dtype``.
+
+    ``torch_same_dtype`` is torch's own result in the dtype of ``ours``, computed from the
+    same inputs. fp16/bf16 (flash-attn's rule): our max error may be at most twice torch's
+    max error, plus atol. fp32/fp64: each element within ``atol + rtol*|oracle|``, plus twice
+    torch's own max error in that row (ill-conditioned rows, e.g. 3 near-equal features,
+    amplify rounding for every implementation). ``scale`` widens atol for quantities whose
+    magnitude grows with the number of rows (dweight, dbias).
+    """
+    assert oracle.dtype == torch.float64
+    rtol, atol = TOLERANCES[ours.dtype]
+    if ours.numel() == 0:
+        assert ours.shape == oracle.shape
+        return
+    err = (ours.double() - oracle).abs()
+    if ours.dtype in LOW_PRECISION and torch_same_dtype is not None:
+        ref_err = (torch_same_dtype.double() - oracle).abs().max().item()
+        assert err.max().item() <= 2 * ref_err + atol * scale, (
+            f"error {err.max().item():.3g} vs torch's {ref_err:.3g} in {ours.dtype}")
+        return
+    allowed = atol * scale + rtol * oracle.abs()
+    if torch_same_dtype is not None:
+        ref_err = (torch_same_dtype.double() - oracle).abs()
+        row_err = ref_err.amax(dim=-1, keepdim=True) if ref_err.dim() > 1 else ref_err.max()
+        allowed = allowed + 2 * row_err
+    worst = (err - allowed).argmax()
+    assert bool((err <= allowed).all()), (
+        f"{int((err > allowed).sum())} elements off; worst at flat index {int(worst)}: "
+        f"ours {ours.flatten()[worst].item():.8g}, oracle {oracle.flatten()[worst].item():.8g}")

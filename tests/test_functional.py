@@ -1,0 +1,178 @@
+"""Forward and backward of every functional op against torch's own ops in float64."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as TF
+from conftest import DTYPES, assert_matches_oracle
+
+import addnorm
+
+ROWS = [0, 1, 37, 199]
+WIDTHS = [3, 1023, 3000]
+
+
+def torch_norm(s, shape, weight, bias, eps, rms):
+    """torch's own norm (an independent oracle when run in float64)."""
+    if rms:
+        return TF.rms_norm(s, shape, weight, eps)
+    return TF.layer_norm(s, shape, weight, bias, eps)
+
+
+def make(rows, n, dtype, *, affine=True, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=g, dtype=torch.float64) * 2 + 0.5
+    r = torch.randn(rows, n, generator=g, dtype=torch.float64)
+    w = torch.randn(n, generator=g, dtype=torch.float64) if affine else None
+    b = torch.randn(n, generator=g, dtype=torch.float64) if affine and bias else None
+    cast = lambda t: None if t is None else t.to(dtype)
+    return cast(x), cast(r), cast(w), cast(b)
+
+
+def call(x, r, w, b, *, rms, eps, backend, prenorm=False, residual_dtype=None):
+    n = x.shape[-1]
+    if r is None:
+        if rms:
+            return addnorm.rms_norm(x, n, w, eps, backend=backend)
+        return addnorm.layer_norm(x, n, w, b, eps, backend=backend)
+    if rms:
+        return addnorm.add_rms_norm(x, r, n, w, eps, prenorm=prenorm, residual_dtype=residual_dtype,
+                                    backend=backend)
+    return addnorm.add_layer_norm(x, r, n, w, b, eps, prenorm=prenorm, residual_dtype=residual_dtype,
+                                  backend=backend)
+
+
+CASES = list(itertools.product(ROWS, WIDTHS, DTYPES, [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("rows,n,dtype,rms,residual", CASES)
+def test_forward_backward_match_torch(backend, rows, n, dtype, rms, residual):
+    eps = 1e-5
+    x, r, w, b = make(rows, n, dtype, bias=not rms)
+    if not residual:
+        r = None
+    leaves = [t.requires_grad_() for t in (x, r, w, b) if t is not None]
+    y = call(x, r, w, b, rms=rms, eps=eps, backend=backend)
+    assert y.dtype == dtype and y.shape == x.shape
+
+    # fp64 oracle: torch's own op on the fp64 copy, with autograd for the gradients.
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, *rest = leaves64
+    r64 = rest.pop(0) if r is not None else None
+    w64, b64 = (rest + [None, None])[:2]
+    s64 = x64 + r64 if r64 is not None else x64
+    y64 = torch_norm(s64, (n,), w64, b64, eps, rms)
+    # torch in the same dtype, for the low-precision error budget.
+    leaves_t = [t.detach().clone().requires_grad_() for t in leaves]
+    xt, *rest_t = leaves_t
+    rt = rest_t.pop(0) if r is not None else None
+    wt, bt = (rest_t + [None, None])[:2]
+    yt = torch_norm(xt + rt if rt is not None else xt, (n,), wt, bt, eps, rms)
+    assert_matches_oracle(y, y64.detach(), yt.detach())
+
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad(y, leaves, dy.to(dtype)) if rows else [torch.zeros_like(t) for t in leaves]
+    grads64 = torch.autograd.grad(y64, leaves64, dy) if rows else [torch.zeros_like(t) for t in leaves64]
+    grads_t = torch.autograd.grad(yt, leaves_t, dy.to(dtype)) if rows else [torch.zeros_like(t) for t in leaves_t]
+    for leaf, ours, ref, same in zip(leaves, grads, grads64, grads_t):
+        assert ours.dtype == leaf.dtype
+        assert_matches_oracle(ours, ref, same, scale=max(1.0, rows ** 0.5) if leaf.dim() == 1 else 1.0)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
+@pytest.mark.parametrize("residual,prenorm", [(False, False), (True, False), (True, True)])
+def test_gradcheck_float64(backend, rms, affine, bias, residual, prenorm):
+    x, r, w, b = make(5, 7, torch.float64, affine=affine, bias=bias and not rms)
+    args = [t.requires_grad_() for t in (x, r if residual else None, w, b) if t is not None]
+
+    def f(*leaves):
+        it = iter(leaves)
+        x = next(it)
+        r = next(it) if residual else None
+        w = next(it) if affine else None
+        b = next(it) if affine and bias and not rms else None
+        out = call(x, r, w, b, rms=rms, eps=1e-5, backend=backend, prenorm=prenorm)
+        return out  # both outputs of prenorm carry gradient
+
+    assert torch.autograd.gradcheck(f, args)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_prenorm_returns_normed_and_stream(backend, rms):
+    x, r, w, b = make(6, 16, torch.float32, bias=not rms)
+    y, s = call(x, r, w, b, rms=rms, eps=1e-5, backend=backend, prenorm=True)
+    torch.testing.assert_close(s, x + r)
+    torch.testing.assert_close(y, torch_norm(x + r, (16,), w, b, 1e-5, rms))
+    post = call(x, r, w, b, rms=rms, eps=1e-5, backend=backend)
+    torch.testing.assert_close(post, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_residual_dtype_keeps_stream_in_fp32(backend, rms):
+    x, r, w, b = make(8, 64, torch.float32, bias=not rms)
+    xb = x.bfloat16()
+    y, s = call(xb, r, w, b, rms=rms, eps=1e-5, backend=backend, prenorm=True, residual_dtype=torch.float32)
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.float32
+    s64 = xb.double() + r.double()
+    torch.testing.assert_close(s.double(), s64, rtol=1e-6, atol=1e-6)
+    ref = torch_norm(s64, (64,), w.double(), None if b is None else b.double(), 1e-5, rms)
+    torch.testing.assert_close(y.double(), ref, rtol=1.6e-2, atol=1e-2)
+    xb.requires_grad_()
+    r.requires_grad_()
+    y, s = call(xb, r, w, b, rms=rms, eps=1e-5, backend=backend, prenorm=True, residual_dtype=torch.float32)
+    dx, dr = torch.autograd.grad((y.float().sum() + s.sum()), (xb, r))
+    assert dx.dtype == torch.bfloat16 and dr.dtype == torch.float32
+
+
+def test_multi_dim_normalized_shape(backend):
+    """The seeds normalize an [S, B, E] tensor over its last two dims."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 4, 6, generator=g)
+    w, b = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    y = addnorm.layer_norm(x, (4, 6), w, b, backend=backend)
+    torch.testing.assert_close(y, TF.layer_norm(x, (4, 6), w, b))
+    y = addnorm.rms_norm(x, (4, 6), w, backend=backend)
+    torch.testing.assert_close(y, TF.rms_norm(x, (4, 6), w))
+
+
+@pytest.mark.parametrize("view", ["transpose", "step_slice", "expand"])
+def test_non_contiguous_inputs(backend, view):
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(32, 48, generator=g)
+    x = {"transpose": base.t()[:, :32], "step_slice": base[::2, ::2], "expand": base[:1].expand(5, 48)}[view]
+    n = x.shape[-1]
+    w = torch.randn(n, generator=g)
+    r = torch.randn(x.shape, generator=g)
+    torch.testing.assert_close(addnorm.layer_norm(x, n, w, backend=backend), TF.layer_norm(x, (n,), w))
+    torch.testing.assert_close(
+        addnorm.add_rms_norm(x, r, n, w, backend=backend), TF.rms_norm(x + r, (n,), w))
+
+
+def test_large_mean_offset_no_less_accurate_than_torch(backend):
+    """Rows of 1e4 + N(0, 1) in float32: two-pass statistics keep the error at torch's level."""
+    g = torch.Generator().manual_seed(5)
+    x64 = 1e4 + torch.randn(64, 1024, generator=g, dtype=torch.float64)
+    x = x64.float()
+    oracle = TF.layer_norm(x.double(), (1024,))
+    ours = (addnorm.layer_norm(x, 1024, backend=backend).double() - oracle).abs().max()
+    theirs = (TF.layer_norm(x, (1024,)).double() - oracle).abs().max()
+    assert ours <= theirs * 1.5 + 1e-6, (ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_statistics_are_fp32_or_fp64(dtype):
+    from addnorm import reference
+
+    x = torch.randn(4, 8).to(dtype)
+    y, s, mean, rstd = reference.forward(x, None, None, None, 1e-5, False, None)
+    expected = torch.float64 if dtype == torch.float64 else torch.float32
+    assert mean.dtype == expected and rstd.dtype == expected and y.dtype == dtype
+
+
+def test_rms_default_eps_is_machine_epsilon(backend):
+    x = torch.full((2, 4), 1e-4).bfloat16()
+    torch.testing.assert_close(addnorm.rms_norm(x, 4, backend=backend), TF.rms_norm(x, (4,)))
