@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as TF
-from conftest import DTYPES, assert_matches_oracle
 
 import addnorm
+from conftest import DTYPES, assert_matches_oracle
 
 ROWS = [0, 1, 37, 199]
 WIDTHS = [3, 1023, 3000]
