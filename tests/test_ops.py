@@ -142,3 +142,26 @@ def test_three_features_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         addnorm.layer_norm(torch.randn(3, 3), 3)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_custom_ops_pass_opcheck(backend, rms, residual):
+    """Fake kernels, schema, autograd registration and dispatch of the custom ops, as torch checks them."""
+    x, r, w, b = (t.double() for t in _inputs(n=8))
+    x2, r2 = x.detach().reshape(-1, 8).requires_grad_(), r.detach().reshape(-1, 8).requires_grad_()
+    args = (x2, r2 if residual else None, w, None if rms else b, 1e-5, rms, None, backend)
+    torch.library.opcheck(ops._forward_op, args)
+    y, s, mean, rstd = ops._forward_op(*args)
+    saved = s if residual else x2
+    dy = torch.randn_like(y)
+    bargs = (dy, torch.randn_like(s) if residual else None, saved.detach(), w.detach(),
+             None if rms else mean, rstd, not rms, backend)
+    torch.library.opcheck(ops._backward_op, bargs)
+
+
+def test_gradcheck_through_the_custom_op_path(backend):
+    """The graph-traced path (custom op + registered autograd) has the same exact gradients."""
+    x, r, w, b = (t.detach().double().requires_grad_() for t in _inputs(n=6))
+    f = lambda x, r, w, b: ops._forward_op(x.reshape(-1, 6), r.reshape(-1, 6), w, b, 1e-5, False, None, backend)[:2]
+    assert torch.autograd.gradcheck(f, (x, r, w, b))

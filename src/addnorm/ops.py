@@ -6,7 +6,8 @@ backend module, which implements :func:`addnorm.reference.forward` and
 :func:`addnorm.reference.backward` with the same contract. Autograd is registered
 with the hand-written backward op (never autograd of the forward), and both ops have
 fake kernels, so ``torch.compile(fullgraph=True)`` traces through them without a
-graph break.
+graph break. In eager mode an ``autograd.Function`` runs the same two implementations
+without the custom-op dispatch cost.
 
 The backend is chosen at call time by the ``backend=`` keyword of every public
 function: ``"auto"`` picks by device, dtype and size; a name picks that backend or
@@ -64,14 +65,19 @@ def resolve_backend(name: str, x: Tensor) -> ModuleType:
     return importlib.import_module(BACKEND_MODULES[name])
 
 
-# --------------------------------------------------------------------------- custom ops
+# --------------------------------------------------------------------------- ops and autograd
+#
+# The same two implementations run in two wrappers. In eager mode a plain
+# torch.autograd.Function calls them directly: a Python custom op costs tens of
+# microseconds of dispatch per call, more than a small norm itself. Under
+# torch.compile / torch.export the custom ops below wrap them, with fake kernels, so
+# graphs trace through without a break. setup_context and the backward are shared.
 
 def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty((0,), dtype=dtype, device=like.device)
 
 
-@torch.library.custom_op("addnorm::forward", mutates_args=())
-def _forward_op(
+def _forward_impl(
     x: Tensor,
     residual: Tensor | None,
     weight: Tensor | None,
@@ -92,18 +98,7 @@ def _forward_op(
     )
 
 
-@_forward_op.register_fake
-def _forward_fake(x, residual, weight, bias, eps, rms, residual_dtype, backend):
-    m, n = x.shape
-    sd = reference.stream_dtype(x, residual, residual_dtype)
-    cd = reference.stats_dtype(sd)
-    s = x.new_empty((m, n), dtype=sd) if residual is not None else _empty(x, x.dtype)
-    mean = x.new_empty((m,), dtype=cd) if not rms else _empty(x, cd)
-    return x.new_empty((m, n)), s, mean, x.new_empty((m,), dtype=cd)
-
-
-@torch.library.custom_op("addnorm::backward", mutates_args=())
-def _backward_op(
+def _backward_impl(
     dy: Tensor,
     dstream: Tensor | None,
     s: Tensor,
@@ -123,6 +118,20 @@ def _backward_op(
     )
 
 
+_forward_op = torch.library.custom_op("addnorm::forward", _forward_impl, mutates_args=())
+_backward_op = torch.library.custom_op("addnorm::backward", _backward_impl, mutates_args=())
+
+
+@_forward_op.register_fake
+def _forward_fake(x, residual, weight, bias, eps, rms, residual_dtype, backend):
+    m, n = x.shape
+    sd = reference.stream_dtype(x, residual, residual_dtype)
+    cd = reference.stats_dtype(sd)
+    s = x.new_empty((m, n), dtype=sd) if residual is not None else _empty(x, x.dtype)
+    mean = x.new_empty((m,), dtype=cd) if not rms else _empty(x, cd)
+    return x.new_empty((m, n)), s, mean, x.new_empty((m,), dtype=cd)
+
+
 @_backward_op.register_fake
 def _backward_fake(dy, dstream, s, weight, mean, rstd, has_bias, backend):
     n = s.shape[1]
@@ -140,26 +149,45 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.x_dtype = x.dtype
     ctx.residual_dtype = residual.dtype if residual is not None else None
-    ctx.has_bias = bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.backend = backend
 
 
-def _autograd_backward(ctx, dy, dstream, _dmean, _drstd):
-    saved, weight, mean, rstd = ctx.saved_tensors
-    if dy is None:  # only the stream output was used
-        dy = torch.zeros(saved.shape, dtype=ctx.x_dtype, device=saved.device)
-    if ctx.residual_dtype is None:
-        dstream = None
-    ds, dweight, dbias = _backward_op(dy, dstream, saved, weight, mean, rstd, ctx.has_bias, ctx.backend)
-    dx = ds.to(ctx.x_dtype)
-    dresidual = ds.to(ctx.residual_dtype) if ctx.residual_dtype is not None else None
-    dweight = dweight.to(weight.dtype) if weight is not None else None
-    dbias = dbias.to(ctx.bias_dtype) if ctx.has_bias else None
-    return dx, dresidual, dweight, dbias, None, None, None, None
+def _make_backward(backward_fn):
+    def backward(ctx, dy, dstream, _dmean, _drstd):
+        saved, weight, mean, rstd = ctx.saved_tensors
+        if dy is None:  # only the stream output was used
+            dy = torch.zeros(saved.shape, dtype=ctx.x_dtype, device=saved.device)
+        if ctx.residual_dtype is None:
+            dstream = None
+        has_bias = ctx.bias_dtype is not None
+        ds, dweight, dbias = backward_fn(dy, dstream, saved, weight, mean, rstd, has_bias, ctx.backend)
+        dx = ds.to(ctx.x_dtype)
+        dresidual = ds.to(ctx.residual_dtype) if ctx.residual_dtype is not None else None
+        dweight = dweight.to(weight.dtype) if weight is not None else None
+        dbias = dbias.to(ctx.bias_dtype) if has_bias else None
+        return dx, dresidual, dweight, dbias, None, None, None, None
+
+    return backward
 
 
-_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+_forward_op.register_autograd(_make_backward(_backward_op), setup_context=_setup_context)
+
+
+class _EagerAddNorm(torch.autograd.Function):
+    """Eager-mode twin of ``addnorm::forward``: same implementation, no op dispatch.
+
+    (The old-style ``forward(ctx, ...)`` on purpose: with a separate ``setup_context``,
+    ``Function.apply`` binds the arguments with ``inspect.signature`` on every call.)
+    """
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_make_backward(_backward_impl))
 
 
 # --------------------------------------------------------------------------- checks
@@ -278,6 +306,8 @@ def add_norm(
     r2 = residual.reshape(-1, n) if residual is not None else None
     w = weight.reshape(n) if weight is not None else None
     b = bias.reshape(n) if bias is not None else None
-    y, s, _, _ = _forward_op(x2, r2, w, b, eps, rms, residual_dtype, backend)
+    traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()
+    run = _forward_op if traced else _EagerAddNorm.apply
+    y, s, _, _ = run(x2, r2, w, b, eps, rms, residual_dtype, backend)
     y = y.view(x.shape)
     return (y, s.view(x.shape)) if prenorm else y
