@@ -80,10 +80,13 @@ def _shape_of(value: float | list, what: str, path: str = "") -> tuple[int, ...]
     if not value:
         raise UsageError(f"{what}: empty list {path or 'at the top'}")
     shapes = [_shape_of(v, what, f"{path}[{i}]") for i, v in enumerate(value)]
+    def describe(sh: tuple[int, ...]) -> str:
+        return "a single number" if not sh else f"{sh[0]} values" if len(sh) == 1 else f"shape {list(sh)}"
+
     for i, sh in enumerate(shapes):
         if sh != shapes[0]:
-            raise UsageError(f"{what}: ragged rows: {path}[{i}] has shape {list(sh)} "
-                             f"but {path}[0] has {list(shapes[0])}")
+            raise UsageError(f"{what}: ragged rows: {path}[{i}] has {describe(sh)} "
+                             f"but {path}[0] has {describe(shapes[0])}")
     return (len(value), *shapes[0])
 
 
