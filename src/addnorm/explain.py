@@ -397,9 +397,10 @@ def _print_explanation(r: dict, shape: tuple[int, ...], normalized_shape: tuple[
     name = "RMSNorm" if rms else "LayerNorm"
     pr.matrix("input x", r["x"], shape)
     dims = ", ".join(str(d) for d in range(len(shape) - k, len(shape)))
-    c.print(f"[bold]{name}[/] normalizes over the last {k} dim(s) (dims {dims}, normalized_shape "
-            f"{list(normalized_shape)}): {r['x'].shape[0]} row(s) of {r['x'].shape[1]} features, "
-            f"one set of statistics per row; eps = {eps:g}\n")
+    m, n = r["x"].shape
+    c.print(f"[bold]{name}[/] over the last {k} dim(s) (dim {dims}), normalized_shape "
+            f"{list(normalized_shape)}, eps = {eps:g}:\n"
+            f"{m} row(s) of {n} features, one set of statistics per row\n")
     if r["residual"] is not None:
         pr.matrix("residual (the sublayer's input, carried around it)", r["residual"], shape)
         pr.matrix("Add: s = x + residual  (the norm sees s)", r["s"], shape)
@@ -424,27 +425,29 @@ def _print_explanation(r: dict, shape: tuple[int, ...], normalized_shape: tuple[
     mean_txt = ", ".join(pr.num(v) for v in r["check_mean"].tolist())
     std_txt = ", ".join(pr.num(v) for v in r["check_std"].tolist())
     if rms:
-        c.print(f"check: each row of x̂ has root-mean-square [{std_txt}] ≈ 1 "
-                f"(its mean [{mean_txt}] is not forced to 0)")
+        c.print(f"check: each row of x̂ has root-mean-square [{std_txt}] ≈ 1\n"
+                f"       (its mean [{mean_txt}] is not forced to 0)")
     else:
         affine = bool((r["gamma"] == 1).all()) and bool((r["beta"] == 0).all())
-        c.print(f"check: each row of x̂ has mean [{mean_txt}] = 0 and std [{std_txt}] ≈ 1 "
-                f"(just under 1: √(σ²/(σ²+ε)))" + ("; γ=1, β=0 so y = x̂" if affine else ""))
+        c.print(f"check: each row of x̂ has mean [{mean_txt}] = 0 and std [{std_txt}] ≈ 1\n"
+                f"       (std is just under 1 because of ε: √(σ²/(σ²+ε)))"
+                + ("; γ = 1 and β = 0, so y = x̂" if affine else ""))
 
-    pr.columns(f"ε effect: the hand computation divides by {'rms' if rms else 'σ'} (ε = 0), torch and "
-               f"addnorm by √({'mean square' if rms else 'σ²'}+ε), ε = {eps:g}",
+    pr.columns(f"ε effect: by hand one divides by {'rms' if rms else 'σ'} (ε = 0); torch and addnorm "
+               f"by √({'mean square' if rms else 'σ²'}+ε)",
                {f"{'rms' if rms else 'σ'} (ε = 0)": r["std_no_eps"], "√(·+ε)": r["std"],
                 "x̂ without ε": [_vec(v, pr) for v in r["xhat_no_eps"]],
                 "x̂ with ε": [_vec(v, pr) for v in r["xhat"]]})
     i = int(r["var"].argmin())  # ε matters most where the variance is smallest
     j = int(r["xhat_no_eps"][i].abs().nan_to_num(-1.0).argmax())
     c.print(f"row {pr.row_labels[i]}, feature {pr.col_labels[j]}: {pr.num(r['xhat_no_eps'][i, j].item())} "
-            f"without ε vs {pr.num(r['xhat'][i, j].item())} with it; ε matters most where the variance is "
-            f"small (row {pr.row_labels[i]}: {r['var'][i].item():.3g}), and keeps a constant row finite")
+            f"without ε vs {pr.num(r['xhat'][i, j].item())} with ε = {eps:g}.\n"
+            f"ε matters most where the variance is small (row {pr.row_labels[i]}: "
+            f"{r['var'][i].item():.3g}); it keeps a constant row finite.")
     for msg in r["warnings"]:
         c.print(f"[yellow]note:[/] {msg}")
-    c.print(f"\nagreement with these steps (max |difference| of y): {r['op_name']} {r['op_maxdiff']:.1e}; "
-            f"{r['torch_name']} {r['torch_maxdiff']:.1e}")
+    c.print(f"\nagreement with these float64 steps, max |difference| of y:\n"
+            f"  {r['op_name']}: {r['op_maxdiff']:.1e}\n  {r['torch_name']}: {r['torch_maxdiff']:.1e}")
 
 
 def _print_backward(r: dict, shape: tuple[int, ...], normalized_shape: tuple[int, ...], rms: bool,
@@ -473,9 +476,11 @@ def _print_backward(r: dict, shape: tuple[int, ...], normalized_shape: tuple[int
     names = {"ds": "dx", "dweight": "dγ", "dbias": "dβ"}
     diffs = ", ".join(f"{names[k]} {v:.1e}" for k, v in bw["autograd_maxdiff"].items())
     op = ", ".join(f"{names[k]} {v:.1e}" for k, v in bw["op_maxdiff"].items())
-    c.print(f"max |hand − autograd| (float64): {diffs}; addnorm's op through autograd ({r['op_name']}): {op}")
+    c.print(f"max |hand − autograd| (float64): {diffs}\n"
+            f"addnorm's op through autograd, {r['op_name']}:\n  {op}")
     if not given and not rms and bool((r["gamma"] == r["gamma"][0]).all()):
-        c.print("note: with dy = 1 and a constant γ, Σ y = N·mean(β) whatever x is, so dx = 0 up to rounding")
+        c.print("note: with dy = 1 and a constant γ, Σ y = N·mean(β) whatever x is,\n"
+                "      so dx = 0 up to rounding; pass --grad to see a non-trivial gradient")
 
 
 def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
@@ -483,8 +488,9 @@ def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
     m, n = cmp["x"].shape
     rows = [str(i) for i in range(m)]
     c.rule("LayerNorm vs BatchNorm on the same rows")
-    c.print(f"LayerNorm: per row, over its {n} features.  BatchNorm (train mode): per feature, "
-            f"over the {m} rows of the batch.  eps = {eps:g}, no affine change (γ=1, β=0)")
+    c.print(f"LayerNorm: per row, over its {n} features.\n"
+            f"BatchNorm (train mode): per feature, over the {m} rows of the batch.\n"
+            f"eps = {eps:g}, γ = 1, β = 0 for both\n")
     pr.matrix("LayerNorm output (per row)", cmp["layernorm"], (m, n), row_labels=rows)
     pr.columns("BatchNorm batch statistics, per feature",
                {"batch mean": cmp["batch_mean"].tolist(), "batch variance (÷M)": cmp["batch_var"].tolist()},
@@ -507,8 +513,8 @@ def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
                           f"{row['batchnorm_change']:.{pr.p}f}", end_section=True)
     c.print(table)
     bufs = ", ".join(f"{k} {_vec(v, pr)}" for k, v in cmp["batchnorm_buffers"].items())
-    c.print(f"running statistics: LayerNorm keeps none (buffers: {cmp['layernorm_buffers'] or 'none'}); "
-            f"BatchNorm after one training batch (momentum {cmp['batchnorm_momentum']}): {bufs}")
+    c.print(f"running statistics: LayerNorm keeps none (buffers: {cmp['layernorm_buffers'] or 'none'}).\n"
+            f"BatchNorm after one training batch (momentum {cmp['batchnorm_momentum']}):\n  {bufs}")
     pr.matrix("BatchNorm output in eval mode (uses the running statistics)", cmp["batchnorm_eval"], (m, n),
               row_labels=rows)
     c.print(f"train vs eval, max |difference|: LayerNorm {cmp['layernorm_train_eval_diff']:.1e}, "
@@ -566,11 +572,13 @@ def run(args) -> int:
         print(json.dumps(_plain(doc), indent=1))
         return 0
     pr = _Printer(args.precision, tuple(x.shape[:-k]), normalized_shape)
+    if cmp is not None:
+        pr.matrix("input x", r["x"], tuple(x.shape))
+        _print_compare(cmp, eps, pr)
+        return 0
     _print_explanation(r, tuple(x.shape), normalized_shape, eps, rms, pr)
     if args.backward:
         _print_backward(r, tuple(x.shape), normalized_shape, rms, grad is not None, pr)
-    if cmp is not None:
-        _print_compare(cmp, eps, pr)
     return 0
 
 
