@@ -179,6 +179,25 @@ def test_compare_tables(capsys):
     assert "row 0 inside different batches" in out and "BatchNorm output in eval mode" in out
 
 
+def test_constant_row_needs_eps(capsys):
+    # sigma = 0: without eps the hand computation divides by zero; with it the row maps to beta
+    r = run_json(capsys, "--input", "[[1,1,1],[1,2,3]]")
+    assert r["xhat_no_eps"][0] == [None, None, None]  # NaN, written as null in strict JSON
+    x = torch.tensor([[1.0, 1, 1], [1, 2, 3]], dtype=torch.float64)
+    assert close(r["y"], TF.layer_norm(x, (3,), eps=1e-5), 1e-12)
+    assert cli.main(["explain", "--input", "[[1,1,1],[1,2,3]]"]) == 0
+    assert "[nan, nan, nan]" in capsys.readouterr().out
+
+
+def test_one_row_and_two_features(capsys):
+    r = run_json(capsys, "--input", "[1,2,3]")
+    assert r["shape"] == [3] and r["rows"] == 1
+    assert close(r["y"], [TF.layer_norm(torch.tensor([1.0, 2, 3]).double(), (3,)).tolist()], 1e-12)
+    r = run_json(capsys, "--input", "[[1.4636,2.3663],[1.9806,-0.7564]]")  # seed 003: two features
+    assert close(r["y"], [[-1.0, 1.0], [1.0, -1.0]], 1e-3)
+    assert any("normalizing over 2 feature(s)" in w for w in r["warnings"])
+
+
 def test_files(capsys, tmp_path):
     x = np.array(SEEDS_X)
     np.save(tmp_path / "x.npy", x)

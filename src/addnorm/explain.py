@@ -328,7 +328,7 @@ class _Printer:
     def __init__(self, precision: int, lead_shape: tuple[int, ...], normalized_shape: tuple[int, ...]):
         from rich.console import Console
 
-        self.console = Console(highlight=False)
+        self.console = Console(highlight=False, markup=False)  # "[nan, ...]" is data
         self.p = precision
         self.row_labels = [_index_label(i, lead_shape) for i in range(math.prod(lead_shape))]
         self.col_labels = [_index_label(j, normalized_shape) for j in range(math.prod(normalized_shape))]
@@ -381,6 +381,8 @@ def _index_label(i: int, shape: tuple[int, ...]) -> str:
     for d in reversed(shape):
         idx.append(i % d)
         i //= d
+    if not shape:  # a 1-D input is a single row
+        return "0"
     return ",".join(str(k) for k in reversed(idx)) if len(shape) != 1 else str(idx[0])
 
 
@@ -398,7 +400,7 @@ def _print_explanation(r: dict, shape: tuple[int, ...], normalized_shape: tuple[
     pr.matrix("input x", r["x"], shape)
     dims = ", ".join(str(d) for d in range(len(shape) - k, len(shape)))
     m, n = r["x"].shape
-    c.print(f"[bold]{name}[/] over the last {k} dim(s) (dim {dims}), normalized_shape "
+    c.print(f"{name} over the last {k} dim(s) (dim {dims}), normalized_shape "
             f"{list(normalized_shape)}, eps = {eps:g}:\n"
             f"{m} row(s) of {n} features, one set of statistics per row\n")
     if r["residual"] is not None:
@@ -445,7 +447,7 @@ def _print_explanation(r: dict, shape: tuple[int, ...], normalized_shape: tuple[
             f"ε matters most where the variance is small (row {pr.row_labels[i]}: "
             f"{r['var'][i].item():.3g}); it keeps a constant row finite.")
     for msg in r["warnings"]:
-        c.print(f"[yellow]note:[/] {msg}")
+        c.print(f"note: {msg}", style="yellow")
     c.print(f"\nagreement with these float64 steps, max |difference| of y:\n"
             f"  {r['op_name']}: {r['op_maxdiff']:.1e}\n  {r['torch_name']}: {r['torch_maxdiff']:.1e}")
 
