@@ -198,6 +198,16 @@ def test_one_row_and_two_features(capsys):
     assert any("normalizing over 2 feature(s)" in w for w in r["warnings"])
 
 
+def test_wide_input_is_elided_in_tables_not_in_json(capsys, tmp_path):
+    x = torch.randn(30, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    np.save(tmp_path / "x.npy", x.numpy())
+    assert cli.main(["explain", "--input", str(tmp_path / "x.npy")]) == 0
+    out = capsys.readouterr().out
+    assert "shape (30, 40)" in out and "│ …   │" in out and "38" in out
+    r = run_json(capsys, "--input", str(tmp_path / "x.npy"))
+    assert close(r["y"], TF.layer_norm(x, (40,)), 1e-12)
+
+
 def test_files(capsys, tmp_path):
     x = np.array(SEEDS_X)
     np.save(tmp_path / "x.npy", x)

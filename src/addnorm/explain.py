@@ -67,7 +67,10 @@ def parse_literal(text: str, what: str) -> float | list:
             raise UsageError(f"{what}: {tok!r} is not a finite number")
         return number, i + 1
 
-    result, end = value(0)
+    try:
+        result, end = value(0)
+    except RecursionError:
+        raise UsageError(f"{what}: nested too deeply") from None
     if end != len(tokens):
         raise UsageError(f"{what}: unexpected {tokens[end]!r} after the end of the matrix")
     return result
@@ -269,7 +272,8 @@ def compare_batchnorm(x2: Tensor, eps: float) -> dict:
     m, n = x2.shape
     ln = LayerNorm(n, eps=eps, dtype=torch.float64)
     bn = torch.nn.BatchNorm1d(n, eps=eps, dtype=torch.float64)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # few features: explain() reports it once
         ln_y, bn_y = ln(x2), bn(x2)  # bn is in training mode: batch statistics
         bn_mean, bn_var = x2.mean(dim=0), x2.var(dim=0, correction=0)
         variants = [("as given", x2)]
@@ -345,16 +349,24 @@ class _Printer:
         self.console.print(Text(text, style="bold"))
 
     def matrix(self, title: str, t: Tensor, shape: tuple[int, ...], caption: str | None = None,
-               row_labels: list[str] | None = None) -> None:
+               row_labels: list[str] | None = None, first: str = "row") -> None:
         from rich.table import Table
 
         self.title(f"{title}   shape {_shape_str(shape)}")
         table = Table(caption=caption)
-        table.add_column("row")
-        for label in self.col_labels:
-            table.add_column(label, justify="right")
-        for label, row in zip(row_labels or self.row_labels, t.tolist(), strict=True):
-            table.add_row(label, *(self.num(v) for v in row))
+        table.add_column(first)
+        # each column takes about precision + 7 characters (sign, digits, padding, border)
+        fit = max(4, (self.console.width - 8) // (self.p + 7))
+        cols = _shown(t.shape[1], min(MAX_COLUMNS, fit))
+        for j in cols:
+            table.add_column("…" if j is None else self.col_labels[j], justify="right")
+        labels = row_labels or self.row_labels
+        values = t.tolist()
+        for i in _shown(len(values), MAX_ROWS):
+            if i is None:
+                table.add_row("…", *("…" for _ in cols))
+            else:
+                table.add_row(labels[i], *("…" if j is None else self.num(values[i][j]) for j in cols))
         self.console.print(table)
 
     def columns(self, title: str, columns: dict[str, Tensor | list], caption: str | None = None,
@@ -367,13 +379,30 @@ class _Printer:
         for name in columns:
             table.add_column(name, justify="right")
         values = [c.tolist() if isinstance(c, Tensor) else c for c in columns.values()]
-        for i, label in enumerate(labels or self.row_labels):
-            table.add_row(label, *(v[i] if isinstance(v[i], str) else self.num(v[i]) for v in values))
+        labels = labels or self.row_labels
+        for i in _shown(len(labels), MAX_ROWS):
+            if i is None:
+                table.add_row("…", *("…" for _ in values))
+            else:
+                table.add_row(labels[i], *(v[i] if isinstance(v[i], str) else self.num(v[i]) for v in values))
         self.console.print(table)
 
 
+# Wider or longer tensors are shown with their middle elided ("…"); --json has every value.
+MAX_COLUMNS, MAX_ROWS, MAX_VECTOR = 12, 24, 6
+
+
+def _shown(count: int, limit: int) -> list[int | None]:
+    """The indices to print: all of them, or the first ones, None (for "…"), the last two."""
+    if count <= limit:
+        return list(range(count))
+    return [*range(limit - 3), None, count - 2, count - 1]
+
+
 def _vec(t: Tensor, pr: _Printer) -> str:
-    return "[" + ", ".join(pr.num(v) for v in t.tolist()) + "]"
+    values = t.tolist()
+    shown = _shown(len(values), MAX_VECTOR)
+    return "[" + ", ".join("…" if j is None else pr.num(values[j]) for j in shown) + "]"
 
 
 def _index_label(i: int, shape: tuple[int, ...]) -> str:
@@ -418,10 +447,9 @@ def _print_explanation(r: dict, shape: tuple[int, ...], normalized_shape: tuple[
         formula = f"x̂ = ({src} − μ) / √(σ²+ε)"
     pr.columns("per-row statistics", stats)
     pr.matrix("normalized " + formula, r["xhat"], shape)
-    pr.columns(f"γ (weight) and β (bias)   shape {_shape_str(normalized_shape)}",
-               {label: [r["gamma"][j].item()] + ([r["beta"][j].item()] if r["beta"] is not None else [])
-                for j, label in enumerate(pr.col_labels)},
-               labels=["γ"] + (["β"] if r["beta"] is not None else []), first="")
+    params = [r["gamma"]] + ([r["beta"]] if r["beta"] is not None else [])
+    pr.matrix("γ (weight) and β (bias)", torch.stack(params), normalized_shape,
+              row_labels=["γ", "β"], first="")
     pr.matrix("output y = γ·x̂" + (" + β" if r["beta"] is not None else ""), r["y"], shape)
 
     mean_txt = ", ".join(pr.num(v) for v in r["check_mean"].tolist())
@@ -577,6 +605,8 @@ def run(args) -> int:
     if cmp is not None:
         pr.matrix("input x", r["x"], tuple(x.shape))
         _print_compare(cmp, eps, pr)
+        for msg in r["warnings"]:
+            pr.console.print(f"note: {msg}", style="yellow")
         return 0
     _print_explanation(r, tuple(x.shape), normalized_shape, eps, rms, pr)
     if args.backward:
