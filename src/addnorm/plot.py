@@ -140,6 +140,8 @@ def plot_bench(out: str | None, results: str | None, op: str | None, dtype: str 
             groups[key][cell] = r
     fig = _figure(figsize=(11, 4.2 * len(groups)), layout="constrained")
     axs = fig.subplots(len(groups), 1, squeeze=False)
+    all_impls = sorted({r["impl"] for r in keep})
+    colors = {impl: f"C{i % 10}" for i, impl in enumerate(all_impls)}  # one colour per impl everywhere
     for ax, (key, cells) in zip(axs[:, 0], sorted(groups.items()), strict=True):
         op_name, pass_name, dt, machine, device, threads = key
         shapes = sorted({(rw, c) for rw, c, _ in cells}, key=lambda s: (s[0] * s[1], s))
@@ -148,7 +150,7 @@ def plot_bench(out: str | None, results: str | None, op: str | None, dtype: str 
         for k, impl in enumerate(impls):
             xs = [i + (k - (len(impls) - 1) / 2) * width for i, s in enumerate(shapes) if (*s, impl) in cells]
             ys = [cells[(*s, impl)]["gbps"] for s in shapes if (*s, impl) in cells]
-            bars = ax.bar(xs, ys, width=width, label=impl)
+            bars = ax.bar(xs, ys, width=width, label=impl, color=colors[impl])
             ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
         ax.set_xticks(range(len(shapes)), [f"{rw}×{c}" for rw, c in shapes],
                       rotation=30 if len(shapes) > 6 else 0)
