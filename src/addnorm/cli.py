@@ -14,6 +14,8 @@ import sys
 # Modules that define register(subparsers), in the order `addnorm --help` lists them.
 COMMAND_MODULES = [
     "addnorm.info",
+    "addnorm.explain",
+    "addnorm.plot",
 ]
 
 
@@ -53,4 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under `python -m addnorm.cli` this file is __main__; run the imported addnorm.cli so that
+    # the UsageError the subcommands raise is the class main() catches.
+    from addnorm.cli import main as _main
+
+    sys.exit(_main())

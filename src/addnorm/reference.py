@@ -60,7 +60,7 @@ def stream_dtype(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype
     return torch.promote_types(x.dtype, residual.dtype)
 
 
-def forward(
+def forward_steps(
     x: Tensor,
     residual: Tensor | None,
     weight: Tensor | None,
@@ -68,12 +68,12 @@ def forward(
     eps: float,
     rms: bool,
     residual_dtype: torch.dtype | None,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-    """Normalize each row of the 2-D ``x`` (after adding ``residual`` if given).
+) -> dict[str, Tensor | None]:
+    """:func:`forward`, keeping every intermediate (for ``addnorm explain``).
 
-    Returns ``(y, s, mean, rstd)``: ``y`` in ``x.dtype``; ``s`` the residual stream
-    ``x + residual`` (``None`` without a residual); ``mean`` (``None`` for RMSNorm) and
-    ``rstd`` of shape ``(M,)`` in :func:`stats_dtype`.
+    Returns ``s`` (the stream, or ``x`` itself without a residual), ``mean`` (``None`` for
+    RMSNorm), the biased ``var`` (for RMSNorm the mean square), ``rstd``, ``xhat`` and ``y``;
+    all but ``s`` in :func:`stats_dtype`.
     """
     if residual is not None:
         sd = stream_dtype(x, residual, residual_dtype)
@@ -90,12 +90,67 @@ def forward(
         centered = sf - mean[:, None]
     var = (centered * centered).mean(dim=-1)
     rstd = torch.rsqrt(var + eps)
-    y = centered * rstd[:, None]
+    xhat = centered * rstd[:, None]
+    y = xhat
     if weight is not None:
         y = y * weight.to(cd)
     if bias is not None:
         y = y + bias.to(cd)
-    return y.to(x.dtype), (s if residual is not None else None), mean, rstd
+    return {"s": s, "mean": mean, "var": var, "rstd": rstd, "xhat": xhat, "y": y}
+
+
+def forward(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    residual_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """Normalize each row of the 2-D ``x`` (after adding ``residual`` if given).
+
+    Returns ``(y, s, mean, rstd)``: ``y`` in ``x.dtype``; ``s`` the residual stream
+    ``x + residual`` (``None`` without a residual); ``mean`` (``None`` for RMSNorm) and
+    ``rstd`` of shape ``(M,)`` in :func:`stats_dtype`.
+    """
+    st = forward_steps(x, residual, weight, bias, eps, rms, residual_dtype)
+    return st["y"].to(x.dtype), (st["s"] if residual is not None else None), st["mean"], st["rstd"]
+
+
+def backward_steps(
+    dy: Tensor,
+    dstream: Tensor | None,
+    s: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    has_bias: bool,
+) -> dict[str, Tensor | None]:
+    """:func:`backward`, keeping every intermediate (for ``addnorm explain``).
+
+    Returns ``xhat``, ``g = dy * weight``, the per-row ``mean_g`` (``None`` for RMSNorm) and
+    ``mean_gxhat``, and ``ds``, ``dweight``, ``dbias``; all in the statistics dtype.
+    """
+    cd = rstd.dtype
+    sf = s.to(cd)
+    xhat = (sf if mean is None else sf - mean[:, None]) * rstd[:, None]
+    dyf = dy.to(cd)
+    g = dyf * weight.to(cd) if weight is not None else dyf
+    n = s.shape[-1]
+    mean_gxhat = (g * xhat).sum(dim=-1) / n
+    inner = g - xhat * mean_gxhat[:, None]
+    mean_g = None
+    if mean is not None:
+        mean_g = g.sum(dim=-1) / n
+        inner = inner - mean_g[:, None]
+    ds = inner * rstd[:, None]
+    if dstream is not None:
+        ds = ds + dstream.to(cd)
+    dweight = (dyf * xhat).sum(dim=0) if weight is not None else None
+    dbias = dyf.sum(dim=0) if has_bias else None
+    return {"xhat": xhat, "g": g, "mean_g": mean_g, "mean_gxhat": mean_gxhat, "ds": ds,
+            "dweight": dweight, "dbias": dbias}
 
 
 def backward(
@@ -114,18 +169,5 @@ def backward(
     ``ds`` in ``s.dtype`` (it is the gradient of both ``x`` and ``residual``), ``dweight``
     and ``dbias`` in the statistics dtype (``None`` where there is no such parameter).
     """
-    cd = rstd.dtype
-    sf = s.to(cd)
-    xhat = (sf if mean is None else sf - mean[:, None]) * rstd[:, None]
-    dyf = dy.to(cd)
-    g = dyf * weight.to(cd) if weight is not None else dyf
-    n = s.shape[-1]
-    inner = g - xhat * ((g * xhat).sum(dim=-1, keepdim=True) / n)
-    if mean is not None:
-        inner = inner - g.sum(dim=-1, keepdim=True) / n
-    ds = inner * rstd[:, None]
-    if dstream is not None:
-        ds = ds + dstream.to(cd)
-    dweight = (dyf * xhat).sum(dim=0) if weight is not None else None
-    dbias = dyf.sum(dim=0) if has_bias else None
-    return ds.to(s.dtype), dweight, dbias
+    st = backward_steps(dy, dstream, s, weight, mean, rstd, has_bias)
+    return st["ds"].to(s.dtype), st["dweight"], st["dbias"]

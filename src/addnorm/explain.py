@@ -1,0 +1,638 @@
+"""``addnorm explain``: LayerNorm, RMSNorm or Add & Norm step by step, for learners.
+
+Every intermediate is computed in float64 by :func:`addnorm.reference.forward_steps`
+(and :func:`~addnorm.reference.backward_steps` for ``--backward``), the same formulas the
+library runs, and is printed with its shape. addnorm's own op (in the input's dtype) and
+torch's are then run on the same input, and their difference from the steps is shown.
+``--compare batchnorm`` puts BatchNorm beside LayerNorm on the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as TF
+from torch import Tensor
+
+from . import functional, ops, reference
+from .cli import UsageError
+from .info import WORKED_INPUT
+
+MATRIX_HELP = 'a matrix literal like "[[0.2,0.1,0.3],[0.5,0.1,0.1]]" or a .npy, .pt or .csv file'
+FILE_SUFFIXES = (".npy", ".pt", ".pth", ".csv")
+_TOKEN = re.compile(r"\s*(?:([\[\],])|([^\s\[\],]+))")
+
+
+# --------------------------------------------------------------------------- parsing user input
+
+def parse_literal(text: str, what: str) -> float | list:
+    """Parse a number or nested list of numbers (``[[1, 2], [3, 4]]``) without ``eval``."""
+    tokens = []
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        tokens.append(m.group(1) or m.group(2))
+        pos = m.end()
+    if not tokens:
+        raise UsageError(f"{what} is empty; expected {MATRIX_HELP}")
+
+    def value(i: int) -> tuple[float | list, int]:
+        tok = tokens[i] if i < len(tokens) else None
+        if tok == "[":
+            items: list = []
+            i += 1
+            while i < len(tokens) and tokens[i] != "]":
+                item, i = value(i)
+                items.append(item)
+                if i < len(tokens) and tokens[i] == ",":
+                    i += 1
+                elif i < len(tokens) and tokens[i] != "]":
+                    raise UsageError(f"{what}: expected ',' or ']' before {tokens[i]!r}")
+            if i >= len(tokens):
+                raise UsageError(f"{what}: unbalanced brackets, a ']' is missing")
+            return items, i + 1
+        if tok is None or tok in "],":
+            raise UsageError(f"{what}: expected a number or '[' but found {tok or 'the end'!r}")
+        try:
+            number = float(tok)
+        except ValueError:
+            raise UsageError(f"{what}: non-numeric value {tok!r}; expected {MATRIX_HELP}") from None
+        if not math.isfinite(number):
+            raise UsageError(f"{what}: {tok!r} is not a finite number")
+        return number, i + 1
+
+    try:
+        result, end = value(0)
+    except RecursionError:
+        raise UsageError(f"{what}: nested too deeply") from None
+    if end != len(tokens):
+        raise UsageError(f"{what}: unexpected {tokens[end]!r} after the end of the matrix")
+    return result
+
+
+def _shape_of(value: float | list, what: str, path: str = "") -> tuple[int, ...]:
+    """The rectangular shape of a nested list, or a clear error naming the ragged row."""
+    if not isinstance(value, list):
+        return ()
+    if not value:
+        raise UsageError(f"{what}: empty list {path or 'at the top'}")
+    shapes = [_shape_of(v, what, f"{path}[{i}]") for i, v in enumerate(value)]
+    def describe(sh: tuple[int, ...]) -> str:
+        return "a single number" if not sh else f"{sh[0]} values" if len(sh) == 1 else f"shape {list(sh)}"
+
+    for i, sh in enumerate(shapes):
+        if sh != shapes[0]:
+            raise UsageError(f"{what}: ragged rows: {path}[{i}] has {describe(sh)} "
+                             f"but {path}[0] has {describe(shapes[0])}")
+    return (len(value), *shapes[0])
+
+
+def literal_tensor(text: str, what: str) -> Tensor:
+    value = parse_literal(text, what)
+    _shape_of(value, what)
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def load_matrix(text: str, what: str) -> Tensor:
+    """A tensor from a matrix literal or a ``.npy``/``.pt``/``.csv`` file (floats kept, ints -> float32)."""
+    stripped = text.strip()
+    if stripped.startswith("[") or _is_number(stripped):
+        t = literal_tensor(stripped, what)
+    elif stripped.lower().endswith(FILE_SUFFIXES):
+        t = _load_file(Path(stripped), what)
+    else:
+        raise UsageError(f"{what} must be {MATRIX_HELP}, got {text!r}")
+    if t.dim() == 0:
+        raise UsageError(f"{what} must have at least one dimension (a row of features), got a scalar")
+    if t.numel() == 0:
+        raise UsageError(f"{what} is empty (shape {tuple(t.shape)})")
+    if not t.is_floating_point():
+        t = t.to(torch.float32)
+    if not bool(torch.isfinite(t).all()):
+        raise UsageError(f"{what} contains NaN or infinite values")
+    return t
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _load_file(path: Path, what: str) -> Tensor:
+    if not path.is_file():
+        raise UsageError(f"{what}: file {str(path)!r} not found")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npy":
+            import numpy as np
+
+            return torch.from_numpy(np.load(path, allow_pickle=False))
+        if suffix == ".csv":
+            import numpy as np
+
+            return torch.from_numpy(np.loadtxt(path, delimiter=",", ndmin=2, dtype="float64"))
+        t = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as err:  # any reader's complaint becomes one line
+        raise UsageError(f"{what}: cannot read {str(path)!r}: {str(err).splitlines()[0]}") from None
+    if not isinstance(t, Tensor):
+        raise UsageError(f"{what}: {str(path)!r} holds a {type(t).__name__}, expected one tensor")
+    return t.detach()
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"1,3"`` (or ``"[1,3]"``, ``"3"``) -> ``(1, 3)``."""
+    parts = [p for p in re.split(r"[\s,x×]+", text.strip().strip("[]()")) if p]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) <= 0:
+        raise UsageError(f"--normalized-shape must be positive ints like 3 or 1,3; got {text!r}")
+    return shape
+
+
+def parse_param(text: str | None, shape: tuple[int, ...], what: str, default: float) -> Tensor:
+    """``--gamma``/``--beta``: a scalar (every feature) or one value per feature, as float64."""
+    n = math.prod(shape)
+    if text is None:
+        return torch.full(shape, float(default), dtype=torch.float64)
+    stripped = text.strip()
+    if not stripped.startswith("[") and "," in stripped:
+        stripped = f"[{stripped}]"
+    value = parse_literal(stripped, what)
+    _shape_of(value, what)
+    t = torch.tensor(value, dtype=torch.float64)
+    if t.dim() == 0:
+        return t.expand(shape).clone()
+    if t.numel() != n:
+        raise UsageError(f"{what} needs 1 or {n} values (normalized shape {list(shape)}), got {t.numel()}")
+    return t.reshape(shape)
+
+
+# --------------------------------------------------------------------------- the computation
+
+def _rows(t: Tensor, n: int) -> Tensor:
+    return t.reshape(-1, n).to(torch.float64)
+
+
+def _maxdiff(a: Tensor, b: Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def explain(x: Tensor, normalized_shape: tuple[int, ...], *, eps: float, gamma: Tensor, beta: Tensor | None,
+            rms: bool = False, residual: Tensor | None = None, grad: Tensor | None = None,
+            backward: bool = False) -> dict:
+    """Every step of the norm of ``x`` over its trailing ``normalized_shape`` dims, as tensors.
+
+    Values are (rows, features) float64 tensors, per-row statistics are ``(rows,)``.
+    """
+    n = math.prod(normalized_shape)
+    x2 = _rows(x, n)
+    r2 = _rows(residual, n) if residual is not None else None
+    w = gamma.reshape(n)
+    b = beta.reshape(n) if beta is not None else None
+    st = reference.forward_steps(x2, r2, w, b, eps, rms, None)
+    bare = reference.forward_steps(st["s"], None, None, None, 0.0, rms, None)
+    out = {
+        "x": x2, "residual": r2, "s": st["s"], "mean": st["mean"], "var": st["var"],
+        "std": torch.sqrt(st["var"] + eps), "rstd": st["rstd"], "xhat": st["xhat"],
+        "gamma": w, "beta": b, "y": st["y"],
+        "std_no_eps": torch.sqrt(bare["var"]), "xhat_no_eps": bare["xhat"],
+    }
+    out["check_mean"] = st["xhat"].mean(dim=-1)
+    xh = st["xhat"]
+    out["check_std"] = (xh * xh).mean(dim=-1).sqrt() if rms else xh.std(dim=-1, correction=0)
+
+    # addnorm's op in the input's dtype, and torch's own op in float64, on the same input.
+    dt = x.dtype
+    xt = x.detach().clone().requires_grad_(backward)
+    rt = residual.to(dt).detach().clone().requires_grad_(backward) if residual is not None else None
+    wt = gamma.to(dt).requires_grad_(backward)
+    bt = beta.to(dt).requires_grad_(backward) if beta is not None else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if rt is None:
+            y_op = (functional.rms_norm(xt, normalized_shape, wt, eps) if rms
+                    else functional.layer_norm(xt, normalized_shape, wt, bt, eps))
+        else:
+            y_op = (functional.add_rms_norm(xt, rt, normalized_shape, wt, eps) if rms
+                    else functional.add_layer_norm(xt, rt, normalized_shape, wt, bt, eps))
+    out["warnings"] = [str(c.message) for c in caught]
+    s64 = st["s"].reshape(x.shape).clone().requires_grad_(backward)
+    w64 = gamma.clone().requires_grad_(backward)
+    b64 = beta.clone().requires_grad_(backward) if beta is not None else None
+    y_torch = (TF.rms_norm(s64, normalized_shape, w64, eps) if rms
+               else TF.layer_norm(s64, normalized_shape, w64, b64, eps))
+    out["op_name"] = (f"addnorm.{'add_' if residual is not None else ''}{'rms' if rms else 'layer'}_norm"
+                      f" ({str(dt).removeprefix('torch.')}, backend {ops.auto_backend(x2)})")
+    out["torch_name"] = f"torch.nn.functional.{'rms' if rms else 'layer'}_norm (float64)"
+    out["op_maxdiff"] = _maxdiff(y_op.reshape(-1, n), st["y"])
+    out["torch_maxdiff"] = _maxdiff(y_torch.reshape(-1, n), st["y"])
+
+    if backward:
+        dy = _rows(grad, n) if grad is not None else torch.ones_like(x2)
+        bs = reference.backward_steps(dy, None, st["s"], w, st["mean"], st["rstd"], beta is not None)
+        out["backward"] = dict(bs, dy=dy)
+        y_torch.backward(dy.reshape(x.shape))
+        y_op.backward(dy.reshape(x.shape).to(dt))
+        auto = {"ds": s64.grad.reshape(-1, n), "dweight": w64.grad.reshape(n),
+                "dbias": b64.grad.reshape(n) if b64 is not None else None}
+        out["backward"]["autograd"] = auto
+        out["backward"]["autograd_maxdiff"] = {
+            k: _maxdiff(v, bs[k]) for k, v in auto.items() if v is not None}
+        op_grads = {"ds": xt.grad.reshape(-1, n), "dweight": wt.grad.reshape(n),
+                    "dbias": bt.grad.reshape(n) if bt is not None else None}
+        out["backward"]["op_maxdiff"] = {k: _maxdiff(v, bs[k]) for k, v in op_grads.items() if v is not None}
+    return out
+
+
+def _random_rows(like: Tensor, rows: int, seed: int) -> Tensor:
+    g = torch.Generator().manual_seed(seed)
+    scale = like.std().item() if like.numel() > 1 else 1.0
+    return torch.randn(rows, like.shape[1], generator=g, dtype=like.dtype) * (scale or 1.0) + like.mean()
+
+
+def compare_batchnorm(x2: Tensor, eps: float) -> dict:
+    """BatchNorm (per feature over the rows) beside LayerNorm (per row over the features).
+
+    Row 0 is normalized inside batches that differ in their other rows or their size: its
+    LayerNorm output never changes, its BatchNorm output does. Then train vs eval mode.
+    """
+    from .nn import LayerNorm
+
+    m, n = x2.shape
+    ln = LayerNorm(n, eps=eps, dtype=torch.float64)
+    bn = torch.nn.BatchNorm1d(n, eps=eps, dtype=torch.float64)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # few features: explain() reports it once
+        ln_y, bn_y = ln(x2), bn(x2)  # bn is in training mode: batch statistics
+        bn_mean, bn_var = x2.mean(dim=0), x2.var(dim=0, correction=0)
+        variants = [("as given", x2)]
+        if m > 1:
+            variants.append(("other rows redrawn (seed 0)", torch.cat([x2[:1], _random_rows(x2, m - 1, 0)])))
+        variants.append(("batch of 1: row 0 alone", x2[:1]))
+        variants.append((f"batch of {m + 4}: 4 random rows added", torch.cat([x2, _random_rows(x2, 4, 1)])))
+        rows = []
+        for label, batch in variants:
+            fresh = torch.nn.BatchNorm1d(n, eps=eps, dtype=torch.float64)
+            try:
+                bn_row0 = fresh(batch)[0]
+                bn_error = None
+            except ValueError as err:  # BatchNorm cannot normalize one value per feature
+                bn_row0, bn_error = None, str(err)
+            ln_row0 = ln(batch)[0]
+            rows.append({
+                "batch": label, "batch_size": batch.shape[0],
+                "layernorm_row0": ln_row0, "layernorm_change": _maxdiff(ln_row0, ln_y[0]),
+                "batchnorm_row0": bn_row0, "batchnorm_error": bn_error,
+                "batchnorm_change": None if bn_row0 is None else _maxdiff(bn_row0, bn_y[0]),
+            })
+        ln.eval()
+        bn.eval()
+        ln_eval, bn_eval = ln(x2), bn(x2)
+    return {
+        "x": x2, "layernorm": ln_y, "batchnorm": bn_y, "batch_mean": bn_mean, "batch_var": bn_var,
+        "row0": rows,
+        "layernorm_buffers": [name for name, _ in ln.named_buffers()],
+        "batchnorm_buffers": {name: b for name, b in bn.named_buffers() if b.is_floating_point()},
+        "batchnorm_momentum": bn.momentum,
+        "layernorm_eval": ln_eval, "batchnorm_eval": bn_eval,
+        "layernorm_train_eval_diff": _maxdiff(ln_eval, ln_y),
+        "batchnorm_train_eval_diff": _maxdiff(bn_eval, bn_y),
+    }
+
+
+# --------------------------------------------------------------------------- JSON
+
+def _plain(value):
+    """Tensors -> nested lists; NaN/inf -> None, so that the JSON is strict."""
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+# --------------------------------------------------------------------------- rich output
+
+class _Printer:
+    def __init__(self, precision: int, lead_shape: tuple[int, ...], normalized_shape: tuple[int, ...]):
+        from rich.console import Console
+
+        self.console = Console(highlight=False, markup=False)  # "[nan, ...]" is data
+        self.p = precision
+        self.row_labels = [_index_label(i, lead_shape) for i in range(math.prod(lead_shape))]
+        self.col_labels = [_index_label(j, normalized_shape) for j in range(math.prod(normalized_shape))]
+
+    def num(self, v: float) -> str:
+        if math.isnan(v):
+            return "nan"
+        text = f"{v:.{self.p}f}"
+        return text[1:] if text.startswith("-") and not text.strip("-0.") else text  # no "-0.0000"
+
+    def title(self, text: str) -> None:
+        from rich.text import Text
+
+        self.console.print(Text(text, style="bold"))
+
+    def matrix(self, title: str, t: Tensor, shape: tuple[int, ...], caption: str | None = None,
+               row_labels: list[str] | None = None, first: str = "row") -> None:
+        from rich.table import Table
+
+        self.title(f"{title}   shape {_shape_str(shape)}")
+        table = Table(caption=caption)
+        table.add_column(first)
+        # each column takes about precision + 7 characters (sign, digits, padding, border)
+        fit = max(4, (self.console.width - 8) // (self.p + 7))
+        cols = _shown(t.shape[1], min(MAX_COLUMNS, fit))
+        for j in cols:
+            table.add_column("…" if j is None else self.col_labels[j], justify="right")
+        labels = row_labels or self.row_labels
+        values = t.tolist()
+        for i in _shown(len(values), MAX_ROWS):
+            if i is None:
+                table.add_row("…", *("…" for _ in cols))
+            else:
+                table.add_row(labels[i], *("…" if j is None else self.num(values[i][j]) for j in cols))
+        self.console.print(table)
+
+    def columns(self, title: str, columns: dict[str, Tensor | list], caption: str | None = None,
+                labels: list[str] | None = None, first: str = "row") -> None:
+        from rich.table import Table
+
+        self.title(title)
+        table = Table(caption=caption)
+        table.add_column(first)
+        for name in columns:
+            table.add_column(name, justify="right")
+        values = [c.tolist() if isinstance(c, Tensor) else c for c in columns.values()]
+        labels = labels or self.row_labels
+        for i in _shown(len(labels), MAX_ROWS):
+            if i is None:
+                table.add_row("…", *("…" for _ in values))
+            else:
+                table.add_row(labels[i], *(v[i] if isinstance(v[i], str) else self.num(v[i]) for v in values))
+        self.console.print(table)
+
+
+# Wider or longer tensors are shown with their middle elided ("…"); --json has every value.
+MAX_COLUMNS, MAX_ROWS, MAX_VECTOR = 12, 24, 6
+
+
+def _shown(count: int, limit: int) -> list[int | None]:
+    """The indices to print: all of them, or the first ones, None (for "…"), the last two."""
+    if count <= limit:
+        return list(range(count))
+    return [*range(limit - 3), None, count - 2, count - 1]
+
+
+def _vec(t: Tensor, pr: _Printer) -> str:
+    values = t.tolist()
+    shown = _shown(len(values), MAX_VECTOR)
+    return "[" + ", ".join("…" if j is None else pr.num(values[j]) for j in shown) + "]"
+
+
+def _index_label(i: int, shape: tuple[int, ...]) -> str:
+    idx = []
+    for d in reversed(shape):
+        idx.append(i % d)
+        i //= d
+    if not shape:  # a 1-D input is a single row
+        return "0"
+    return ",".join(str(k) for k in reversed(idx)) if len(shape) != 1 else str(idx[0])
+
+
+def _shape_str(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _print_explanation(r: dict, shape: tuple[int, ...], normalized_shape: tuple[int, ...], eps: float,
+                       rms: bool, pr: _Printer) -> None:
+    k = len(normalized_shape)
+    lead = shape[:-k]
+    stat_shape = (*lead, *(1,) * k)
+    c = pr.console
+    name = "RMSNorm" if rms else "LayerNorm"
+    pr.matrix("input x", r["x"], shape)
+    dims = ", ".join(str(d) for d in range(len(shape) - k, len(shape)))
+    m, n = r["x"].shape
+    c.print(f"{name} over the last {k} dim(s) (dim {dims}), normalized_shape "
+            f"{list(normalized_shape)}, eps = {eps:g}:\n"
+            f"{m} row(s) of {n} features, one set of statistics per row\n")
+    if r["residual"] is not None:
+        pr.matrix("residual (the sublayer's input, carried around it)", r["residual"], shape)
+        pr.matrix("Add: s = x + residual  (the norm sees s)", r["s"], shape)
+    src = "s" if r["residual"] is not None else "x"
+    if rms:
+        stats = {f"mean square mean({src}²) {_shape_str(stat_shape)}": r["var"],
+                 f"rms √(mean({src}²)+ε) {_shape_str(stat_shape)}": r["std"]}
+        formula = f"x̂ = {src} / rms   (RMSNorm does not subtract the mean)"
+    else:
+        stats = {f"mean μ {_shape_str(stat_shape)}": r["mean"],
+                 f"variance σ² (biased, ÷N) {_shape_str(stat_shape)}": r["var"],
+                 f"std √(σ²+ε) {_shape_str(stat_shape)}": r["std"]}
+        formula = f"x̂ = ({src} − μ) / √(σ²+ε)"
+    pr.columns("per-row statistics", stats)
+    pr.matrix("normalized " + formula, r["xhat"], shape)
+    params = [r["gamma"]] + ([r["beta"]] if r["beta"] is not None else [])
+    pr.matrix("γ (weight) and β (bias)", torch.stack(params), normalized_shape,
+              row_labels=["γ", "β"], first="")
+    pr.matrix("output y = γ·x̂" + (" + β" if r["beta"] is not None else ""), r["y"], shape)
+
+    mean_txt = ", ".join(pr.num(v) for v in r["check_mean"].tolist())
+    std_txt = ", ".join(pr.num(v) for v in r["check_std"].tolist())
+    if rms:
+        c.print(f"check: each row of x̂ has root-mean-square [{std_txt}] ≈ 1\n"
+                f"       (its mean [{mean_txt}] is not forced to 0)")
+    else:
+        affine = bool((r["gamma"] == 1).all()) and bool((r["beta"] == 0).all())
+        c.print(f"check: each row of x̂ has mean [{mean_txt}] = 0 and std [{std_txt}] ≈ 1\n"
+                f"       (std is just under 1 because of ε: √(σ²/(σ²+ε)))"
+                + ("; γ = 1 and β = 0, so y = x̂" if affine else ""))
+
+    pr.columns(f"ε effect: by hand one divides by {'rms' if rms else 'σ'} (ε = 0); torch and addnorm "
+               f"by √({'mean square' if rms else 'σ²'}+ε)",
+               {f"{'rms' if rms else 'σ'} (ε = 0)": r["std_no_eps"], "√(·+ε)": r["std"],
+                "x̂ without ε": [_vec(v, pr) for v in r["xhat_no_eps"]],
+                "x̂ with ε": [_vec(v, pr) for v in r["xhat"]]})
+    i = int(r["var"].argmin())  # ε matters most where the variance is smallest
+    j = int(r["xhat_no_eps"][i].abs().nan_to_num(-1.0).argmax())
+    c.print(f"row {pr.row_labels[i]}, feature {pr.col_labels[j]}: {pr.num(r['xhat_no_eps'][i, j].item())} "
+            f"without ε vs {pr.num(r['xhat'][i, j].item())} with ε = {eps:g}.\n"
+            f"ε matters most where the variance is small (row {pr.row_labels[i]}: "
+            f"{r['var'][i].item():.3g}); it keeps a constant row finite.")
+    for msg in r["warnings"]:
+        c.print(f"note: {msg}", style="yellow")
+    c.print(f"\nagreement with these float64 steps, max |difference| of y:\n"
+            f"  {r['op_name']}: {r['op_maxdiff']:.1e}\n  {r['torch_name']}: {r['torch_maxdiff']:.1e}")
+
+
+def _print_backward(r: dict, shape: tuple[int, ...], normalized_shape: tuple[int, ...], rms: bool,
+                    given: bool, pr: _Printer) -> None:
+    bw = r["backward"]
+    c = pr.console
+    stat = _shape_str(shape[: len(shape) - len(normalized_shape)])
+    c.rule("backward: the hand-derived gradient (addnorm.reference.backward)")
+    pr.matrix("upstream gradient dy" + ("" if given else " (all ones; pass --grad for another)"),
+              bw["dy"], shape)
+    pr.matrix("g = dy·γ", bw["g"], shape)
+    cols = {}
+    if not rms:
+        cols[f"mean(g) {stat}"] = bw["mean_g"]
+    cols[f"mean(g·x̂) {stat}"] = bw["mean_gxhat"]
+    cols["1/std = rstd"] = r["rstd"]
+    pr.columns("per-row sums", cols)
+    target = "s (= d x = d residual)" if r["residual"] is not None else "x"
+    formula = "rstd·(g − x̂·mean(g·x̂))" if rms else "rstd·(g − mean(g) − x̂·mean(g·x̂))"
+    pr.matrix(f"d{target} = {formula}", bw["ds"], shape)
+    pr.matrix("torch autograd's dx (float64), for comparison", bw["autograd"]["ds"], shape)
+    params = {"dγ = Σ_rows dy·x̂": bw["dweight"].tolist(), "autograd dγ": bw["autograd"]["dweight"].tolist()}
+    if bw["dbias"] is not None:
+        params |= {"dβ = Σ_rows dy": bw["dbias"].tolist(), "autograd dβ": bw["autograd"]["dbias"].tolist()}
+    pr.columns("parameter gradients, per feature", params, labels=pr.col_labels, first="feature")
+    names = {"ds": "dx", "dweight": "dγ", "dbias": "dβ"}
+    diffs = ", ".join(f"{names[k]} {v:.1e}" for k, v in bw["autograd_maxdiff"].items())
+    op = ", ".join(f"{names[k]} {v:.1e}" for k, v in bw["op_maxdiff"].items())
+    c.print(f"max |hand − autograd| (float64): {diffs}\n"
+            f"addnorm's op through autograd, {r['op_name']}:\n  {op}")
+    if not given and not rms and bool((r["gamma"] == r["gamma"][0]).all()):
+        c.print("note: with dy = 1 and a constant γ, Σ y = N·mean(β) whatever x is,\n"
+                "      so dx = 0 up to rounding; pass --grad to see a non-trivial gradient")
+
+
+def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
+    c = pr.console
+    m, n = cmp["x"].shape
+    rows = [str(i) for i in range(m)]
+    c.rule("LayerNorm vs BatchNorm on the same rows")
+    c.print(f"LayerNorm: per row, over its {n} features.\n"
+            f"BatchNorm (train mode): per feature, over the {m} rows of the batch.\n"
+            f"eps = {eps:g}, γ = 1, β = 0 for both\n")
+    pr.matrix("LayerNorm output (per row)", cmp["layernorm"], (m, n), row_labels=rows)
+    pr.columns("BatchNorm batch statistics, per feature",
+               {"batch mean": cmp["batch_mean"].tolist(), "batch variance (÷M)": cmp["batch_var"].tolist()},
+               labels=pr.col_labels, first="feature")
+    pr.matrix("BatchNorm output (per feature)", cmp["batchnorm"], (m, n), row_labels=rows)
+    from rich.table import Table
+
+    pr.title("row 0 inside different batches: does its output change?")
+    table = Table()
+    for col in ("batch", "size", "norm", "output of row 0", "max change"):
+        table.add_column(col, justify="right" if col in ("size", "max change") else "left")
+    for row in cmp["row0"]:
+        table.add_row(row["batch"], str(row["batch_size"]), "LayerNorm", _vec(row["layernorm_row0"], pr),
+                      f"{row['layernorm_change']:.{pr.p}f}")
+        if row["batchnorm_row0"] is None:
+            table.add_row("", "", "BatchNorm", "error: training needs more than 1 row per feature", "-",
+                          end_section=True)
+        else:
+            table.add_row("", "", "BatchNorm", _vec(row["batchnorm_row0"], pr),
+                          f"{row['batchnorm_change']:.{pr.p}f}", end_section=True)
+    c.print(table)
+    bufs = ", ".join(f"{k} {_vec(v, pr)}" for k, v in cmp["batchnorm_buffers"].items())
+    c.print(f"running statistics: LayerNorm keeps none (buffers: {cmp['layernorm_buffers'] or 'none'}).\n"
+            f"BatchNorm after one training batch (momentum {cmp['batchnorm_momentum']}):\n  {bufs}")
+    pr.matrix("BatchNorm output in eval mode (uses the running statistics)", cmp["batchnorm_eval"], (m, n),
+              row_labels=rows)
+    c.print(f"train vs eval, max |difference|: LayerNorm {cmp['layernorm_train_eval_diff']:.1e}, "
+            f"BatchNorm {cmp['batchnorm_train_eval_diff']:.{pr.p}f}")
+
+
+# --------------------------------------------------------------------------- command
+
+def run(args) -> int:
+    x = load_matrix(args.input, "--input") if args.input is not None else torch.tensor(WORKED_INPUT)
+    normalized_shape = parse_shape(args.normalized_shape) if args.normalized_shape else (x.shape[-1],)
+    k = len(normalized_shape)
+    if x.dim() < k or tuple(x.shape[-k:]) != normalized_shape:
+        raise UsageError(f"--normalized-shape {','.join(map(str, normalized_shape))} must equal the trailing "
+                         f"dims of the input, whose shape is {list(x.shape)}; e.g. {x.shape[-1]}")
+    rms = args.norm == "rms"
+    if rms and args.beta is not None:
+        raise UsageError("--beta: RMSNorm has no bias (β); drop --beta or use --norm layer")
+    if args.compare and (rms or args.residual is not None or args.backward):
+        raise UsageError("--compare batchnorm compares plain LayerNorm; "
+                         "drop --norm rms, --residual and --backward")
+    if args.grad is not None and not args.backward:
+        raise UsageError("--grad is the upstream gradient of --backward; add --backward")
+    if args.precision < 0 or args.precision > 12:
+        raise UsageError(f"--precision must be between 0 and 12, got {args.precision}")
+    eps = args.eps
+    if eps is None:
+        eps = torch.finfo(reference.stats_dtype(x.dtype)).eps if rms else 1e-5
+    if not math.isfinite(eps) or eps < 0:
+        raise UsageError(f"--eps must be a non-negative number, got {eps}")
+    gamma = parse_param(args.gamma, normalized_shape, "--gamma", 1.0)
+    beta = None if rms else parse_param(args.beta, normalized_shape, "--beta", 0.0)
+    residual = grad = None
+    if args.residual is not None:
+        residual = load_matrix(args.residual, "--residual")
+        if residual.shape != x.shape:
+            raise UsageError(f"--residual must have the input's shape {list(x.shape)}, "
+                             f"got {list(residual.shape)}")
+    if args.grad is not None:
+        grad = load_matrix(args.grad, "--grad")
+        if grad.shape != x.shape:
+            raise UsageError(f"--grad must have the input's shape {list(x.shape)}, got {list(grad.shape)}")
+
+    r = explain(x, normalized_shape, eps=eps, gamma=gamma, beta=beta, rms=rms, residual=residual,
+                grad=grad, backward=args.backward)
+    cmp = compare_batchnorm(r["x"], eps) if args.compare else None
+    if args.json:
+        doc = {"shape": list(x.shape), "normalized_shape": list(normalized_shape), "rows": r["x"].shape[0],
+               "features": r["x"].shape[1], "norm": args.norm, "eps": eps, "dtype": str(x.dtype)[6:]}
+        doc |= {k: v for k, v in r.items() if k not in ("backward",)}
+        if args.backward:
+            doc["backward"] = r["backward"]
+        if cmp is not None:
+            doc["compare_batchnorm"] = cmp
+        print(json.dumps(_plain(doc), indent=1))
+        return 0
+    pr = _Printer(args.precision, tuple(x.shape[:-k]), normalized_shape)
+    if cmp is not None:
+        pr.matrix("input x", r["x"], tuple(x.shape))
+        _print_compare(cmp, eps, pr)
+        for msg in r["warnings"]:
+            pr.console.print(f"note: {msg}", style="yellow")
+        return 0
+    _print_explanation(r, tuple(x.shape), normalized_shape, eps, rms, pr)
+    if args.backward:
+        _print_backward(r, tuple(x.shape), normalized_shape, rms, grad is not None, pr)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "explain", help="LayerNorm / RMSNorm / Add & Norm step by step, with shapes",
+        description="Print every step of a norm with shapes: input, normalized dims, per-row mean, "
+                    "biased variance, std with eps, normalized values, gamma, beta, output; the effect "
+                    "of eps; the hand-derived backward (--backward); BatchNorm beside it (--compare). "
+                    "Default input: the worked example [[0.2,0.1,0.3],[0.5,0.1,0.1]].")
+    p.add_argument("--input", metavar="MATRIX|FILE", help=MATRIX_HELP)
+    p.add_argument("--normalized-shape", metavar="DIMS",
+                   help="trailing dims normalized together, e.g. 3 or 1,3 (default: the last dim)")
+    p.add_argument("--eps", type=float, help="added to the variance inside the square root "
+                                             "(default 1e-5; RMSNorm: the dtype's machine epsilon, as torch)")
+    p.add_argument("--gamma", metavar="VALUES", help="weight γ: one number, or one per feature (default 1)")
+    p.add_argument("--beta", metavar="VALUES", help="bias β: one number, or one per feature (default 0)")
+    p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="LayerNorm (default) or RMSNorm")
+    p.add_argument("--residual", metavar="MATRIX|FILE", help="Add & Norm: normalize s = input + residual")
+    p.add_argument("--backward", action="store_true", help="the hand-derived backward beside autograd's")
+    p.add_argument("--grad", metavar="MATRIX|FILE", help="upstream gradient for --backward (default: ones)")
+    p.add_argument("--compare", choices=["batchnorm"], help="put BatchNorm beside LayerNorm")
+    p.add_argument("--json", action="store_true", help="print the same numbers as JSON (full precision)")
+    p.add_argument("--precision", type=int, default=4, help="digits after the point in tables (default 4)")
+    p.set_defaults(func=run)

@@ -1,0 +1,264 @@
+"""`addnorm explain`: its numbers against the seeds' hand computation and torch, its JSON, its errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from addnorm import cli
+from addnorm.explain import parse_literal
+
+SEEDS_X = [[0.2, 0.1, 0.3], [0.5, 0.1, 0.1]]
+# The seeds' worked example (seeds 000, 001, 004): torch's values with eps = 1e-5 ...
+SEEDS_MEAN = [0.2, 0.2333]
+SEEDS_STD = [0.0817, 0.1886]
+SEEDS_Y = [[0.0, -1.2238, 1.2238], [1.4140, -0.7070, -0.7070]]
+# ... and the hand computation with sigma without eps (seed 000): 0.1 / 0.08164 = 1.2247.
+SEEDS_HAND_XHAT_ROW0 = [0.0, -1.2247, 1.2247]
+
+
+def run_json(capsys, *args: str) -> dict:
+    assert cli.main(["explain", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def close(a, b, atol):
+    return torch.allclose(torch.tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
+                          atol=atol, rtol=0)
+
+
+def test_default_is_the_seeds_example(capsys):
+    r = run_json(capsys)
+    assert r["shape"] == [2, 3] and r["normalized_shape"] == [3] and r["eps"] == 1e-5
+    assert close(r["mean"], SEEDS_MEAN, 1e-4)
+    # biased variance by hand: (0 + 0.01 + 0.01) / 3 and (0.071111 + 0.017778 + 0.017778) / 3
+    var_hand = [0.02 / 3, ((0.8 / 3) ** 2 + 2 * (0.4 / 3) ** 2) / 3]
+    assert close(r["var"], var_hand, 1e-7)
+    assert close(r["std"], SEEDS_STD, 1e-4)
+    assert close(r["y"], SEEDS_Y, 1e-4)
+    assert close(r["xhat_no_eps"][0], SEEDS_HAND_XHAT_ROW0, 1e-4)
+    assert close(r["std_no_eps"], [math.sqrt(v) for v in var_hand], 1e-7)
+    # against torch in float64 on the same (float32) input
+    x = torch.tensor(SEEDS_X).double()
+    assert close(r["y"], TF.layer_norm(x, (3,), eps=1e-5), 1e-12)
+    # the check line's numbers: mean 0, std sqrt(var / (var + eps)), just under 1
+    assert close(r["check_mean"], [0.0, 0.0], 1e-12)
+    var = torch.tensor(r["var"], dtype=torch.float64)
+    assert close(r["check_std"], (var / (var + 1e-5)).sqrt(), 1e-12)
+    assert r["op_maxdiff"] < 1e-6 and r["torch_maxdiff"] < 1e-12
+
+
+def test_tables_show_the_seeds_numbers_with_shapes(capsys):
+    assert cli.main(["explain"]) == 0
+    out = capsys.readouterr().out
+    for text in ["input x   shape (2, 3)", "mean μ (2, 1)", "0.2333", "0.0817", "0.1886", "1.4140",
+                 "-0.7070", "-1.2238", "-1.2247", "γ (weight) and β (bias)   shape (3,)",
+                 "output y = γ·x̂ + β   shape (2, 3)",
+                 "check: each row of x̂ has mean [0.0000, 0.0000] = 0 and std [0.9993, 0.9999]"]:
+        assert text in out, text
+    assert "-0.0000" not in out
+
+
+def test_precision(capsys):
+    assert cli.main(["explain", "--precision", "6"]) == 0
+    assert "1.223827" in capsys.readouterr().out
+
+
+def test_seeds_three_dim_input_over_two_trailing_dims(capsys):
+    # the seeds' [S, B, E] = [2, 1, 3], normalized over [B, E]
+    r = run_json(capsys, "--input", "[[[0.2,0.1,0.3]],[[0.5,0.1,0.1]]]", "--normalized-shape", "1,3")
+    assert r["normalized_shape"] == [1, 3] and r["rows"] == 2 and r["features"] == 3
+    assert close(r["y"], SEEDS_Y, 1e-4)
+
+
+def test_several_trailing_dims_gamma_beta_against_torch(capsys):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 2, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    b = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    lit = lambda t: json.dumps(t.tolist())
+    r = run_json(capsys, "--input", lit(x.float()), "--normalized-shape", "2,4", "--eps", "1e-3",
+                 "--gamma", lit(w.flatten()), "--beta", ",".join(str(v) for v in b.flatten().tolist()))
+    want = TF.layer_norm(x.float().double(), (2, 4), w, b, 1e-3)
+    assert close(r["y"], want.reshape(3, 8), 1e-12)
+    assert r["op_maxdiff"] < 1e-5
+
+
+def test_residual_is_the_add_and_norm_step(capsys):
+    r = run_json(capsys, "--residual", "[[0.1,0.1,0.1],[0,0.2,-0.1]]", "--gamma", "2", "--beta", "0.5")
+    x = torch.tensor(SEEDS_X).double()
+    res = torch.tensor([[0.1, 0.1, 0.1], [0, 0.2, -0.1]]).float().double()
+    assert close(r["s"], x + res, 1e-12)
+    assert close(r["y"], TF.layer_norm(x + res, (3,), torch.full((3,), 2.0).double(),
+                                       torch.full((3,), 0.5).double(), 1e-5), 1e-12)
+
+
+def test_rms_norm(capsys):
+    r = run_json(capsys, "--norm", "rms")
+    eps = torch.finfo(torch.float32).eps
+    assert r["eps"] == eps and r["mean"] is None
+    x = torch.tensor(SEEDS_X).double()
+    assert close(r["y"], TF.rms_norm(x, (3,), eps=eps), 1e-12)
+    assert close(r["check_std"], [1.0, 1.0], 1e-5)  # root-mean-square of each row is 1
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_backward_steps_match_autograd(capsys, rms):
+    dy = torch.tensor([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0]], dtype=torch.float64)
+    w = torch.tensor([1.5, -0.5, 2.0], dtype=torch.float64)
+    args = ["--backward", "--grad", json.dumps(dy.tolist()), "--gamma", "1.5,-0.5,2"]
+    r = run_json(capsys, *args, *(["--norm", "rms"] if rms else []))
+    eps = r["eps"]
+    x = torch.tensor(SEEDS_X).double().requires_grad_()
+    wg = w.clone().requires_grad_()
+    bg = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    y = TF.rms_norm(x, (3,), wg, eps) if rms else TF.layer_norm(x, (3,), wg, bg, eps)
+    y.backward(dy)
+    bw = r["backward"]
+    assert close(bw["ds"], x.grad, 1e-10)
+    assert close(bw["dweight"], wg.grad, 1e-10)
+    if rms:
+        assert bw["dbias"] is None and bw["mean_g"] is None
+    else:
+        assert close(bw["dbias"], bg.grad, 1e-12)
+        assert close(bw["mean_g"], (dy * w).mean(dim=-1), 1e-12)
+    # the printed intermediates, by hand: g = dy * gamma, mean(g * xhat)
+    xd = x.detach()
+    if rms:
+        xhat = xd * torch.rsqrt((xd * xd).mean(-1, keepdim=True) + eps)
+    else:
+        xhat = TF.layer_norm(xd, (3,), eps=eps)
+    assert close(bw["g"], dy * w, 1e-12)
+    assert close(bw["mean_gxhat"], (dy * w * xhat).mean(dim=-1), 1e-10)
+    assert max(bw["autograd_maxdiff"].values()) < 1e-10
+    assert max(bw["op_maxdiff"].values()) < 1e-4  # addnorm's op runs in float32
+
+
+def test_backward_default_all_ones_gives_zero_dx(capsys):
+    # sum(y) = N * mean(beta) for gamma = 1 whatever x is, so a uniform dy has no effect on x
+    r = run_json(capsys, "--backward")
+    assert close(r["backward"]["dy"], torch.ones(2, 3), 0)
+    assert close(r["backward"]["ds"], torch.zeros(2, 3), 1e-9)
+    assert close(r["backward"]["dbias"], [2.0, 2.0, 2.0], 1e-12)
+    assert cli.main(["explain", "--backward"]) == 0
+    out = capsys.readouterr().out
+    assert "dx = rstd·(g − mean(g) − x̂·mean(g·x̂))" in out and "torch autograd's dx" in out
+
+
+def test_compare_batchnorm(capsys):
+    r = run_json(capsys, "--compare", "batchnorm")["compare_batchnorm"]
+    x = torch.tensor(SEEDS_X).double()
+    eps = 1e-5
+    mean, var = x.mean(dim=0), x.var(dim=0, correction=0)
+    assert close(r["batchnorm"], (x - mean) / torch.sqrt(var + eps), 1e-12)  # per feature over the batch
+    assert close(r["layernorm"], TF.layer_norm(x, (3,), eps=eps), 1e-12)      # per row over features
+    rows = {row["batch"]: row for row in r["row0"]}
+    assert all(row["layernorm_change"] == 0.0 for row in r["row0"])
+    assert all(close(row["layernorm_row0"], SEEDS_Y[0], 1e-4) for row in r["row0"])
+    assert rows["other rows redrawn (seed 0)"]["batchnorm_change"] > 0.1
+    assert rows["batch of 6: 4 random rows added"]["batchnorm_change"] > 0.1
+    alone = rows["batch of 1: row 0 alone"]
+    assert alone["batchnorm_row0"] is None and "more than 1 value" in alone["batchnorm_error"]
+    # running statistics after one training batch, momentum 0.1 (unbiased variance, as torch)
+    assert r["layernorm_buffers"] == [] and r["layernorm_train_eval_diff"] == 0.0
+    rm, rv = 0.1 * mean, 0.9 + 0.1 * x.var(dim=0, correction=1)
+    assert close(r["batchnorm_buffers"]["running_mean"], rm, 1e-12)
+    assert close(r["batchnorm_buffers"]["running_var"], rv, 1e-12)
+    assert close(r["batchnorm_eval"], (x - rm) / torch.sqrt(rv + eps), 1e-12)
+    assert r["batchnorm_train_eval_diff"] > 0.5
+
+
+def test_compare_tables(capsys):
+    assert cli.main(["explain", "--compare", "batchnorm"]) == 0
+    out = capsys.readouterr().out
+    assert "row 0 inside different batches" in out and "BatchNorm output in eval mode" in out
+
+
+def test_constant_row_needs_eps(capsys):
+    # sigma = 0: without eps the hand computation divides by zero; with it the row maps to beta
+    r = run_json(capsys, "--input", "[[1,1,1],[1,2,3]]")
+    assert r["xhat_no_eps"][0] == [None, None, None]  # NaN, written as null in strict JSON
+    x = torch.tensor([[1.0, 1, 1], [1, 2, 3]], dtype=torch.float64)
+    assert close(r["y"], TF.layer_norm(x, (3,), eps=1e-5), 1e-12)
+    assert cli.main(["explain", "--input", "[[1,1,1],[1,2,3]]"]) == 0
+    assert "[nan, nan, nan]" in capsys.readouterr().out
+
+
+def test_one_row_and_two_features(capsys):
+    r = run_json(capsys, "--input", "[1,2,3]")
+    assert r["shape"] == [3] and r["rows"] == 1
+    assert close(r["y"], [TF.layer_norm(torch.tensor([1.0, 2, 3]).double(), (3,)).tolist()], 1e-12)
+    r = run_json(capsys, "--input", "[[1.4636,2.3663],[1.9806,-0.7564]]")  # seed 003: two features
+    assert close(r["y"], [[-1.0, 1.0], [1.0, -1.0]], 1e-3)
+    assert any("normalizing over 2 feature(s)" in w for w in r["warnings"])
+
+
+def test_wide_input_is_elided_in_tables_not_in_json(capsys, tmp_path):
+    x = torch.randn(30, 40, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    np.save(tmp_path / "x.npy", x.numpy())
+    assert cli.main(["explain", "--input", str(tmp_path / "x.npy")]) == 0
+    out = capsys.readouterr().out
+    assert "shape (30, 40)" in out and "│ …   │" in out and "38" in out
+    r = run_json(capsys, "--input", str(tmp_path / "x.npy"))
+    assert close(r["y"], TF.layer_norm(x, (40,)), 1e-12)
+
+
+def test_files(capsys, tmp_path):
+    x = np.array(SEEDS_X)
+    np.save(tmp_path / "x.npy", x)
+    torch.save(torch.tensor(SEEDS_X), tmp_path / "x.pt")
+    (tmp_path / "x.csv").write_text("0.2,0.1,0.3\n0.5,0.1,0.1\n")
+    for name, dtype in [("x.npy", "float64"), ("x.pt", "float32"), ("x.csv", "float64")]:
+        r = run_json(capsys, "--input", str(tmp_path / name))
+        assert r["dtype"] == dtype
+        assert close(r["y"], SEEDS_Y, 1e-4)
+
+
+def test_parse_literal_accepts_plain_number_syntax():
+    assert parse_literal(" [[1e-3, -.5], [2, 3,]] ", "--input") == [[1e-3, -0.5], [2.0, 3.0]]
+    assert parse_literal("2.5", "--gamma") == 2.5
+
+
+ERRORS = [
+    (["--input", "[[0.2,0.1],[0.5]]"], "ragged rows: [1] has 1 values but [0] has 2 values"),
+    (["--input", "[[0.2,abc]]"], "non-numeric value 'abc'"),
+    (["--input", "[[0.2,0.1]"], "unbalanced brackets"),
+    (["--input", "[[0.2,0.1]]]"], "unexpected ']'"),
+    (["--input", "[[1,2][3,4]]"], "expected ',' or ']'"),
+    (["--input", "[]"], "empty list"),
+    (["--input", "[[1,nan]]"], "not a finite number"),
+    (["--input", "hello"], "must be a matrix literal"),
+    (["--input", "no/such/file.npy"], "file 'no/such/file.npy' not found"),
+    (["--normalized-shape", "2"], "must equal the trailing dims of the input, whose shape is [2, 3]"),
+    (["--normalized-shape", "0,3"], "--normalized-shape must be positive ints"),
+    (["--normalized-shape", "a"], "--normalized-shape must be positive ints"),
+    (["--gamma", "1,2"], "--gamma needs 1 or 3 values"),
+    (["--norm", "rms", "--beta", "1"], "RMSNorm has no bias"),
+    (["--residual", "[[1,2]]"], "--residual must have the input's shape [2, 3]"),
+    (["--grad", "[[1,1,1],[1,1,1]]"], "add --backward"),
+    (["--eps", "-1"], "--eps must be a non-negative number"),
+]
+
+
+@pytest.mark.parametrize("args,message", ERRORS)
+def test_errors_are_one_line_exit_2(capsys, args, message):
+    assert cli.main(["explain", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("addnorm explain: error: ")
+    assert message in lines[0]
+
+
+def test_unreadable_file(capsys, tmp_path):
+    (tmp_path / "x.csv").write_text("0.2,0.1,0.3\n0.5,0.1\n")
+    torch.save({"x": 1}, tmp_path / "d.pt")
+    for name, message in [("x.csv", "cannot read"), ("d.pt", "holds a dict, expected one tensor")]:
+        assert cli.main(["explain", "--input", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
