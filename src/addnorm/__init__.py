@@ -3,6 +3,7 @@ forward and hand-written backward, for PyTorch."""
 
 from .functional import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .nn import AddNorm, LayerNorm, RMSNorm
+from .patch import patch, unpatch
 
 __version__ = "0.1.0"
 
@@ -13,5 +14,7 @@ __all__ = [
     "add_layer_norm",
     "add_rms_norm",
     "layer_norm",
+    "patch",
     "rms_norm",
+    "unpatch",
 ]

@@ -301,6 +301,8 @@ def add_norm(
         raise TypeError(f"backend must be a string, one of {backend_names()}, got {type(backend).__name__}")
     if backend != "auto" and backend not in BACKEND_MODULES:
         raise ValueError(f"backend must be one of {backend_names()}, got {backend!r}")
+    if torch.onnx.is_in_onnx_export():
+        return _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype)
     n = math.prod(shape)
     x2 = x.reshape(-1, n)
     r2 = residual.reshape(-1, n) if residual is not None else None
@@ -311,3 +313,19 @@ def add_norm(
     y, s, _, _ = run(x2, r2, w, b, eps, rms, residual_dtype, backend)
     y = y.view(x.shape)
     return (y, s.view(x.shape)) if prenorm else y
+
+
+def _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype):
+    """What ``torch.onnx.export`` traces instead of the custom op: torch's own norm, which it
+    writes as the standard ``LayerNormalization`` (opset 17+) / ``RMSNormalization`` (opset 23;
+    primitive ops below), and a plain ``Add`` that runtimes fuse themselves."""
+    s = x
+    if residual is not None:
+        sd = reference.stream_dtype(x, residual, residual_dtype)
+        s = x.to(sd) + residual.to(sd)
+    if rms:
+        y = torch.nn.functional.rms_norm(s, shape, weight, eps)
+    else:
+        y = torch.nn.functional.layer_norm(s, shape, weight, bias, eps)
+    y = y.to(x.dtype)
+    return (y, s) if prenorm else y

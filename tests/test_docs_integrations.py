@@ -1,0 +1,24 @@
+"""Runs every python block of docs/integrations.md, in order, in one namespace: the docs cannot rot."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+DOC = pathlib.Path(__file__).parent.parent / "docs" / "integrations.md"
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_integrations_doc_blocks_run():
+    pytest.importorskip("transformers")
+    pytest.importorskip("onnxruntime")
+    blocks = python_blocks(DOC.read_text())
+    assert len(blocks) == 7
+    namespace: dict = {"__name__": "docs_integrations"}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"{DOC.name}[block {i}]", "exec"), namespace)

@@ -1,0 +1,212 @@
+"""addnorm.patch / unpatch on Hugging Face and plain torch models, against the unpatched model."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import addnorm
+from addnorm.patch import HF_NORMS, norm_style
+from tiny_models import TinyTransformer, hf_inputs, hf_model
+
+patch_module = sys.modules["addnorm.patch"]  # addnorm.patch is the function
+
+pytest.importorskip("transformers")
+
+NORM_COUNTS = {"gpt2": 5, "bert": 6, "vit": 5, "llama": 5, "gemma": 5}  # counted in each model's code
+
+
+def step(model, inputs):
+    """Forward and backward; returns (logits, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(a, b, inputs, *, exact=False, exact_grads=None):
+    """Logits and gradients of ``b`` match ``a``'s: bit for bit if ``exact`` (the gradients
+    too unless ``exact_grads=False``), else within float32 rounding."""
+    la, ga = step(a, inputs)
+    lb, gb = step(b, inputs)
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lb, la, **tol)
+    for name in ga:
+        if exact_grads is False:  # bf16 rounding of sums: relative to the gradient's scale
+            tol = dict(rtol=1.6e-2, atol=1.6e-2 * ga[name].abs().max().item())
+        torch.testing.assert_close(gb[name], ga[name], **tol, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("name", list(NORM_COUNTS))
+def test_hf_model_logits_and_grads_match(backend, name):
+    original = hf_model(name)
+    patched = copy.deepcopy(original)
+    params = list(patched.parameters())
+    report = addnorm.patch(patched, backend=backend)
+    assert len(report.replaced) == NORM_COUNTS[name] and not report.skipped
+    assert [p for p in patched.parameters()] == params  # the same Parameter objects
+    assert all(norm_style(patched.get_submodule(n)) == s for n, _, s in report.replaced)
+    assert_same_step(original, patched, hf_inputs(name))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
+def test_bf16_logits_bitwise_equal_with_reference(name):
+    # the reference does torch's float32 ops in the model's order, so a cast in the wrong
+    # place (LlamaRMSNorm casts before the weight, Gemma after 1 + w) changes the bits
+    original = hf_model(name, torch.bfloat16)
+    patched = copy.deepcopy(original)
+    addnorm.patch(patched, backend="reference")
+    inputs = hf_inputs(name)
+    with torch.no_grad():
+        assert torch.equal(patched(**inputs).logits, original(**inputs).logits)
+
+
+def _hf_class(path):
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("path", sorted(HF_NORMS))
+def test_every_known_hf_norm_matches_its_class(path):
+    norm = _hf_class(path)(48, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_(0.2, 0.5)
+    ours = copy.deepcopy(norm)
+    report = addnorm.patch(ours, backend="reference")
+    assert report.replaced == [("", type(norm).__name__, HF_NORMS[path])]
+    x = torch.randn(5, 7, 48) * 3
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = norm.to(dtype), ours.to(dtype)
+        assert torch.equal(b(x.to(dtype)), a(x.to(dtype))), dtype
+    xa, xb = (x.clone().requires_grad_() for _ in range(2))
+    dy = torch.randn_like(x)
+    norm(xa).backward(dy)
+    ours(xb).backward(dy)
+    torch.testing.assert_close(xb.grad, xa.grad)
+    torch.testing.assert_close(ours.weight.grad, norm.weight.grad)
+
+
+def test_unpatch_restores_classes_and_outputs():
+    original = hf_model("llama")
+    model = copy.deepcopy(original)
+    classes = {n: type(m) for n, m in model.named_modules()}
+    report = addnorm.patch(model, fuse_residual=True)
+    assert len(report.fused) == 2
+    assert addnorm.unpatch(model) == len(report.replaced) + len(report.fused)
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    assert not any("backend" in m.__dict__ for m in model.modules())
+    assert_same_step(original, model, hf_inputs("llama"), exact=True)
+
+
+def test_patch_is_idempotent_and_keeps_optimizer_working():
+    model = hf_model("gpt2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = addnorm.patch(model)
+    assert addnorm.patch(model).replaced == [] and len(first.replaced) == 5
+    before = model.transformer.ln_f.weight.detach().clone()
+    step(model, hf_inputs("gpt2"))
+    opt.step()  # the optimizer built before patching updates the norms' weights
+    assert not torch.equal(model.transformer.ln_f.weight, before)
+
+
+def test_plain_torch_model_norms_device_dtype_and_state_dict():
+    torch.manual_seed(0)
+    original = TinyTransformer(layer=nn.LayerNorm, rms=lambda n: nn.RMSNorm(n, eps=1e-6)).double()
+    model = copy.deepcopy(original)
+    report = addnorm.patch(model)
+    assert sorted(s for _, _, s in report.replaced) == ["layer", "layer", "rms", "rms"]
+    assert type(model.blocks[0].norm1) is addnorm.LayerNorm and type(model.blocks[1].norm1) is addnorm.RMSNorm
+    assert model.blocks[1].norm2.weight.dtype == torch.float64
+    assert model.state_dict().keys() == original.state_dict().keys()
+    ids = torch.randint(0, 64, (2, 8))
+    torch.testing.assert_close(model(ids), original(ids), rtol=1e-12, atol=1e-12)
+
+
+def test_norm_types_selects_and_extends():
+    class MyRMSNorm(nn.Module):  # a Llama-style norm addnorm does not know
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.rand(n) + 0.5)
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            xf = x.float()
+            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    model = nn.Sequential(nn.LayerNorm(16), nn.RMSNorm(16), MyRMSNorm(16))
+    report = addnorm.patch(copy.deepcopy(model))
+    assert [n for n, _, _ in report.replaced] == ["0", "1"]
+    assert report.skipped == [("2", "MyRMSNorm", "unknown norm class; see norm_types")]
+    only_rms = copy.deepcopy(model)
+    assert [n for n, _, _ in addnorm.patch(only_rms, norm_types=[nn.RMSNorm]).replaced] == ["1"]
+    assert type(only_rms[0]) is nn.LayerNorm
+    custom = copy.deepcopy(model)
+    report = addnorm.patch(custom, norm_types={MyRMSNorm: "llama"})
+    assert report.replaced == [("2", "MyRMSNorm", "llama")] and isinstance(custom[2], MyRMSNorm)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    assert torch.equal(custom[2].to(torch.bfloat16)(x), model[2].to(torch.bfloat16)(x))
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        addnorm.patch("gpt2")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        addnorm.patch(nn.LayerNorm(4), backend="cuda")
+    with pytest.raises(ValueError, match=r"norm_types\[Linear\] must be one of"):
+        addnorm.patch(nn.Linear(2, 2), norm_types={nn.Linear: "batch"})
+    with pytest.raises(ValueError, match="not a norm addnorm knows"):
+        addnorm.patch(nn.Linear(2, 2), norm_types=[nn.Linear])
+    with pytest.raises(TypeError, match="norm_types must be"):
+        addnorm.patch(nn.Linear(2, 2), norm_types="LayerNorm")
+    with pytest.raises(TypeError, match="fuse_residual must be a bool"):
+        addnorm.patch(nn.Linear(2, 2), fuse_residual="yes")
+
+
+# --------------------------------------------------------------------------- residual fusion
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_gives_identical_outputs(name, dtype, monkeypatch):
+    unfused = hf_model(name, dtype)
+    addnorm.patch(unfused, backend="reference")
+    fused = copy.deepcopy(unfused)
+    report = addnorm.patch(fused, fuse_residual=True, backend="reference")
+    assert len(report.fused) == 2 and not report.skipped
+    calls = []
+    real = patch_module.add_norm
+    spy = lambda x, r, *a, **k: calls.append(r is not None) or real(x, r, *a, **k)
+    monkeypatch.setattr(patch_module, "add_norm", spy)
+    # the fused backward adds the norm's and the stream's gradients in float32 and rounds once,
+    # where the unfused graph rounds each to bf16 first: bf16 gradients may differ in the last bit
+    assert_same_step(unfused, fused, hf_inputs(name), exact=True, exact_grads=dtype == torch.float32)
+    assert calls.count(True) == 2  # one fused add per block, forward only
+
+
+def test_fused_blocks_generate_with_cache_and_cross_attention():
+    import transformers as tf
+
+    llama = hf_model("llama").eval()
+    fused = copy.deepcopy(llama)
+    addnorm.patch(fused, fuse_residual=True)
+    prompt = hf_inputs("llama")["input_ids"][:, :4]
+    kwargs = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(fused.generate(prompt, **kwargs), llama.generate(prompt, **kwargs))
+
+    # GPT-2 with cross-attention: the fused block falls back to the original forward
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=8,
+                           add_cross_attention=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           bos_token_id=0, eos_token_id=0)
+    gpt2 = tf.GPT2LMHeadModel(config)
+    fused = copy.deepcopy(gpt2)
+    report = addnorm.patch(fused, fuse_residual=True)
+    assert report.fused == ["transformer.h.0"] and len(report.replaced) == 4
+    ids, memory = torch.randint(0, 64, (2, 8)), torch.randn(2, 5, 32)
+    torch.testing.assert_close(fused(input_ids=ids, encoder_hidden_states=memory).logits,
+                               gpt2(input_ids=ids, encoder_hidden_states=memory).logits)
