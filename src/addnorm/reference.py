@@ -9,7 +9,8 @@ features (the product of ``normalized_shape``).
 Forward (one row ``s`` of ``N`` features, optional residual add first)::
 
     s     = x + residual                 (in residual_dtype, else torch's type promotion)
-    mu    = mean(s)                      (LayerNorm only; RMSNorm has mu = 0)
+    mu    = mean(s)                      (LayerNorm only; RMSNorm has mu = 0), then
+                                         corrected by mean(s - mu): exact for constant rows
     var   = mean((s - mu)^2)             biased, two passes: never E[s^2] - E[s]^2
     rstd  = 1 / sqrt(var + eps)          eps inside the square root, as torch
     xhat  = (s - mu) * rstd
@@ -86,8 +87,14 @@ def forward(
         mean = None
         centered = sf
     else:
-        mean = sf.mean(dim=-1)
-        centered = sf - mean[:, None]
+        # The first mean is off by its rounding error (about ulp(mean) for rows far from
+        # zero, and nonzero even for a constant row); the mean of the centered row measures
+        # that error and removes it, so the centered values come out exact to rounding.
+        mean = sf.mean(dim=-1, keepdim=True)
+        centered = sf - mean
+        correction = centered.mean(dim=-1, keepdim=True)
+        centered = centered - correction
+        mean = (mean + correction)[:, 0]
     var = (centered * centered).mean(dim=-1)
     rstd = torch.rsqrt(var + eps)
     y = centered * rstd[:, None]
