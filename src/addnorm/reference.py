@@ -61,6 +61,18 @@ def stream_dtype(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype
     return torch.promote_types(x.dtype, residual.dtype)
 
 
+# Rows are processed in blocks of about BLOCK_ELEMENTS elements: the float32 temporaries of
+# the formulas below then take a fixed ~0.5 MiB instead of several copies of the whole input,
+# so forward + backward peak at torch eager's memory (s, y and ds) plus that fixed buffer.
+# The block size depends only on N, so dweight/dbias are summed in the same order every run.
+BLOCK_ELEMENTS = 1 << 14
+
+
+def row_blocks(m: int, n: int) -> list[slice]:
+    step = max(1, BLOCK_ELEMENTS // max(n, 1))
+    return [slice(i, min(i + step, m)) for i in range(0, m, step)]
+
+
 def forward(
     x: Tensor,
     residual: Tensor | None,
@@ -82,7 +94,21 @@ def forward(
     else:
         s = x
     cd = stats_dtype(s.dtype)
-    sf = s.to(cd)
+    m, n = s.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean = None if rms else torch.empty(m, dtype=cd, device=x.device)
+    rstd = torch.empty(m, dtype=cd, device=x.device)
+    w = weight.to(cd) if weight is not None else None
+    b = bias.to(cd) if bias is not None else None
+    for rows in row_blocks(m, n):
+        y[rows], block_mean, rstd[rows] = _forward_rows(s[rows].to(cd), w, b, eps, rms)
+        if mean is not None:
+            mean[rows] = block_mean
+    return y, (s if residual is not None else None), mean, rstd
+
+
+def _forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms: bool):
+    """The forward formulas on a block of rows, all in the statistics dtype."""
     if rms:
         mean = None
         centered = sf
@@ -98,11 +124,11 @@ def forward(
     var = (centered * centered).mean(dim=-1)
     rstd = torch.rsqrt(var + eps)
     y = centered * rstd[:, None]
-    if weight is not None:
-        y = y * weight.to(cd)
-    if bias is not None:
-        y = y + bias.to(cd)
-    return y.to(x.dtype), (s if residual is not None else None), mean, rstd
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y, mean, rstd
 
 
 def backward(
@@ -122,17 +148,37 @@ def backward(
     and ``dbias`` in the statistics dtype (``None`` where there is no such parameter).
     """
     cd = rstd.dtype
-    sf = s.to(cd)
+    m, n = s.shape
+    ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
+    dweight = torch.zeros(n, dtype=cd, device=s.device) if weight is not None else None
+    dbias = torch.zeros(n, dtype=cd, device=s.device) if has_bias else None
+    w = weight.to(cd) if weight is not None else None
+    for rows in row_blocks(m, n):
+        ds[rows], block_dweight, block_dbias = _backward_rows(
+            dy[rows].to(cd),
+            dstream[rows].to(cd) if dstream is not None else None,
+            s[rows].to(cd),
+            w,
+            mean[rows] if mean is not None else None,
+            rstd[rows],
+        )
+        if dweight is not None:
+            dweight += block_dweight
+        if dbias is not None:
+            dbias += block_dbias
+    return ds, dweight, dbias
+
+
+def _backward_rows(dyf: Tensor, dstreamf: Tensor | None, sf: Tensor, w: Tensor | None,
+                   mean: Tensor | None, rstd: Tensor):
+    """The backward formulas on a block of rows: ``(ds, dweight partial, dbias partial)``."""
     xhat = (sf if mean is None else sf - mean[:, None]) * rstd[:, None]
-    dyf = dy.to(cd)
-    g = dyf * weight.to(cd) if weight is not None else dyf
-    n = s.shape[-1]
+    g = dyf * w if w is not None else dyf
+    n = sf.shape[-1]
     inner = g - xhat * ((g * xhat).sum(dim=-1, keepdim=True) / n)
     if mean is not None:
         inner = inner - g.sum(dim=-1, keepdim=True) / n
     ds = inner * rstd[:, None]
-    if dstream is not None:
-        ds = ds + dstream.to(cd)
-    dweight = (dyf * xhat).sum(dim=0) if weight is not None else None
-    dbias = dyf.sum(dim=0) if has_bias else None
-    return ds.to(s.dtype), dweight, dbias
+    if dstreamf is not None:
+        ds = ds + dstreamf
+    return ds, (dyf * xhat).sum(dim=0), dyf.sum(dim=0)
