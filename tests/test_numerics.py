@@ -2,7 +2,9 @@
 
 For each scenario our error against the fp64 oracle (torch's own op on the same values in
 float64), forward and backward, must be no worse than torch's own error in the same dtype
-(up to a factor 2 for rounding-order noise, plus the dtype's atol). Non-finite inputs and eps=0
+(up to a factor 2 for rounding-order noise, plus the dtype's atol). Where torch's float32
+statistics overflow (bfloat16 beyond ~1e18), we must instead be within twice the error of
+the oracle rounded to bfloat16: exact up to the dtype. Non-finite inputs and eps=0
 must propagate exactly as in torch: the same elements become NaN/inf, the other rows are exact.
 ``benchmarks/reliability_report.py`` prints the figures for these scenarios.
 """
@@ -30,6 +32,9 @@ class Scenario:
     rms: bool
     make: Callable[[torch.Generator], torch.Tensor]  # float64 values, cast to dtype by the test
     eps: float = 1e-5
+    # torch's own statistics overflow here (bf16 has float32's range): measure us against the
+    # best possible result, the oracle rounded to the dtype, instead of against torch's error.
+    torch_overflows: bool = False
 
 
 def _randn(g, scale=1.0, offset=0.0):
@@ -52,8 +57,13 @@ SCENARIOS = [
     Scenario("all-equal rows bf16 rms", torch.bfloat16, True, _full(7.0)),
     Scenario("near fp16 max", torch.float16, False, lambda g: _randn(g).clamp(-1, 1) * 65000),
     Scenario("near fp16 max rms", torch.float16, True, lambda g: _randn(g).clamp(-1, 1) * 65000),
-    Scenario("bf16 1e18 (fp32 squares near overflow)", torch.bfloat16, False, lambda g: _randn(g, 1e18)),
-    Scenario("bf16 1e18 rms", torch.bfloat16, True, lambda g: _randn(g, 1e18)),
+    Scenario("bf16 1e18 (sum of squares overflows fp32)", torch.bfloat16, False, lambda g: _randn(g, 1e18),
+             torch_overflows=True),
+    Scenario("bf16 1e18 rms", torch.bfloat16, True, lambda g: _randn(g, 1e18), torch_overflows=True),
+    Scenario("near bf16 max", torch.bfloat16, False, lambda g: _randn(g).clamp(-1, 1) * 3e38,
+             torch_overflows=True),
+    Scenario("near bf16 max rms", torch.bfloat16, True, lambda g: _randn(g).clamp(-1, 1) * 3e38,
+             torch_overflows=True),
     Scenario("denormal fp32", torch.float32, False, lambda g: _randn(g, 1e-40)),
     Scenario("denormal fp32 rms", torch.float32, True, lambda g: _randn(g, 1e-40)),
     Scenario("subnormal fp16", torch.float16, False, lambda g: _randn(g, 1e-6)),
@@ -102,6 +112,8 @@ def test_error_no_worse_than_torch(backend, sc):
     for key, oracle in res["oracle"].items():
         assert bool(oracle.isfinite().all()), f"{key}: the oracle itself is not finite"
         ours, theirs = max_error(res["ours"][key], oracle), max_error(res["torch"][key], oracle)
+        if sc.torch_overflows:
+            theirs = max_error(oracle.to(sc.dtype), oracle)
         # dweight/dbias sum ROWS terms: their rounding grows like sqrt(ROWS)
         slack = (atol * (math.sqrt(ROWS) if key in ("dweight", "dbias") else 1.0)
                  + rtol * oracle.abs().max().item())

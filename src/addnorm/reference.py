@@ -12,7 +12,8 @@ Forward (one row ``s`` of ``N`` features, optional residual add first)::
     mu    = mean(s)                      (LayerNorm only; RMSNorm has mu = 0), then
                                          corrected by mean(s - mu): exact for constant rows
     var   = mean((s - mu)^2)             biased, two passes: never E[s^2] - E[s]^2
-    rstd  = 1 / sqrt(var + eps)          eps inside the square root, as torch
+    rstd  = 1 / sqrt(var + eps)          eps inside the square root, as torch; computed on
+                                         s * 2**-e for rows beyond 1, so no overflow
     xhat  = (s - mu) * rstd
     y     = weight * xhat + bias
 
@@ -107,28 +108,42 @@ def forward(
     return y, (s if residual is not None else None), mean, rstd
 
 
+def row_scale(sf: Tensor) -> Tensor:
+    """Per row, a power of two ``k <= 1`` with ``max|s * k| < 1``, shape ``(rows, 1)``.
+
+    The statistics are computed on ``s * k``, which cannot overflow: bfloat16 shares
+    float32's range, so rows beyond ~1e19 would overflow ``s**2`` and rows near the
+    maximum even the sum. Scaling by a power of two is exact, so rows within ``(-1, 1)``
+    are untouched and others get bit-for-bit the statistics they would have unscaled.
+    """
+    _, exponent = torch.frexp(sf.abs().amax(dim=-1, keepdim=True))
+    return torch.ldexp(torch.ones_like(exponent, dtype=sf.dtype), -exponent.clamp(min=0))
+
+
 def _forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms: bool):
     """The forward formulas on a block of rows, all in the statistics dtype."""
+    k = row_scale(sf)
+    sk = sf * k
     if rms:
         mean = None
-        centered = sf
+        centered = sk
     else:
         # The first mean is off by its rounding error (about ulp(mean) for rows far from
         # zero, and nonzero even for a constant row); the mean of the centered row measures
         # that error and removes it, so the centered values come out exact to rounding.
-        mean = sf.mean(dim=-1, keepdim=True)
-        centered = sf - mean
+        mean = sk.mean(dim=-1, keepdim=True)
+        centered = sk - mean
         correction = centered.mean(dim=-1, keepdim=True)
         centered = centered - correction
-        mean = (mean + correction)[:, 0]
-    var = (centered * centered).mean(dim=-1)
-    rstd = torch.rsqrt(var + eps)
-    y = centered * rstd[:, None]
+        mean = ((mean + correction) / k)[:, 0]
+    var = (centered * centered).mean(dim=-1, keepdim=True)  # the variance of s, times k**2
+    rstd_k = torch.rsqrt(var + eps * k * k)  # = rstd / k
+    y = centered * rstd_k
     if w is not None:
         y = y * w
     if b is not None:
         y = y + b
-    return y, mean, rstd
+    return y, mean, (rstd_k * k)[:, 0]
 
 
 def backward(
@@ -172,7 +187,8 @@ def backward(
 def _backward_rows(dyf: Tensor, dstreamf: Tensor | None, sf: Tensor, w: Tensor | None,
                    mean: Tensor | None, rstd: Tensor):
     """The backward formulas on a block of rows: ``(ds, dweight partial, dbias partial)``."""
-    xhat = (sf if mean is None else sf - mean[:, None]) * rstd[:, None]
+    k = row_scale(sf)  # as in the forward: (s - mean) * rstd may not overflow on the way
+    xhat = (sf * k if mean is None else sf * k - mean[:, None] * k) * (rstd[:, None] / k)
     g = dyf * w if w is not None else dyf
     n = sf.shape[-1]
     inner = g - xhat * ((g * xhat).sum(dim=-1, keepdim=True) / n)
