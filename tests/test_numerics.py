@@ -175,3 +175,28 @@ def test_nonfinite_propagate_as_torch(backend, kind, dtype, rms):
             bad_rows = theirs.isfinite().logical_not().any(dim=-1)
             assert bad_rows.sum() <= 2, "a non-finite value spread beyond its own row"
             assert_matches_oracle(ours[~bad_rows], oracle[~bad_rows], theirs[~bad_rows])
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_nan_in_residual_stays_in_its_row(backend, rms):
+    """Add & Norm (pre-norm): a NaN in the residual spoils that row of y, s, dx and dresidual
+    only, exactly as torch's ``x + r`` followed by its norm."""
+    g = torch.Generator().manual_seed(8)
+    x, r = (torch.randn(5, 24, generator=g) for _ in range(2))
+    r[3, 7] = math.nan
+    w = torch.rand(24, generator=g) + 0.5
+    dy, dstream = torch.randn(5, 24, generator=g), torch.randn(5, 24, generator=g)
+    out = {}
+    for who in ("ours", "torch"):
+        xl, rl = x.clone().requires_grad_(), r.clone().requires_grad_()
+        if who == "ours":
+            call = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
+            y, s = call(xl, rl, 24, w, prenorm=True, backend=backend)
+        else:
+            s = xl + rl
+            y = torch_norm(s, w, None, 1e-5 if not rms else None, rms)
+        out[who] = (y.detach(), s.detach(), *torch.autograd.grad((y, s), (xl, rl), (dy, dstream)))
+    for name, ours, theirs in zip(("y", "s", "dx", "dresidual"), out["ours"], out["torch"], strict=True):
+        assert torch.equal(ours.isnan(), theirs.isnan()), name
+        assert torch.equal(ours.isnan().any(dim=-1), torch.tensor([False, False, False, True, False])), name
+        torch.testing.assert_close(ours[[0, 1, 2, 4]], theirs[[0, 1, 2, 4]], rtol=1e-5, atol=1e-5)
