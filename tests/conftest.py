@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from addnorm import ops
 
@@ -16,6 +19,14 @@ TOLERANCES = {
     torch.float16: (1e-3, 1e-3),
     torch.bfloat16: (1.6e-2, 1e-2),
 }
+# Hypothesis: "ci" (default) is reproducible and quick; HYPOTHESIS_PROFILE=long for local runs.
+# The backend fixture only names a backend, so reusing it across examples is safe.
+_QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None,
+                          suppress_health_check=_QUIET, print_blob=True)
+settings.register_profile("long", max_examples=1000, deadline=None, suppress_health_check=_QUIET)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 DTYPES = list(TOLERANCES)
 

@@ -23,8 +23,15 @@ class UsageError(Exception):
     """Bad input from the user: printed as ``addnorm: error: <message>``, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but bad usage is one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="addnorm",
         description="LayerNorm, RMSNorm and Add & Norm for PyTorch: inspect, learn, measure.",
     )

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
+from . import ops
 
 Shape = int | Sequence[int]
 
@@ -55,7 +56,7 @@ class LayerNorm(nn.LayerNorm):
         backend: str = "auto",
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        self.backend = backend
+        self.backend = ops.check_backend(backend)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend)
@@ -85,7 +86,7 @@ class RMSNorm(nn.RMSNorm):
         backend: str = "auto",
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
-        self.backend = backend
+        self.backend = ops.check_backend(backend)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)
@@ -140,8 +141,8 @@ class AddNorm(nn.Module):
         else:
             raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
         self.kind = norm
-        self.prenorm = prenorm
-        self.residual_dtype = residual_dtype
+        self.prenorm = ops.check_flag("prenorm", prenorm)
+        self.residual_dtype = ops.check_residual_dtype(residual_dtype)
 
     def forward(self, x: Tensor, residual: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         n = self.norm

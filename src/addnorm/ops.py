@@ -193,12 +193,14 @@ class _EagerAddNorm(torch.autograd.Function):
 # --------------------------------------------------------------------------- checks
 
 _FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
+# float8 and other exotic floats pass is_floating_point() but no backend computes in them.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_float_tensor(name: str, t: object) -> Tensor:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
+    if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be a floating-point tensor ({_FLOAT_DTYPES}), got {t.dtype}")
     return t
 
@@ -231,9 +233,33 @@ def _check_param(name: str, p: Tensor | None, shape: tuple[int, ...], x: Tensor)
 
 
 def check_eps(eps: object) -> float:
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or math.isnan(eps) or eps < 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a non-negative finite number, got {type(eps).__name__} {eps!r}")
+    if not math.isfinite(eps) or eps < 0:  # eps=inf would silently turn every output into bias
+        raise ValueError(f"eps must be a non-negative finite number, got {eps!r}")
     return float(eps)
+
+
+def check_backend(backend: object) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {backend_names()}, got {type(backend).__name__}")
+    if backend != "auto" and backend not in BACKEND_MODULES:
+        raise ValueError(f"backend must be one of {backend_names()}, got {backend!r}")
+    return backend
+
+
+def check_flag(name: str, value: object) -> bool:
+    # A truthy string such as prenorm="no" would silently change what is returned.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_residual_dtype(residual_dtype: object) -> torch.dtype | None:
+    if residual_dtype is not None and residual_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"residual_dtype must be None or a torch dtype ({_FLOAT_DTYPES}), got {residual_dtype!r}")
+    return residual_dtype
 
 
 def check_inputs(
@@ -262,10 +288,7 @@ def check_inputs(
             )
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device} but x is on {x.device}; expected the same device")
-    if residual_dtype is not None and (
-        not isinstance(residual_dtype, torch.dtype) or not residual_dtype.is_floating_point
-    ):
-        raise TypeError(f"residual_dtype must be a floating torch.dtype or None, got {residual_dtype!r}")
+    check_residual_dtype(residual_dtype)
     eps = check_eps(eps)
     n = math.prod(shape)
     if n <= 2:
@@ -294,13 +317,11 @@ def add_norm(
     backend: str,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The one entry point behind every function of :mod:`addnorm.functional`."""
-    if eps is None:  # RMSNorm's default, as torch: the machine epsilon of the compute dtype
+    if eps is None and rms:  # RMSNorm's default, as torch: the machine epsilon of the compute dtype
         eps = torch.finfo(reference.stats_dtype(x.dtype)).eps if isinstance(x, Tensor) else 0.0
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, one of {backend_names()}, got {type(backend).__name__}")
-    if backend != "auto" and backend not in BACKEND_MODULES:
-        raise ValueError(f"backend must be one of {backend_names()}, got {backend!r}")
+    check_flag("prenorm", prenorm)
+    check_backend(backend)
     if torch.onnx.is_in_onnx_export():
         return _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype)
     n = math.prod(shape)

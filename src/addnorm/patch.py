@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import nn as addnorm_nn
-from .ops import add_norm, backend_names
+from .ops import add_norm, check_backend
 
 STYLES = ("layer", "rms", "llama", "gemma")
 
@@ -246,8 +246,7 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(backend, str) or backend not in backend_names():
-        raise ValueError(f"backend must be one of {backend_names()}, got {backend!r}")
+    check_backend(backend)
     if not isinstance(fuse_residual, bool):
         raise TypeError(f"fuse_residual must be a bool, got {type(fuse_residual).__name__}")
     types = _resolve_norm_types(norm_types)

@@ -9,9 +9,11 @@ features (the product of ``normalized_shape``).
 Forward (one row ``s`` of ``N`` features, optional residual add first)::
 
     s     = x + residual                 (in residual_dtype, else torch's type promotion)
-    mu    = mean(s)                      (LayerNorm only; RMSNorm has mu = 0)
+    mu    = mean(s)                      (LayerNorm only; RMSNorm has mu = 0), then
+                                         corrected by mean(s - mu): exact for constant rows
     var   = mean((s - mu)^2)             biased, two passes: never E[s^2] - E[s]^2
-    rstd  = 1 / sqrt(var + eps)          eps inside the square root, as torch
+    rstd  = 1 / sqrt(var + eps)          eps inside the square root, as torch; computed on
+                                         s * 2**-e for rows beyond 1, so no overflow
     xhat  = (s - mu) * rstd
     y     = weight * xhat + bias
 
@@ -60,43 +62,110 @@ def stream_dtype(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype
     return torch.promote_types(x.dtype, residual.dtype)
 
 
-def forward_steps(
-    x: Tensor,
-    residual: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    rms: bool,
-    residual_dtype: torch.dtype | None,
-) -> dict[str, Tensor | None]:
-    """:func:`forward`, keeping every intermediate (for ``addnorm explain``).
+def stream(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype | None) -> Tensor:
+    """``s = x + residual`` in :func:`stream_dtype` (``x`` itself without a residual)."""
+    if residual is None:
+        return x
+    sd = stream_dtype(x, residual, residual_dtype)
+    return x.to(sd) + residual.to(sd)
 
-    Returns ``s`` (the stream, or ``x`` itself without a residual), ``mean`` (``None`` for
-    RMSNorm), the biased ``var`` (for RMSNorm the mean square), ``rstd``, ``xhat`` and ``y``;
-    all but ``s`` in :func:`stats_dtype`.
+
+# Rows are processed in blocks of about BLOCK_ELEMENTS elements: the float32 temporaries of
+# the formulas below then take a fixed ~0.5 MiB instead of several copies of the whole input,
+# so forward + backward peak at torch eager's memory (s, y and ds) plus that fixed buffer.
+# The block size depends only on N, so dweight/dbias are summed in the same order every run.
+BLOCK_ELEMENTS = 1 << 14
+
+
+def row_blocks(m: int, n: int) -> list[slice]:
+    step = max(1, BLOCK_ELEMENTS // max(n, 1))
+    return [slice(i, min(i + step, m)) for i in range(0, m, step)]
+
+
+def row_scale(sf: Tensor) -> Tensor:
+    """Per row, a power of two ``k <= 1`` with ``max|s * k| < 1``, shape ``(rows, 1)``.
+
+    The statistics are computed on ``s * k``, which cannot overflow: bfloat16 shares
+    float32's range, so rows beyond ~1e19 would overflow ``s**2`` and rows near the
+    maximum even the sum. Scaling by a power of two is exact, so rows within ``(-1, 1)``
+    are untouched and others get bit-for-bit the statistics they would have unscaled.
     """
-    if residual is not None:
-        sd = stream_dtype(x, residual, residual_dtype)
-        s = x.to(sd) + residual.to(sd)
-    else:
-        s = x
-    cd = stats_dtype(s.dtype)
-    sf = s.to(cd)
+    _, exponent = torch.frexp(sf.abs().amax(dim=-1, keepdim=True))
+    return torch.ldexp(torch.ones_like(exponent, dtype=sf.dtype), -exponent.clamp(min=0))
+
+
+def forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms: bool) -> dict[str, Tensor | None]:
+    """The forward formulas on rows ``sf`` already in the statistics dtype, every step kept.
+
+    Returns ``mean`` (``None`` for RMSNorm), the biased ``var`` (for RMSNorm the mean
+    square), ``rstd``, ``xhat`` and ``y``, all in the dtype of ``sf``.
+    """
+    k = row_scale(sf)
+    sk = sf * k
     if rms:
         mean = None
-        centered = sf
+        centered = sk
     else:
-        mean = sf.mean(dim=-1)
-        centered = sf - mean[:, None]
-    var = (centered * centered).mean(dim=-1)
-    rstd = torch.rsqrt(var + eps)
-    xhat = centered * rstd[:, None]
+        # The first mean is off by its rounding error (about ulp(mean) for rows far from
+        # zero, and nonzero even for a constant row); the mean of the centered row measures
+        # that error and removes it, so the centered values come out exact to rounding.
+        mean = sk.mean(dim=-1, keepdim=True)
+        centered = sk - mean
+        correction = centered.mean(dim=-1, keepdim=True)
+        centered = centered - correction
+        mean = ((mean + correction) / k)[:, 0]
+    var_k = (centered * centered).mean(dim=-1, keepdim=True)  # the variance of s, times k**2
+    rstd_k = torch.rsqrt(var_k + eps * k * k)  # = rstd / k
+    xhat = centered * rstd_k
     y = xhat
-    if weight is not None:
-        y = y * weight.to(cd)
-    if bias is not None:
-        y = y + bias.to(cd)
-    return {"s": s, "mean": mean, "var": var, "rstd": rstd, "xhat": xhat, "y": y}
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return {"mean": mean, "var": (var_k / (k * k))[:, 0], "rstd": (rstd_k * k)[:, 0], "xhat": xhat, "y": y}
+
+
+def backward_rows(dyf: Tensor, dstreamf: Tensor | None, sf: Tensor, w: Tensor | None,
+                  mean: Tensor | None, rstd: Tensor) -> dict[str, Tensor | None]:
+    """The backward formulas on rows already in the statistics dtype, every step kept.
+
+    Returns ``xhat``, ``g = dy * weight``, the per-row ``mean_g`` (``None`` for RMSNorm) and
+    ``mean_gxhat``, ``ds``, and this block's partial sums ``dweight`` and ``dbias``.
+    """
+    k = row_scale(sf)  # as in the forward: (s - mean) * rstd may not overflow on the way
+    xhat = (sf * k if mean is None else sf * k - mean[:, None] * k) * (rstd[:, None] / k)
+    g = dyf * w if w is not None else dyf
+    n = sf.shape[-1]
+    mean_gxhat = (g * xhat).sum(dim=-1) / n
+    inner = g - xhat * mean_gxhat[:, None]
+    mean_g = None
+    if mean is not None:
+        mean_g = g.sum(dim=-1) / n
+        inner = inner - mean_g[:, None]
+    ds = inner * rstd[:, None]
+    if dstreamf is not None:
+        ds = ds + dstreamf
+    return {"xhat": xhat, "g": g, "mean_g": mean_g, "mean_gxhat": mean_gxhat, "ds": ds,
+            "dweight": (dyf * xhat).sum(dim=0), "dbias": dyf.sum(dim=0)}
+
+
+def forward_steps(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+                  eps: float, rms: bool, residual_dtype: torch.dtype | None) -> dict[str, Tensor | None]:
+    """:func:`forward` on all rows at once, keeping every step (``s`` too), for ``addnorm explain``."""
+    s = stream(x, residual, residual_dtype)
+    cd = stats_dtype(s.dtype)
+    st = forward_rows(s.to(cd), *(None if t is None else t.to(cd) for t in (weight, bias)), eps, rms)
+    return dict(st, s=s)
+
+
+def backward_steps(dy: Tensor, dstream: Tensor | None, s: Tensor, weight: Tensor | None,
+                   mean: Tensor | None, rstd: Tensor, has_bias: bool) -> dict[str, Tensor | None]:
+    """:func:`backward` on all rows at once, keeping every step, for ``addnorm explain``."""
+    cd = rstd.dtype
+    st = backward_rows(dy.to(cd), None if dstream is None else dstream.to(cd), s.to(cd),
+                       None if weight is None else weight.to(cd), mean, rstd)
+    return dict(st, dweight=st["dweight"] if weight is not None else None,
+                dbias=st["dbias"] if has_bias else None)
 
 
 def forward(
@@ -114,43 +183,20 @@ def forward(
     ``x + residual`` (``None`` without a residual); ``mean`` (``None`` for RMSNorm) and
     ``rstd`` of shape ``(M,)`` in :func:`stats_dtype`.
     """
-    st = forward_steps(x, residual, weight, bias, eps, rms, residual_dtype)
-    return st["y"].to(x.dtype), (st["s"] if residual is not None else None), st["mean"], st["rstd"]
-
-
-def backward_steps(
-    dy: Tensor,
-    dstream: Tensor | None,
-    s: Tensor,
-    weight: Tensor | None,
-    mean: Tensor | None,
-    rstd: Tensor,
-    has_bias: bool,
-) -> dict[str, Tensor | None]:
-    """:func:`backward`, keeping every intermediate (for ``addnorm explain``).
-
-    Returns ``xhat``, ``g = dy * weight``, the per-row ``mean_g`` (``None`` for RMSNorm) and
-    ``mean_gxhat``, and ``ds``, ``dweight``, ``dbias``; all in the statistics dtype.
-    """
-    cd = rstd.dtype
-    sf = s.to(cd)
-    xhat = (sf if mean is None else sf - mean[:, None]) * rstd[:, None]
-    dyf = dy.to(cd)
-    g = dyf * weight.to(cd) if weight is not None else dyf
-    n = s.shape[-1]
-    mean_gxhat = (g * xhat).sum(dim=-1) / n
-    inner = g - xhat * mean_gxhat[:, None]
-    mean_g = None
-    if mean is not None:
-        mean_g = g.sum(dim=-1) / n
-        inner = inner - mean_g[:, None]
-    ds = inner * rstd[:, None]
-    if dstream is not None:
-        ds = ds + dstream.to(cd)
-    dweight = (dyf * xhat).sum(dim=0) if weight is not None else None
-    dbias = dyf.sum(dim=0) if has_bias else None
-    return {"xhat": xhat, "g": g, "mean_g": mean_g, "mean_gxhat": mean_gxhat, "ds": ds,
-            "dweight": dweight, "dbias": dbias}
+    s = stream(x, residual, residual_dtype)
+    cd = stats_dtype(s.dtype)
+    m, n = s.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean = None if rms else torch.empty(m, dtype=cd, device=x.device)
+    rstd = torch.empty(m, dtype=cd, device=x.device)
+    w = weight.to(cd) if weight is not None else None
+    b = bias.to(cd) if bias is not None else None
+    for rows in row_blocks(m, n):
+        st = forward_rows(s[rows].to(cd), w, b, eps, rms)
+        y[rows], rstd[rows] = st["y"], st["rstd"]
+        if mean is not None:
+            mean[rows] = st["mean"]
+    return y, (s if residual is not None else None), mean, rstd
 
 
 def backward(
@@ -169,5 +215,24 @@ def backward(
     ``ds`` in ``s.dtype`` (it is the gradient of both ``x`` and ``residual``), ``dweight``
     and ``dbias`` in the statistics dtype (``None`` where there is no such parameter).
     """
-    st = backward_steps(dy, dstream, s, weight, mean, rstd, has_bias)
-    return st["ds"].to(s.dtype), st["dweight"], st["dbias"]
+    cd = rstd.dtype
+    m, n = s.shape
+    ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
+    dweight = torch.zeros(n, dtype=cd, device=s.device) if weight is not None else None
+    dbias = torch.zeros(n, dtype=cd, device=s.device) if has_bias else None
+    w = weight.to(cd) if weight is not None else None
+    for rows in row_blocks(m, n):
+        st = backward_rows(
+            dy[rows].to(cd),
+            dstream[rows].to(cd) if dstream is not None else None,
+            s[rows].to(cd),
+            w,
+            mean[rows] if mean is not None else None,
+            rstd[rows],
+        )
+        ds[rows] = st["ds"]
+        if dweight is not None:
+            dweight += st["dweight"]
+        if dbias is not None:
+            dbias += st["dbias"]
+    return ds, dweight, dbias

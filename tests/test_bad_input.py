@@ -1,0 +1,224 @@
+"""Bad input everywhere: every public function, module and CLI command, one table row per case.
+
+Each wrong argument must raise a ValueError/TypeError whose message names the argument, before
+any backend runs; the CLI must answer with an error line naming the problem and exit status 2,
+never a traceback. Adding a case (or, after a new CLI command lands, a command) is one row.
+"""
+# ruff: noqa: E501  (one table row per line reads best)
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import addnorm
+from addnorm import cli
+
+X = torch.randn(4, 8)
+W = torch.ones(8)
+META = torch.device("meta")  # stands in for "another device" (cuda) on a CPU-only machine
+
+# (id, call(backend), exception type, regex the message must match)
+FUNCTION_CASES = [
+    # x
+    ("x list", lambda b: addnorm.layer_norm([[1.0] * 8], 8, backend=b), TypeError, r"^x must be a torch.Tensor"),
+    ("x numpy", lambda b: addnorm.rms_norm(np.ones((2, 8)), 8, backend=b), TypeError, r"^x must be a torch.Tensor"),
+    ("x int", lambda b: addnorm.layer_norm(X.long(), 8, backend=b), TypeError, r"^x must be a floating.*int64"),
+    ("x bool", lambda b: addnorm.rms_norm(X.bool(), 8, backend=b), TypeError, r"^x must be a floating.*bool"),
+    ("x complex", lambda b: addnorm.layer_norm(X.cfloat(), 8, backend=b), TypeError, r"^x must be a floating"),
+    ("x float8", lambda b: addnorm.layer_norm(X.to(torch.float8_e4m3fn), 8, backend=b), TypeError,
+     r"^x must be a floating.*float8"),
+    ("x 0-d", lambda b: addnorm.layer_norm(torch.tensor(1.0), 1, backend=b), ValueError,
+     r"^x of shape \(\) must end with normalized_shape"),
+    ("x wrong trailing", lambda b: addnorm.layer_norm(X, 7, backend=b), ValueError,
+     r"^x of shape \(4, 8\) must end with normalized_shape \(7,\)"),
+    ("x too few dims", lambda b: addnorm.rms_norm(X, (2, 4, 8), backend=b), ValueError,
+     r"^x of shape .* must end with normalized_shape \(2, 4, 8\)"),
+    # normalized_shape
+    ("shape float", lambda b: addnorm.layer_norm(X, 8.0, backend=b), TypeError, r"^normalized_shape must be an int"),
+    ("shape str", lambda b: addnorm.layer_norm(X, "8", backend=b), TypeError, r"^normalized_shape must be an int"),
+    ("shape tensor", lambda b: addnorm.layer_norm(X, torch.tensor(8), backend=b), TypeError,
+     r"^normalized_shape must be an int"),
+    ("shape bool", lambda b: addnorm.layer_norm(X, True, backend=b), TypeError, r"^normalized_shape must be an int"),
+    ("shape 0", lambda b: addnorm.layer_norm(X, 0, backend=b), ValueError, r"^normalized_shape must be .*positive"),
+    ("shape negative", lambda b: addnorm.rms_norm(X, -8, backend=b), ValueError, r"^normalized_shape .*positive"),
+    ("shape empty", lambda b: addnorm.layer_norm(X, [], backend=b), ValueError, r"^normalized_shape .*positive"),
+    ("shape float item", lambda b: addnorm.layer_norm(X, [8.0], backend=b), ValueError, r"^normalized_shape"),
+    # weight / bias
+    ("weight numpy", lambda b: addnorm.layer_norm(X, 8, np.ones(8), backend=b), TypeError,
+     r"^weight must be a torch.Tensor"),
+    ("weight list", lambda b: addnorm.rms_norm(X, 8, [1.0] * 8, backend=b), TypeError, r"^weight must be a torch"),
+    ("weight int", lambda b: addnorm.layer_norm(X, 8, W.long(), backend=b), TypeError, r"^weight must be a floating"),
+    ("weight shape", lambda b: addnorm.rms_norm(X, 8, torch.ones(7), backend=b), ValueError,
+     r"^weight must have shape \(8,\)"),
+    ("weight broadcastable", lambda b: addnorm.layer_norm(X, 8, torch.ones(1, 8), backend=b), ValueError,
+     r"^weight must have shape \(8,\)"),
+    ("weight device", lambda b: addnorm.layer_norm(X, 8, W.to(META), backend=b), ValueError,
+     r"^weight is on meta but x is on cpu"),
+    ("bias shape", lambda b: addnorm.layer_norm(X, 8, W, torch.zeros(4), backend=b), ValueError,
+     r"^bias must have shape \(8,\)"),
+    ("bias numpy", lambda b: addnorm.layer_norm(X, 8, W, np.zeros(8), backend=b), TypeError,
+     r"^bias must be a torch.Tensor"),
+    ("bias device", lambda b: addnorm.add_layer_norm(X, X, 8, W, W.to(META), backend=b), ValueError,
+     r"^bias is on meta"),
+    # eps
+    ("eps negative", lambda b: addnorm.layer_norm(X, 8, eps=-1e-5, backend=b), ValueError, r"^eps must be"),
+    ("eps nan", lambda b: addnorm.rms_norm(X, 8, eps=math.nan, backend=b), ValueError, r"^eps must be.*nan"),
+    ("eps inf", lambda b: addnorm.layer_norm(X, 8, eps=math.inf, backend=b), ValueError, r"^eps must be.*finite"),
+    ("eps str", lambda b: addnorm.layer_norm(X, 8, eps="1e-5", backend=b), TypeError, r"^eps must be.*str"),
+    ("eps tensor", lambda b: addnorm.rms_norm(X, 8, eps=torch.tensor(1e-5), backend=b), TypeError,
+     r"^eps must be.*Tensor"),
+    ("eps None (LayerNorm)", lambda b: addnorm.layer_norm(X, 8, eps=None, backend=b), TypeError,
+     r"^eps must be.*NoneType"),
+    ("eps bool", lambda b: addnorm.add_rms_norm(X, X, 8, eps=True, backend=b), TypeError, r"^eps must be.*bool"),
+    # residual
+    ("residual None", lambda b: addnorm.add_layer_norm(X, None, 8, backend=b), TypeError,
+     r"^residual must be a torch.Tensor, got NoneType"),
+    ("residual list", lambda b: addnorm.add_rms_norm(X, X.tolist(), 8, backend=b), TypeError,
+     r"^residual must be a torch.Tensor"),
+    ("residual int", lambda b: addnorm.add_layer_norm(X, X.int(), 8, backend=b), TypeError,
+     r"^residual must be a floating"),
+    ("residual broadcast", lambda b: addnorm.add_layer_norm(X, X[0], 8, backend=b), ValueError,
+     r"^residual must have the shape of x \(4, 8\), got \(8,\)"),
+    ("residual rows", lambda b: addnorm.add_rms_norm(X, X[:2], 8, backend=b), ValueError,
+     r"^residual must have the shape of x"),
+    ("residual device", lambda b: addnorm.add_layer_norm(X, X.to(META), 8, backend=b), ValueError,
+     r"^residual is on meta but x is on cpu"),
+    ("residual_dtype str", lambda b: addnorm.add_layer_norm(X, X, 8, residual_dtype="float32", backend=b),
+     TypeError, r"^residual_dtype must be"),
+    ("residual_dtype int", lambda b: addnorm.add_rms_norm(X, X, 8, residual_dtype=torch.int32, backend=b),
+     TypeError, r"^residual_dtype must be.*int32"),
+    ("residual_dtype float8", lambda b: addnorm.add_rms_norm(X, X, 8, residual_dtype=torch.float8_e5m2,
+                                                             backend=b), TypeError, r"^residual_dtype must be"),
+    ("prenorm str", lambda b: addnorm.add_layer_norm(X, X, 8, prenorm="no", backend=b), TypeError,
+     r"^prenorm must be True or False"),
+    ("prenorm None", lambda b: addnorm.add_rms_norm(X, X, 8, prenorm=None, backend=b), TypeError,
+     r"^prenorm must be True or False"),
+    # backend (the fixture's backend is not used: these rows are about the name itself)
+    ("backend unknown", lambda b: addnorm.layer_norm(X, 8, backend="cuda"), ValueError, r"^backend must be one of"),
+    ("backend None", lambda b: addnorm.rms_norm(X, 8, backend=None), TypeError, r"^backend must be a string"),
+    ("backend positional", lambda b: addnorm.layer_norm(X, 8, None, None, 1e-5, b), TypeError, r"positional"),
+    # modules: constructor arguments, then forward inputs
+    ("LayerNorm backend", lambda b: addnorm.LayerNorm(8, backend="gpu"), ValueError, r"^backend must be one of"),
+    ("RMSNorm backend", lambda b: addnorm.RMSNorm(8, backend=1), TypeError, r"^backend must be a string"),
+    ("AddNorm norm", lambda b: addnorm.AddNorm(8, norm="batch", backend=b), ValueError, r"^norm must be"),
+    ("AddNorm prenorm", lambda b: addnorm.AddNorm(8, prenorm="yes", backend=b), TypeError, r"^prenorm must be"),
+    ("AddNorm residual_dtype", lambda b: addnorm.AddNorm(8, residual_dtype="bf16", backend=b), TypeError,
+     r"^residual_dtype must be"),
+    ("AddNorm backend", lambda b: addnorm.AddNorm(8, backend="nope"), ValueError, r"^backend must be one of"),
+    ("LayerNorm x shape", lambda b: addnorm.LayerNorm(8, backend=b)(torch.randn(2, 7)), ValueError,
+     r"^x of shape \(2, 7\) must end with normalized_shape \(8,\)"),
+    ("LayerNorm x numpy", lambda b: addnorm.LayerNorm(8, backend=b)(np.ones((2, 8))), TypeError, r"^x must be"),
+    ("LayerNorm eps None", lambda b: addnorm.LayerNorm(8, eps=None, backend=b)(X), TypeError, r"^eps must be"),
+    ("LayerNorm eps negative", lambda b: addnorm.LayerNorm(8, eps=-1.0, backend=b)(X), ValueError, r"^eps must"),
+    ("LayerNorm x meta", lambda b: addnorm.LayerNorm(8, backend=b)(X.to(META)), ValueError,
+     r"^weight is on cpu but x is on meta"),
+    ("RMSNorm x int", lambda b: addnorm.RMSNorm(8, backend=b)(X.int()), TypeError, r"^x must be a floating"),
+    ("RMSNorm eps str", lambda b: addnorm.RMSNorm(8, eps="a", backend=b)(X), TypeError, r"^eps must be"),
+    ("AddNorm residual None", lambda b: addnorm.AddNorm(8, backend=b)(X, None), TypeError, r"^residual must be"),
+    ("AddNorm residual shape", lambda b: addnorm.AddNorm(8, norm="rms", backend=b)(X, X[:, :4]), ValueError,
+     r"^residual must have the shape of x"),
+    ("AddNorm x list", lambda b: addnorm.AddNorm(8, backend=b)(X.tolist(), X), TypeError, r"^x must be"),
+    # patch / unpatch
+    ("patch model", lambda b: addnorm.patch(X, backend=b), TypeError, r"^model must be a torch.nn.Module, got Tensor"),
+    ("patch backend", lambda b: addnorm.patch(torch.nn.Linear(2, 2), backend="fast"), ValueError, r"^backend must be one of"),
+    ("patch fuse flag", lambda b: addnorm.patch(torch.nn.Linear(2, 2), fuse_residual="yes", backend=b), TypeError, r"^fuse_residual must be a bool"),
+    ("patch norm_types", lambda b: addnorm.patch(torch.nn.Linear(2, 2), norm_types=3, backend=b), TypeError, r"^norm_types must be"),
+    ("unpatch model", lambda b: addnorm.unpatch("model"), TypeError, r"^model must be a torch.nn.Module, got str"),
+]
+
+
+@pytest.mark.parametrize("call,error,match", [c[1:] for c in FUNCTION_CASES], ids=[c[0] for c in FUNCTION_CASES])
+def test_bad_argument_names_it(backend, call, error, match):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the 1-feature warning of "x 0-d"
+        with pytest.raises(error, match=match):
+            call(backend)
+
+
+def test_table_covers_every_public_name():
+    """A new public function or module must get rows above."""
+    covered = " ".join(c[0] for c in FUNCTION_CASES) + " " + " ".join(
+        c[1].__code__.co_names.__repr__() for c in FUNCTION_CASES)
+    for name in addnorm.__all__:
+        assert name in covered, f"no bad-input row calls addnorm.{name}"
+
+
+# --------------------------------------------------------------------------- CLI
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``addnorm ARGV`` in-process: (exit status, stdout, stderr); argparse's exits included."""
+    try:
+        status = cli.main(argv)
+    except SystemExit as exc:  # argparse reports bad usage by raising SystemExit(2)
+        status = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+# (argv, regex the last stderr line must match). After a command lands, add its bad inputs here,
+# e.g. ["explain", "--matrix", "[[1, 2], [3]]"] -> r"matrix".
+CLI_CASES = [
+    ([], None),  # no command: help, status 2
+    (["frobnicate"], r"^addnorm: error: argument COMMAND: invalid choice: 'frobnicate'"),
+    (["--no-such-option"], r"^addnorm: error: unrecognized arguments: --no-such-option"),
+    (["info", "extra"], r"^addnorm: error: unrecognized arguments: extra"),
+    (["info", "--threads", "2"], r"^addnorm: error: unrecognized arguments: --threads 2"),
+]
+
+
+@pytest.mark.parametrize("argv,match", CLI_CASES, ids=[" ".join(a) or "<none>" for a, _ in CLI_CASES])
+def test_cli_bad_input_exit_2_one_line(argv, match, capsys):
+    status, out, err = run_cli(argv, capsys)
+    assert status == 2
+    assert "Traceback" not in err + out
+    if match is None:  # no command at all: the help on stdout
+        assert "usage: addnorm" in out
+    else:
+        assert len(err.splitlines()) == 1 and re.match(match, err), err
+
+
+def test_cli_usage_error_is_one_line(capsys, monkeypatch):
+    """A command's UsageError is printed as one line naming the command, exit status 2."""
+    def boom(args):
+        raise cli.UsageError("bad --n: -1")
+
+    def register(sub):
+        sub.add_parser("boom").set_defaults(func=boom)
+
+    monkeypatch.setattr(cli, "COMMAND_MODULES", [*cli.COMMAND_MODULES, "fake_command"])
+    monkeypatch.setitem(sys.modules, "fake_command", type("M", (), {"register": register}))
+    status, out, err = run_cli(["boom"], capsys)
+    assert (status, out, err) == (2, "", "addnorm boom: error: bad --n: -1\n")
+
+
+# Argument words a fuzzer combines: valid-looking and hostile pieces. Add a command's words here.
+FUZZ_COMMANDS = ["info"]
+WORDS = st.one_of(
+    st.sampled_from(["--help", "-h", "--version", "--", "-", "--x=1", "[[1,2],[3,4]]", "nan", "1e999", "\x00"]),
+    st.text(max_size=12),
+)
+
+
+@given(command=st.sampled_from(FUZZ_COMMANDS + ["", "bogus"]), words=st.lists(WORDS, max_size=4))
+def test_cli_fuzz_never_tracebacks(command, words):
+    argv = ([command] if command else []) + words
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = cli.main(argv)
+        except SystemExit as exc:
+            status = exc.code
+    assert status in (0, 1, 2, None), (argv, status)
+    assert "Traceback" not in out.getvalue() + err.getvalue()
+

@@ -1,0 +1,202 @@
+"""Hard numerics: inputs that break naive LayerNorm/RMSNorm, against torch and the fp64 oracle.
+
+For each scenario our error against the fp64 oracle (torch's own op on the same values in
+float64), forward and backward, must be no worse than torch's own error in the same dtype
+(up to a factor 2 for rounding-order noise, plus the dtype's atol). Where torch's float32
+statistics overflow (bfloat16 beyond ~1e18), we must instead be within twice the error of
+the oracle rounded to bfloat16: exact up to the dtype. Non-finite inputs and eps=0
+must propagate exactly as in torch: the same elements become NaN/inf, the other rows are exact.
+``benchmarks/reliability_report.py`` prints the figures for these scenarios.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import addnorm
+from conftest import TOLERANCES, assert_matches_oracle
+
+ROWS, N = 16, 512  # small: every backend (the Triton interpreter too) runs each scenario
+
+
+@dataclass
+class Scenario:
+    name: str
+    dtype: torch.dtype
+    rms: bool
+    make: Callable[[torch.Generator], torch.Tensor]  # float64 values, cast to dtype by the test
+    eps: float = 1e-5
+    # torch's own statistics overflow here (bf16 has float32's range): measure us against the
+    # best possible result, the oracle rounded to the dtype, instead of against torch's error.
+    torch_overflows: bool = False
+
+
+def _randn(g, scale=1.0, offset=0.0):
+    return torch.randn(ROWS, N, generator=g, dtype=torch.float64) * scale + offset
+
+
+def _full(value):
+    return lambda g: torch.full((ROWS, N), value, dtype=torch.float64)
+
+
+SCENARIOS = [
+    Scenario("mean offset 1e4", torch.float32, False, lambda g: _randn(g, 1.0, 1e4)),
+    Scenario("mean offset 1e6", torch.float32, False, lambda g: _randn(g, 1.0, 1e6)),
+    Scenario("mean offset 1e4 rms", torch.float32, True, lambda g: _randn(g, 1.0, 1e4)),
+    Scenario("near-constant (var 1e-8 << eps)", torch.float32, False, lambda g: _randn(g, 1e-4, 3.0)),
+    Scenario("near-constant fp16", torch.float16, False, lambda g: _randn(g, 1e-3, 3.0)),
+    Scenario("near-constant bf16", torch.bfloat16, False, lambda g: _randn(g, 1e-2, 3.0)),
+    Scenario("all-equal rows", torch.float32, False, _full(3.7)),
+    Scenario("all-equal rows fp16", torch.float16, False, _full(-1.3)),
+    Scenario("all-equal rows bf16 rms", torch.bfloat16, True, _full(7.0)),
+    Scenario("near fp16 max", torch.float16, False, lambda g: _randn(g).clamp(-1, 1) * 65000),
+    Scenario("near fp16 max rms", torch.float16, True, lambda g: _randn(g).clamp(-1, 1) * 65000),
+    Scenario("bf16 1e18 (sum of squares overflows fp32)", torch.bfloat16, False, lambda g: _randn(g, 1e18),
+             torch_overflows=True),
+    Scenario("bf16 1e18 rms", torch.bfloat16, True, lambda g: _randn(g, 1e18), torch_overflows=True),
+    Scenario("near bf16 max", torch.bfloat16, False, lambda g: _randn(g).clamp(-1, 1) * 3e38,
+             torch_overflows=True),
+    Scenario("near bf16 max rms", torch.bfloat16, True, lambda g: _randn(g).clamp(-1, 1) * 3e38,
+             torch_overflows=True),
+    Scenario("denormal fp32", torch.float32, False, lambda g: _randn(g, 1e-40)),
+    Scenario("denormal fp32 rms", torch.float32, True, lambda g: _randn(g, 1e-40)),
+    Scenario("subnormal fp16", torch.float16, False, lambda g: _randn(g, 1e-6)),
+    Scenario("denormal bf16 rms", torch.bfloat16, True, lambda g: _randn(g, 1e-40)),
+]
+
+
+def torch_norm(x, w, b, eps, rms):
+    return TF.rms_norm(x, x.shape[-1:], w, eps) if rms else TF.layer_norm(x, x.shape[-1:], w, b, eps)
+
+
+def ours_norm(x, w, b, eps, rms, backend):
+    n = x.shape[-1]
+    if rms:
+        return addnorm.rms_norm(x, n, w, eps, backend=backend)
+    return addnorm.layer_norm(x, n, w, b, eps, backend=backend)
+
+
+def evaluate(sc: Scenario, backend: str, seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """Outputs and gradients (x, weight, bias) of ours, torch in ``sc.dtype`` and the fp64 oracle."""
+    g = torch.Generator().manual_seed(seed)
+    x = sc.make(g).to(sc.dtype)
+    w = (torch.randn(x.shape[-1], generator=g, dtype=torch.float64) + 1).to(sc.dtype)
+    b = None if sc.rms else torch.randn(x.shape[-1], generator=g, dtype=torch.float64).to(sc.dtype)
+    dy = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    results = {}
+    for who in ("ours", "torch", "oracle"):
+        dtype = torch.float64 if who == "oracle" else sc.dtype
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w, b) if t is not None]
+        args = (*leaves[:2], leaves[2] if len(leaves) > 2 else None, sc.eps, sc.rms)
+        y = ours_norm(*args, backend) if who == "ours" else torch_norm(*args)
+        grads = torch.autograd.grad(y, leaves, dy.to(dtype))
+        results[who] = dict(zip(["y", "dx", "dweight", "dbias"], [y.detach(), *grads], strict=False))
+    return results
+
+
+def max_error(t: torch.Tensor, oracle: torch.Tensor) -> float:
+    """Max |t - oracle|; NaN or inf where the oracle is finite counts as infinitely wrong."""
+    return (t.double() - oracle).abs().nan_to_num(math.inf, math.inf, math.inf).max().item()
+
+
+@pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_error_no_worse_than_torch(backend, sc):
+    res = evaluate(sc, backend)
+    rtol, atol = TOLERANCES[sc.dtype]
+    for key, oracle in res["oracle"].items():
+        assert bool(oracle.isfinite().all()), f"{key}: the oracle itself is not finite"
+        ours, theirs = max_error(res["ours"][key], oracle), max_error(res["torch"][key], oracle)
+        if sc.torch_overflows:
+            theirs = max_error(oracle.to(sc.dtype), oracle)
+        # dweight/dbias sum ROWS terms: their rounding grows like sqrt(ROWS)
+        slack = (atol * (math.sqrt(ROWS) if key in ("dweight", "dbias") else 1.0)
+                 + rtol * oracle.abs().max().item())
+        assert ours <= 2 * theirs + slack, f"{sc.name} {key}: ours {ours:.3g} vs torch's {theirs:.3g}"
+
+
+def test_offset_rows_are_centered_exactly(backend):
+    """The corrected mean makes a large common offset harmless: at 1e6 (fp32 ulp 0.0625) the
+    output is as accurate as for centered data, where torch's single-pass mean loses ~0.4."""
+    res = evaluate(SCENARIOS[1], backend)
+    assert max_error(res["ours"]["y"], res["oracle"]["y"]) < 1e-4
+
+
+# ----------------------------------------------------------------------- non-finite inputs
+
+def _nonfinite_input(kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 40, generator=g, dtype=torch.float64)
+    eps = 1e-5
+    if kind == "nan":
+        x[2, 5] = math.nan
+    elif kind == "inf":
+        x[4, 0] = math.inf
+    elif kind == "-inf and nan":
+        x[1, 39], x[3, 3] = -math.inf, math.nan
+    elif kind == "eps=0 constant row":
+        x[3] = 2.5
+        eps = 0.0
+    elif kind == "eps=0 zero row":
+        x[0] = 0.0
+        eps = 0.0
+    return x.to(dtype), eps
+
+
+NONFINITE = ["nan", "inf", "-inf and nan", "eps=0 constant row", "eps=0 zero row"]
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", NONFINITE)
+def test_nonfinite_propagate_as_torch(backend, kind, dtype, rms):
+    """Only the affected rows turn NaN/inf, exactly where torch's do; other rows stay exact."""
+    x, eps = _nonfinite_input(kind, dtype)
+    n = x.shape[-1]
+    w = torch.linspace(0.5, 1.5, n).to(dtype)
+    b = None if rms else torch.linspace(-1, 1, n).to(dtype)
+    dy = torch.ones_like(x)
+    out = {}
+    for who in ("ours", "torch", "oracle"):
+        dt = torch.float64 if who == "oracle" else dtype
+        xl, wl = x.to(dt).requires_grad_(), w.to(dt).requires_grad_()
+        bl = None if b is None else b.to(dt)
+        y = ours_norm(xl, wl, bl, eps, rms, backend) if who == "ours" else torch_norm(xl, wl, bl, eps, rms)
+        out[who] = (y.detach(), *torch.autograd.grad(y, (xl, wl), dy.to(dt)))
+    for name, ours, theirs, oracle in zip(("y", "dx", "dweight"), *out.values(), strict=True):
+        assert torch.equal(ours.isnan(), theirs.isnan()), f"{name}: NaN where torch has none (or vice versa)"
+        assert torch.equal(ours.isinf(), theirs.isinf()), f"{name}: inf where torch has none (or vice versa)"
+        if name != "dweight":  # dweight sums over rows: one bad row spoils it, as in torch
+            bad_rows = theirs.isfinite().logical_not().any(dim=-1)
+            assert bad_rows.sum() <= 2, "a non-finite value spread beyond its own row"
+            assert_matches_oracle(ours[~bad_rows], oracle[~bad_rows], theirs[~bad_rows])
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_nan_in_residual_stays_in_its_row(backend, rms):
+    """Add & Norm (pre-norm): a NaN in the residual spoils that row of y, s, dx and dresidual
+    only, exactly as torch's ``x + r`` followed by its norm."""
+    g = torch.Generator().manual_seed(8)
+    x, r = (torch.randn(5, 24, generator=g) for _ in range(2))
+    r[3, 7] = math.nan
+    w = torch.rand(24, generator=g) + 0.5
+    dy, dstream = torch.randn(5, 24, generator=g), torch.randn(5, 24, generator=g)
+    out = {}
+    for who in ("ours", "torch"):
+        xl, rl = x.clone().requires_grad_(), r.clone().requires_grad_()
+        if who == "ours":
+            call = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
+            y, s = call(xl, rl, 24, w, prenorm=True, backend=backend)
+        else:
+            s = xl + rl
+            y = torch_norm(s, w, None, 1e-5 if not rms else None, rms)
+        out[who] = (y.detach(), s.detach(), *torch.autograd.grad((y, s), (xl, rl), (dy, dstream)))
+    for name, ours, theirs in zip(("y", "s", "dx", "dresidual"), out["ours"], out["torch"], strict=True):
+        assert torch.equal(ours.isnan(), theirs.isnan()), name
+        assert torch.equal(ours.isnan().any(dim=-1), torch.tensor([False, False, False, True, False])), name
+        torch.testing.assert_close(ours[[0, 1, 2, 4]], theirs[[0, 1, 2, 4]], rtol=1e-5, atol=1e-5)
