@@ -4,15 +4,17 @@ Prints, per kernel and launch configuration that ``_config`` picks, the register
 and the bytes spilled to the stack, read from the cubin with the ``cuobjdump`` bundled with
 Triton. A spill-free kernel at the widest fused row is the reason for ``MAX_FUSED_N``.
 
-    python benchmarks/triton_registers.py [N ...]      (default: 1024 4096 8192 16384 65536)
+    python benchmarks/triton_registers.py [--max-fused-n N] [--elems-per-thread E] [N ...]
+        (default widths: 1024 4096 8192 16384 65536; the options override the kernel module's
+        MAX_FUSED_N and ELEMS_PER_THREAD, to see what another choice would compile to)
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret
@@ -40,7 +42,10 @@ def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
         out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True)
         out = out.stdout
     m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
-    return f"warps={num_warps:2d} regs={m.group(1):>3} spill_stack={m.group(2)}"
+    regs = int(m.group(1))
+    # programs resident per SM: 64K registers and 64 warps per SM on sm_90
+    per_sm = min(65536 // (regs * 32 * num_warps), 64 // num_warps)
+    return f"warps={num_warps:2d} regs={regs:3d} spill_stack={m.group(2):>3} warps/SM={per_sm * num_warps}"
 
 
 def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool) -> str:
@@ -87,4 +92,10 @@ def main(widths: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main([int(a) for a in sys.argv[1:]] or [1024, 4096, 8192, 16384, 65536])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("widths", nargs="*", type=int, default=[1024, 4096, 8192, 16384, 65536])
+    parser.add_argument("--max-fused-n", type=int, default=K.MAX_FUSED_N)
+    parser.add_argument("--elems-per-thread", type=int, default=K.ELEMS_PER_THREAD)
+    args = parser.parse_args()
+    K.MAX_FUSED_N, K.ELEMS_PER_THREAD = args.max_fused_n, args.elems_per_thread
+    main(args.widths)

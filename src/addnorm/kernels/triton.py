@@ -7,7 +7,7 @@ centred squares -- never E[s^2] - E[s]^2), one write of ``y`` (and the stream ``
 Wider rows take the chunked path: the same program walks the row in ``CHUNK_N`` chunks,
 combining per-chunk (count, mean, M2) with Chan's parallel formula (exact two-pass statistics
 inside a chunk, a stable update between chunks), then walks the row again to normalize; the
-second read usually hits L2, as a row in flight is at most a few hundred KB.
+second read should mostly hit L2, as a row in flight is at most a few hundred KB.
 
 Algorithm (backward). ``ds = rstd * (g - xhat * mean(g * xhat) - mean(g))`` per row (see
 reference.py), plus ``dstream``. Each program owns a contiguous block of rows and one column
@@ -21,22 +21,25 @@ reduction is not). Rows wider than ``MAX_FUSED_N`` first get their two row coeff
 Limits and why. Statistics and arithmetic are fp32 for fp16/bf16/fp32 and fp64 for fp64, as
 the reference. Row offsets are int64 (tensors over 2**31 elements are safe); rows may have any
 stride (a copy is made only when the last dim is not contiguous, as the kernels need unit
-column stride for coalesced loads). ``MAX_FUSED_N = 8192``: the backward keeps about six
-row-sized fp32 values live per element (s, dy, xhat, g and the dweight/dbias sums); at 8192
-features and 32 warps that fits the 64 registers a thread may use when 1024 threads share an
-SM, while 16384 spills to local memory in ptxas for sm_90 (``python
-benchmarks/triton_registers.py`` compiles every kernel for sm_90 without a GPU and prints
-registers and spills). bf16 is rounded to nearest even by hand (``_round``) because Triton's
-interpreter truncates; on GPU the same few integer ops cost nothing in a memory-bound kernel.
+column stride for coalesced loads). ``MAX_FUSED_N = 8192``: at the maximum of 32 warps a
+thread then holds 8 elements of the row; the backward keeps about six row-sized values live
+(s, dy, xhat, g and the dweight/dbias sums) and compiles to at most 64 registers without
+spilling, while 16384 features (16 per thread) spill 72-192 bytes per thread in ptxas for
+sm_90 (``python benchmarks/triton_registers.py --max-fused-n 16384 16384`` compiles every
+kernel for sm_90 without a GPU and prints registers and spills). bf16 is rounded to nearest
+even by hand (``_round``) because Triton's interpreter truncates; on GPU the same few integer
+ops cost nothing in a memory-bound kernel.
 
 Launch heuristic (``_config``): ``BLOCK_N`` is the next power of two of ``N`` (or ``CHUNK_N``);
 short rows are stacked into ``BLOCK_M`` rows per program so that a tile holds about
-``TILE_ELEMS`` elements; ``num_warps`` gives each thread about ``ELEMS_PER_THREAD`` = 8
-elements of the tile (clamped to 1..32): one 16-byte vector load of bf16 per thread per
-tensor, and registers for two or more programs per SM. Backward launches
-``SMs * max(1, 16 // num_warps)`` programs, each looping over its rows, which bounds the
-partials buffer to a few MB. These are reasoned defaults, not yet tuned on hardware
-(docs/gpu.md lists what a GPU run must check).
+``TILE_ELEMS`` elements; ``num_warps`` gives each thread ``ELEMS_PER_THREAD`` = 4 elements of
+the tile (clamped to 1..32). The kernels are memory-bound, so what matters is warps resident
+per SM: at N=4096 four elements per thread compile to 24-48 registers (32 or more warps per
+SM for every kernel), where eight per thread took 49-128 registers and left 16 warps per SM
+(``benchmarks/triton_registers.py --elems-per-thread 8 4096``). Backward launches
+``SMs * max(1, 32 // num_warps)`` programs, each looping over its rows, which bounds the
+partials buffer to ``programs * N`` fp32 values. These are reasoned defaults, not yet timed on
+hardware (docs/gpu.md lists what a GPU run must check).
 
 The kernels are compiled by ``triton.jit``, which reads ``TRITON_INTERPRET`` when this module
 is imported: with ``TRITON_INTERPRET=1`` set before then, they run on CPU tensors through
@@ -56,7 +59,7 @@ MAX_FUSED_N = 8192  # widest row held whole in registers; wider rows take the ch
 CHUNK_N = 4096  # columns per chunk on the chunked path (a power of two)
 TILE_ELEMS = 4096  # elements per program tile when short rows are stacked
 MAX_BLOCK_M = 32  # at most this many rows per tile
-ELEMS_PER_THREAD = 8  # num_warps = tile / (32 * this), clamped to 1..32
+ELEMS_PER_THREAD = 4  # num_warps = tile / (32 * this), clamped to 1..32
 # The interpreter pays ~1 ms of Python per Triton op per program, whatever the tile size, so
 # on CPU tensors tiles stack more rows (same code, fewer programs); tests can set these back.
 INTERPRETER_TILE_ELEMS = 65536
@@ -304,7 +307,7 @@ def _config(n: int, device: torch.device) -> tuple[int, int, int, bool]:
 
 def _backward_programs(m: int, num_warps: int, device: torch.device) -> int:
     if device.type == "cuda":
-        per_sm = max(1, 16 // num_warps)
+        per_sm = max(1, 32 // num_warps)
         return min(m, torch.cuda.get_device_properties(device).multi_processor_count * per_sm)
     return min(m, INTERPRETER_PROGRAMS)
 
