@@ -107,7 +107,7 @@ def _round(v, DT: tl.constexpr):
 @triton.jit
 def _rsqrt(v):
     """``1 / sqrt(v)`` correctly rounded, as the reference's ``torch.rsqrt`` (not tl.rsqrt's
-    approximation); fp64 sqrt and division are always exact in Triton."""
+    approximation); fp64 sqrt and division are correctly rounded in Triton anyway."""
     if v.dtype == tl.float64:
         return 1.0 / tl.sqrt(v)
     else:
