@@ -72,11 +72,33 @@ def check_against_torch(m, n, dtype, *, rms, residual=True, offset=0.0):
         assert_matches_oracle(ours, oracle, same, scale=max(1.0, m ** 0.5) if ours.dim() == 1 else 1.0)
 
 
+@pytest.mark.filterwarnings("ignore:normalizing over 1 feature")
+@pytest.mark.parametrize("n", [1, 1000])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_awkward_widths_match_torch(n, rms, dtype):
+    """N=1 (a tile of one column, masked) and N=1000 (a 1024-wide tile with 24 masked lanes)."""
+    check_against_torch(7, n, dtype, rms=rms)
+
+
 @pytest.mark.parametrize("n", [257, 1000])
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunked_rows_match_torch(chunked, n, rms, dtype):
     check_against_torch(5, n, dtype, rms=rms)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_chunked_fp32_stream_under_bf16(chunked, rms):
+    """residual_dtype=float32 on the chunked path: s is x + residual in fp32, y is bf16."""
+    x, r = rows_of(4, 600, torch.bfloat16), rows_of(4, 600, torch.float32, seed=1)
+    fn = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
+    y, s = fn(x, r, 600, prenorm=True, residual_dtype=torch.float32, backend="triton")
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert torch.equal(s, x.float() + r)
+    s64 = s.double()
+    oracle = TF.rms_norm(s64, (600,), eps=1e-5) if rms else TF.layer_norm(s64, (600,), eps=1e-5)
+    torch.testing.assert_close(y.double(), oracle, rtol=1.6e-2, atol=1e-2)
 
 
 def test_chunked_statistics_with_large_mean_offset(chunked):
@@ -162,7 +184,9 @@ def test_compiles_without_graph_break():
 def test_unavailable_reasons():
     assert K.unavailable_reason(torch.zeros(1, 4, dtype=torch.int32, device=TEST_DEVICE)) is not None
     assert ops.backend_unavailable_reason("triton", torch.zeros(1, 4, device=TEST_DEVICE)) is None
-    assert ops.auto_backend(torch.zeros(1, 4)) == "reference"  # never the interpreter for CPU tensors
+    assert ops.auto_backend(torch.zeros(1, 4, device="cpu")) == "reference"  # never the interpreter
+    if TEST_DEVICE.type == "cuda":
+        assert ops.auto_backend(torch.zeros(1, 4, device=TEST_DEVICE)) == "triton"
 
 
 @pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="about CPU tensors without the interpreter")
