@@ -48,6 +48,8 @@ Triton's interpreter (that is how CI tests them), otherwise they need CUDA tenso
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -312,6 +314,11 @@ def _backward_programs(m: int, num_warps: int, device: torch.device) -> int:
     return min(m, INTERPRETER_PROGRAMS)
 
 
+def _device(t: Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it ``t``'s (multi-GPU processes)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def _rows(t: Tensor | None) -> Tensor | None:
     """``t`` with unit column stride (rows may keep any stride): copy only when needed."""
     return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
@@ -338,12 +345,13 @@ def forward(
     if m == 0:
         return y, s, mean, rstd
     block_m, block_n, num_warps, chunked = _config(n, x.device)
-    _forward_kernel[(triton.cdiv(m, block_m),)](
-        x, residual, _rows(weight), _rows(bias), y, s, mean, rstd, m, n,
-        x.stride(0), residual.stride(0) if residual is not None else 0, eps,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        IS_RMS=rms, CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
+    with _device(x):
+        _forward_kernel[(triton.cdiv(m, block_m),)](
+            x, residual, _rows(weight), _rows(bias), y, s, mean, rstd, m, n,
+            x.stride(0), residual.stride(0) if residual is not None else 0, eps,
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            IS_RMS=rms, CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
     return y, s, mean, rstd
 
 
@@ -367,7 +375,11 @@ def backward(
     has_bias: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias."""
-    dy, dstream, s = _rows(dy), _rows(dstream), _rows(s)
+    with _device(s):
+        return _backward(_rows(dy), _rows(dstream), _rows(s), _rows(weight), mean, rstd, has_bias)
+
+
+def _backward(dy, dstream, s, weight, mean, rstd, has_bias):
     m, n = s.shape
     cd = rstd.dtype
     ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
@@ -380,7 +392,7 @@ def backward(
         c1 = torch.empty((m,), dtype=cd, device=s.device)
         c2 = torch.empty((m,), dtype=cd, device=s.device)
         _coef_kernel[(triton.cdiv(m, block_m),)](
-            dy, s, _rows(weight), mean, rstd, c1, c2, m, n, dy.stride(0), s.stride(0),
+            dy, s, weight, mean, rstd, c1, c2, m, n, dy.stride(0), s.stride(0),
             HAS_WEIGHT=weight is not None, IS_RMS=mean is None, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps,
         )
@@ -390,7 +402,7 @@ def backward(
     dw = torch.empty((programs, n), dtype=cd, device=s.device) if weight is not None else None
     db = torch.empty((programs, n), dtype=cd, device=s.device) if has_bias else None
     _backward_kernel[(programs, triton.cdiv(n, block_n))](
-        dy, dstream, s, _rows(weight), mean, rstd, c1, c2, ds, dw, db, m, n, rows_per_program,
+        dy, dstream, s, weight, mean, rstd, c1, c2, ds, dw, db, m, n, rows_per_program,
         dy.stride(0), dstream.stride(0) if dstream is not None else 0, s.stride(0),
         HAS_DSTREAM=dstream is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
         IS_RMS=mean is None, CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
