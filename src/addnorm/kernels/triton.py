@@ -34,7 +34,7 @@ Launch heuristic (``_config``): ``BLOCK_N`` is the next power of two of ``N`` (o
 short rows are stacked into ``BLOCK_M`` rows per program so that a tile holds about
 ``TILE_ELEMS`` elements; ``num_warps`` gives each thread ``ELEMS_PER_THREAD`` = 4 elements of
 the tile (clamped to 1..32). The kernels are memory-bound, so what matters is warps resident
-per SM: at N=4096 four elements per thread compile to 24-48 registers (32 or more warps per
+per SM: at N=4096 four elements per thread compile to 23-48 registers (32 or more warps per
 SM for every kernel), where eight per thread took 49-128 registers and left 16 warps per SM
 (``benchmarks/triton_registers.py --elems-per-thread 8 4096``). Backward launches
 ``SMs * max(1, 32 // num_warps)`` programs, each looping over its rows, which bounds the
@@ -127,10 +127,20 @@ def _load_stream(X, R, S, rows, cols, mask, sx, sr, CD: tl.constexpr, HAS_RESIDU
 
 
 @triton.jit
-def _normalize_store(s, W, B, Y, S, rows, cols, mask, N, mean, rstd,
-                     CD: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+def _load_param(P, cols, N, CD: tl.constexpr, HAS: tl.constexpr):
+    """The weight (or bias) of the tile's columns in ``CD``; zeros, unused, when there is none."""
+    if HAS:
+        return tl.load(P + cols, mask=cols < N, other=0.0).to(CD)
+    else:
+        return tl.zeros(cols.shape, dtype=CD)
+
+
+@triton.jit
+def _normalize_store(s, w, b, Y, S, rows, cols, mask, N, mean, rstd,
+                     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                      HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr):
-    """Write ``y`` (and the stream ``s``) of one tile, given ``s`` and the row statistics."""
+    """Write ``y`` (and the stream ``s``) of one tile, given ``s``, the tile's weight and bias
+    and the row statistics."""
     out = rows[:, None] * N + cols[None, :]
     if HAS_RESIDUAL:  # s holds values of S's dtype already: the cast is exact
         tl.store(S + out, s.to(S.dtype.element_ty), mask=mask)
@@ -139,9 +149,9 @@ def _normalize_store(s, W, B, Y, S, rows, cols, mask, N, mean, rstd,
     else:
         y = (s - mean[:, None]) * rstd[:, None]
     if HAS_WEIGHT:
-        y = y * tl.load(W + cols, mask=cols < N, other=0.0).to(CD)[None, :]
+        y = y * w[None, :]
     if HAS_BIAS:
-        y = y + tl.load(B + cols, mask=cols < N, other=0.0).to(CD)[None, :]
+        y = y + b[None, :]
     tl.store(Y + out, _round(y, Y.dtype.element_ty), mask=mask)
 
 
@@ -157,6 +167,8 @@ def _forward_kernel(X, R, W, B, Y, S, MEAN, RSTD, M, N, sx, sr, eps,
     if not CHUNKED:  # the whole row is in registers: two passes over it there
         mask = row_ok[:, None] & (cols < N)[None, :]
         s = _load_stream(X, R, S, rows, cols, mask, sx, sr, CD, HAS_RESIDUAL)
+        w = _load_param(W, cols, N, CD, HAS_WEIGHT)  # issued now: latency hidden by the reductions
+        b = _load_param(B, cols, N, CD, HAS_BIAS)
         if IS_RMS:
             mean = tl.zeros([BLOCK_M], dtype=CD)
             c = s
@@ -186,15 +198,17 @@ def _forward_kernel(X, R, W, B, Y, S, MEAN, RSTD, M, N, sx, sr, eps,
         tl.store(MEAN + rows, mean, mask=row_ok)
     tl.store(RSTD + rows, rstd, mask=row_ok)
     if not CHUNKED:
-        _normalize_store(s, W, B, Y, S, rows, cols, mask, N, mean, rstd,
-                         CD, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, IS_RMS)
+        _normalize_store(s, w, b, Y, S, rows, cols, mask, N, mean, rstd,
+                         HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, IS_RMS)
     else:
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
             s = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL)
-            _normalize_store(s, W, B, Y, S, rows, ccols, mask, N, mean, rstd,
-                             CD, HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, IS_RMS)
+            w = _load_param(W, ccols, N, CD, HAS_WEIGHT)
+            b = _load_param(B, ccols, N, CD, HAS_BIAS)
+            _normalize_store(s, w, b, Y, S, rows, ccols, mask, N, mean, rstd,
+                             HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, IS_RMS)
 
 
 @triton.jit
