@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from addnorm import ops
+# ADDNORM_TEST_DEVICE=cuda runs the suite on CUDA tensors: tensors and generators made without an
+# explicit device then default to it. Without it, the Triton kernels run on CPU tensors through
+# Triton's interpreter, which triton.jit selects when our kernels module is imported (lazily, by
+# the backend registry below), so TRITON_INTERPRET is set before that.
+TEST_DEVICE = torch.device(os.environ.get("ADDNORM_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    torch.set_default_device(TEST_DEVICE)
+    torch.Generator = functools.partial(torch.Generator, TEST_DEVICE)
+
+from addnorm import ops  # noqa: E402
 
 # (rtol, atol) per dtype, seeded from torch.testing.assert_close's defaults. fp16/bf16 use
 # flash-attn's rule instead (see assert_matches_oracle): the error against the fp64 oracle
@@ -32,14 +44,33 @@ DTYPES = list(TOLERANCES)
 
 
 def usable_backends() -> list[str]:
-    """Every registered backend that can run on CPU tensors here (CI installs them all)."""
-    probe = torch.empty(1, 4)
+    """Every registered backend that can run on the test device here (CI installs them all)."""
+    probe = torch.empty(1, 4, device=TEST_DEVICE)
     return [name for name in ops.BACKEND_MODULES if ops.backend_unavailable_reason(name, probe) is None]
 
 
 @pytest.fixture(params=usable_backends())
 def backend(request) -> str:
     return request.param
+
+
+def interpreted(backend: str) -> bool:
+    """Whether ``backend`` runs through an interpreter here (Triton on CPU tensors): ~1 ms per op."""
+    return backend == "triton" and TEST_DEVICE.type == "cpu"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "large: too slow for interpreted backends; deselected for them")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect ``large`` cases of interpreted backends; smaller cases cover the same code paths."""
+    slow = [item for item in items if item.get_closest_marker("large") and hasattr(item, "callspec")
+            and interpreted(item.callspec.params.get("backend", ""))]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        gone = {id(item) for item in slow}
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 def assert_matches_oracle(ours: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor | None = None,

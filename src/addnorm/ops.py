@@ -32,6 +32,7 @@ from . import reference
 # A kernel module may define ``unavailable_reason(x) -> str | None`` (None: usable).
 BACKEND_MODULES: dict[str, str] = {
     "reference": "addnorm.reference",
+    "triton": "addnorm.kernels.triton",
 }
 
 
@@ -51,6 +52,8 @@ def backend_unavailable_reason(name: str, x: Tensor | None = None) -> str | None
 
 def auto_backend(x: Tensor) -> str:
     """The backend ``backend="auto"`` picks for ``x`` (2-D rows about to be normalized)."""
+    if x.is_cuda and backend_unavailable_reason("triton", x) is None:
+        return "triton"
     return "reference"
 
 

@@ -1,0 +1,101 @@
+"""Compile addnorm's Triton kernels for an H100 (sm_90) on a machine without a GPU.
+
+Prints, per kernel and launch configuration that ``_config`` picks, the registers per thread
+and the bytes spilled to the stack, read from the cubin with the ``cuobjdump`` bundled with
+Triton. A spill-free kernel at the widest fused row is the reason for ``MAX_FUSED_N``.
+
+    python benchmarks/triton_registers.py [--max-fused-n N] [--elems-per-thread E] [N ...]
+        (default widths: 1024 4096 8192 16384 65536; the options override the kernel module's
+        MAX_FUSED_N and ELEMS_PER_THREAD, to see what another choice would compile to)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile, not interpret
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from addnorm.kernels import triton as K  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64"}
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
+    nones = {k: None for k, v in signature.items() if v == "constexpr" and k not in constants}
+    constants = {**constants, **nones}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=TARGET,
+                            options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True, check=True)
+        out = out.stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", out)
+    regs = int(m.group(1))
+    # programs resident per SM: 64K registers and 64 warps per SM on sm_90
+    per_sm = min(65536 // (regs * 32 * num_warps), 64 // num_warps)
+    return f"warps={num_warps:2d} regs={regs:3d} spill_stack={m.group(2):>3} warps/SM={per_sm * num_warps}"
+
+
+def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool) -> str:
+    cd = torch.float64 if stream == torch.float64 else torch.float32
+    block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"))
+    sig = {"X": PTR[dtype], "R": PTR[dtype], "W": PTR[dtype], "B": "constexpr" if rms else PTR[dtype],
+           "Y": PTR[dtype], "S": PTR[stream], "MEAN": "constexpr" if rms else PTR[cd], "RSTD": PTR[cd],
+           "M": "i32", "N": "i32", "sx": "i64", "sr": "i64", "eps": "fp32"}
+    const = {"HAS_RESIDUAL": True, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "IS_RMS": rms, "CHUNKED": chunked,
+             "BLOCK_M": block_m, "BLOCK_N": block_n}
+    return resources(K._forward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
+
+
+def backward(n: int, dtype: torch.dtype, rms: bool) -> str:
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"))
+    coef = PTR[cd] if chunked else "constexpr"
+    sig = {"DY": PTR[dtype], "DSTREAM": PTR[dtype], "S": PTR[dtype], "W": PTR[dtype],
+           "MEAN": "constexpr" if rms else PTR[cd], "RSTD": PTR[cd], "C1": coef, "C2": coef, "DS": PTR[dtype],
+           "DW": PTR[cd], "DB": "constexpr" if rms else PTR[cd],
+           "M": "i32", "N": "i32", "rows_per_program": "i32", "sdy": "i64", "sdst": "i64", "ss": "i64"}
+    const = {"HAS_DSTREAM": True, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "IS_RMS": rms, "CHUNKED": chunked,
+             "BLOCK_M": block_m, "BLOCK_N": block_n}
+    out = resources(K._backward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
+    if chunked:
+        keys = ("DY", "S", "W", "MEAN", "RSTD", "C1", "C2", "M", "N", "sdy", "ss")
+        cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BLOCK_M", "BLOCK_N")}
+        out += "  coef: " + resources(K._coef_kernel, {**{k: sig[k] for k in keys},
+                                                      **dict.fromkeys(cconst, "constexpr")}, cconst, warps)
+    return out
+
+
+def main(widths: list[int]) -> None:
+    print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
+    for n in widths:
+        bm, bn, warps, chunked = K._config(n, torch.device("cuda"))
+        print(f"N={n}: BLOCK_M={bm} BLOCK_N={bn} num_warps={warps} {'chunked' if chunked else 'fused'}")
+        for dtype in (torch.bfloat16, torch.float32):
+            stream = torch.float32
+            print(f"  {str(dtype)[6:]:8s} fwd add_layer_norm  {forward(n, dtype, stream, False)}")
+            print(f"  {str(dtype)[6:]:8s} fwd add_rms_norm    {forward(n, dtype, stream, True)}")
+            print(f"  {str(dtype)[6:]:8s} bwd layer_norm      {backward(n, dtype, False)}")
+            print(f"  {str(dtype)[6:]:8s} bwd rms_norm        {backward(n, dtype, True)}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("widths", nargs="*", type=int, default=[1024, 4096, 8192, 16384, 65536])
+    parser.add_argument("--max-fused-n", type=int, default=K.MAX_FUSED_N)
+    parser.add_argument("--elems-per-thread", type=int, default=K.ELEMS_PER_THREAD)
+    args = parser.parse_args()
+    K.MAX_FUSED_N, K.ELEMS_PER_THREAD = args.max_fused_n, args.elems_per_thread
+    main(args.widths)

@@ -1,0 +1,1 @@
+"""Fused kernels: cpu (numba) and triton."""

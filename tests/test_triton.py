@@ -1,0 +1,205 @@
+"""The Triton kernels' own paths: chunked wide rows, row strides, determinism, bf16 rounding.
+
+The core suite (test_functional.py) already runs every op through ``backend="triton"``; these
+tests reach what its shapes do not. On CPU tensors they run through Triton's interpreter
+(conftest.py sets TRITON_INTERPRET=1), so shapes stay small and the chunked path is forced
+at small N by lowering its threshold.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import addnorm
+from addnorm import ops, reference
+from conftest import TEST_DEVICE, assert_matches_oracle
+
+pytest.importorskip("triton")  # the optional [gpu] extra; CI installs it
+from addnorm.kernels import triton as K  # noqa: E402
+
+
+@pytest.fixture
+def chunked(monkeypatch):
+    """Rows wider than 256 features take the chunked path, in chunks of 256."""
+    monkeypatch.setattr(K, "MAX_FUSED_N", 256)
+    monkeypatch.setattr(K, "CHUNK_N", 256)
+
+
+@pytest.fixture
+def gpu_tiles(monkeypatch):
+    """The tile shapes a GPU launch uses, instead of the interpreter's taller tiles."""
+    monkeypatch.setattr(K, "INTERPRETER_TILE_ELEMS", K.TILE_ELEMS)
+    monkeypatch.setattr(K, "INTERPRETER_MAX_BLOCK_M", K.MAX_BLOCK_M)
+
+
+def rows_of(m, n, dtype, seed=0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, n, generator=g, dtype=torch.float64) + offset).to(dtype)
+
+
+def check_against_torch(m, n, dtype, *, rms, residual=True, offset=0.0):
+    """Forward and backward of add_(layer|rms)_norm with prenorm against torch in float64."""
+    x, r, dy, ds = (rows_of(m, n, dtype, seed=i, offset=offset if i < 2 else 0.0) for i in range(4))
+    w, b = rows_of(1, n, dtype, seed=5)[0], rows_of(1, n, dtype, seed=6)[0]
+    b = None if rms else b
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b) if t is not None]
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    leaves_t = [t.detach().clone().requires_grad_() for t in leaves]
+    outs = []
+    for (xx, rr, ww, *bb), impl in ((leaves, "ours"), (leaves64, "torch"), (leaves_t, "torch")):
+        bb = bb[0] if bb else None
+        if impl == "ours":
+            fn = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
+            args = (xx, rr, n, ww) if rms else (xx, rr, n, ww, bb)
+            y, s = fn(*args, eps=1e-5, prenorm=True, backend="triton")
+        else:
+            s = xx + rr
+            y = TF.rms_norm(s, (n,), ww, 1e-5) if rms else TF.layer_norm(s, (n,), ww, bb, 1e-5)
+        outs.append((y, s))
+    (y, s), (y64, s64), (yt, st) = outs
+    assert_matches_oracle(y, y64.detach(), yt.detach())
+    assert_matches_oracle(s, s64.detach(), st.detach())
+    grads = torch.autograd.grad((y, s), leaves, (dy, ds))
+    grads64 = torch.autograd.grad((y64, s64), leaves64, (dy.double(), ds.double()))
+    grads_t = torch.autograd.grad((yt, st), leaves_t, (dy, ds))
+    for ours, oracle, same in zip(grads, grads64, grads_t, strict=True):
+        assert_matches_oracle(ours, oracle, same, scale=max(1.0, m ** 0.5) if ours.dim() == 1 else 1.0)
+
+
+@pytest.mark.filterwarnings("ignore:normalizing over 1 feature")
+@pytest.mark.parametrize("n", [1, 1000])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_awkward_widths_match_torch(n, rms, dtype):
+    """N=1 (a tile of one column, masked) and N=1000 (a 1024-wide tile with 24 masked lanes)."""
+    check_against_torch(7, n, dtype, rms=rms)
+
+
+@pytest.mark.parametrize("n", [257, 1000])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_rows_match_torch(chunked, n, rms, dtype):
+    check_against_torch(5, n, dtype, rms=rms)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_chunked_fp32_stream_under_bf16(chunked, rms):
+    """residual_dtype=float32 on the chunked path: s is x + residual in fp32, y is bf16."""
+    x, r = rows_of(4, 600, torch.bfloat16), rows_of(4, 600, torch.float32, seed=1)
+    fn = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
+    y, s = fn(x, r, 600, prenorm=True, residual_dtype=torch.float32, backend="triton")
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert torch.equal(s, x.float() + r)
+    s64 = s.double()
+    oracle = TF.rms_norm(s64, (600,), eps=1e-5) if rms else TF.layer_norm(s64, (600,), eps=1e-5)
+    torch.testing.assert_close(y.double(), oracle, rtol=1.6e-2, atol=1e-2)
+
+
+def test_chunked_statistics_with_large_mean_offset(chunked):
+    """Chan's chunk combination keeps fp32 rows of 1e4 + N(0, 1) as accurate as torch's."""
+    x = rows_of(16, 1000, torch.float64, offset=1e4)
+    oracle = TF.layer_norm(x, (1000,))
+    ours = (addnorm.layer_norm(x.float(), 1000, backend="triton").double() - oracle).abs().max()
+    theirs = (TF.layer_norm(x.float(), (1000,)).double() - oracle).abs().max()
+    assert ours <= 1.5 * theirs + 1e-6, (ours, theirs)
+
+
+@pytest.mark.parametrize("n", [1000, 3000])
+def test_gpu_tile_shapes_match_torch(gpu_tiles, n):
+    """One row per tile (N=3000) and four rows per tile (N=1000), as launched on a GPU."""
+    check_against_torch(9, n, torch.float32, rms=False)
+
+
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+def test_one_row_writes_dweight_and_dbias(monkeypatch, path):
+    if path == "chunked":
+        monkeypatch.setattr(K, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "CHUNK_N", 256)
+    s, dy = rows_of(1, 1000, torch.float32), rows_of(1, 1000, torch.float32, seed=1)
+    w = rows_of(1, 1000, torch.float32, seed=2)[0]
+    _, _, mean, rstd = reference.forward(s, None, w, None, 1e-5, False, None)
+    _, dweight, dbias = K.backward(dy, None, s, w, mean, rstd, True)
+    xhat = (s.double() - s.double().mean()) / s.double().var(unbiased=False).add(1e-5).sqrt()
+    torch.testing.assert_close(dweight.double(), (dy.double() * xhat)[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dbias, dy[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path,m", [("fused", 150), ("chunked", 24)])
+def test_dweight_is_bit_identical_across_runs(monkeypatch, path, m):
+    """Several programs' partials (3 or 4 here) summed in a fixed order: same bits every run."""
+    if path == "chunked":
+        monkeypatch.setattr(K, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "CHUNK_N", 256)
+    s, dy = rows_of(m, 600, torch.float32), rows_of(m, 600, torch.float32, seed=1)
+    w = rows_of(1, 600, torch.float32, seed=2)[0]
+    _, _, mean, rstd = reference.forward(s, None, w, None, 1e-5, False, None)
+    first = K.backward(dy, None, s, w, mean, rstd, True)
+    again = K.backward(dy.clone(), None, s.clone(), w, mean, rstd, True)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    oracle = reference.backward(dy.double(), None, s.double(), w.double(), mean.double(), rstd.double(), True)
+    torch.testing.assert_close(first[1].double(), oracle[1], rtol=1e-5, atol=1e-4)
+
+
+def test_strided_rows_are_read_in_place():
+    """Rows with a stride (a slice of wider rows) run without a copy and match contiguous rows."""
+    base = rows_of(40, 130, torch.float32)
+    x, r = base[::2, :100], base[1::2, 3:103]
+    assert x.stride() == (260, 1) and K._rows(x) is x
+    w = rows_of(1, 100, torch.float32, seed=3)[0]
+    y, s = addnorm.add_layer_norm(x, r, 100, w, prenorm=True, backend="triton")
+    yc, sc = addnorm.add_layer_norm(x.contiguous(), r.contiguous(), 100, w, prenorm=True, backend="triton")
+    assert torch.equal(y, yc) and torch.equal(s, sc)
+    torch.testing.assert_close(y, TF.layer_norm(x + r, (100,), w))
+
+
+def test_bf16_results_are_rounded_to_nearest_even():
+    """s = x + residual in bf16 equals torch's bf16 add, ties included: 1 + 2^-8 rounds down to
+    the even 1.0, (1 + 2^-7) + 2^-8 rounds up to the even 1 + 2^-6."""
+    x = torch.tensor([[1.0, 1.0 + 2**-7, -(1.0 + 2**-7), 3.0]], dtype=torch.bfloat16).repeat(3, 1)
+    x = torch.cat([x, rows_of(5, 4, torch.bfloat16)])
+    r = torch.tensor([[2**-8, 2**-8, -(2**-8), 1e-3]], dtype=torch.bfloat16).repeat(3, 1)
+    r = torch.cat([r, rows_of(5, 4, torch.bfloat16, seed=1)])
+    _, s = addnorm.add_rms_norm(x, r, 4, prenorm=True, backend="triton")
+    assert torch.equal(s, x + r)
+    assert s[0, 1].item() == 1.0 + 2**-6 and s[0, 0].item() == 1.0
+
+
+def test_compiles_without_graph_break():
+    """The Triton path stays inside the custom ops: fullgraph tracing holds, backward included."""
+    layer = addnorm.AddNorm(64, norm="layer", backend="triton", device=TEST_DEVICE)
+    x, r = rows_of(4, 64, torch.float32).requires_grad_(), rows_of(4, 64, torch.float32, seed=1)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    compiled(x, r).square().sum().backward()
+    expected = TF.layer_norm(x.detach() + r, (64,), layer.norm.weight, layer.norm.bias)
+    torch.testing.assert_close(compiled(x, r), expected)
+    assert x.grad is not None and layer.norm.weight.grad is not None
+
+
+def test_unavailable_reasons():
+    assert K.unavailable_reason(torch.zeros(1, 4, dtype=torch.int32, device=TEST_DEVICE)) is not None
+    assert ops.backend_unavailable_reason("triton", torch.zeros(1, 4, device=TEST_DEVICE)) is None
+    assert ops.auto_backend(torch.zeros(1, 4, device="cpu")) == "reference"  # never the interpreter
+    if TEST_DEVICE.type == "cuda":
+        assert ops.auto_backend(torch.zeros(1, 4, device=TEST_DEVICE)) == "triton"
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="about CPU tensors without the interpreter")
+def test_cpu_tensors_need_the_interpreter():
+    """Imported without TRITON_INTERPRET=1, the kernels are compiled and CPU tensors are refused."""
+    code = ("import torch, addnorm\n"
+            "from addnorm import ops\n"
+            "print(ops.backend_unavailable_reason('triton', torch.zeros(1, 4)))\n"
+            "try:\n"
+            "    addnorm.layer_norm(torch.zeros(2, 4), 4, backend='triton')\n"
+            "except RuntimeError as err:\n"
+            "    print(err)\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = out.stdout
+    assert out.count("CPU tensors need TRITON_INTERPRET=1") == 2, out
