@@ -169,7 +169,8 @@ def test_train_quick_end_to_end(tmp_path):
         assert all(math.isfinite(v) and v > 0 for v in norms["encoder"] + norms["decoder"])
     report = (out / "report.md").read_text()
     assert f"{results['floor']:.4f}" in report and "curves.png" in report and "grad_norms.png" in report
-    assert report.count("Held") + report.count("Did not hold") == 6  # one verdict per prediction
+    # one verdict per prediction; the gradient-norm trend needs >= 2 layers (--quick has 1)
+    assert report.count("Held") + report.count("Did not hold") == 5
     for png in ("curves.png", "grad_norms.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # plot_results redraws from results.json alone

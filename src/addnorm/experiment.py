@@ -119,21 +119,24 @@ class Arm:
     """One training configuration: where the norm sits, the learning rate, the warmup."""
 
     name: str
-    label: str
+    label: str  # {N} stands for the norm: LN or RMSNorm
     norm_position: str
     lr_scale: float = 1.0  # times the base --lr
     warmup: bool = False  # linear warmup over the first WARMUP_FRACTION of the steps
+
+    def title(self, norm: str) -> str:
+        return self.label.format(N="LN" if norm == "layer" else "RMSNorm")
 
 
 ARMS = {
     a.name: a for a in [
         Arm("none", "no norm", "none"),
-        Arm("post", "post-LN", "post"),
-        Arm("pre", "pre-LN", "pre"),
-        Arm("post-warmup", "post-LN + warmup", "post", warmup=True),
-        Arm("post-small-lr", "post-LN, lr / 10", "post", lr_scale=0.1),
-        Arm("post-large-lr", "post-LN, lr x 5", "post", lr_scale=5.0),
-        Arm("pre-large-lr", "pre-LN, lr x 5", "pre", lr_scale=5.0),
+        Arm("post", "post-{N}", "post"),
+        Arm("pre", "pre-{N}", "pre"),
+        Arm("post-warmup", "post-{N} + warmup", "post", warmup=True),
+        Arm("post-small-lr", "post-{N} lr/10", "post", lr_scale=0.1),
+        Arm("post-large-lr", "post-{N} lr×5", "post", lr_scale=5.0),
+        Arm("pre-large-lr", "pre-{N} lr×5", "pre", lr_scale=5.0),
     ]
 }
 WARMUP_FRACTION = 0.25
@@ -163,9 +166,13 @@ def build_model(cfg: Config, norm_position: str) -> Seq2SeqTransformer:
                               norm_position=norm_position, norm=cfg.norm)
 
 
+def warmup_steps(arm: Arm, total_steps: int) -> int:
+    return max(1, round(WARMUP_FRACTION * total_steps)) if arm.warmup else 0
+
+
 def lr_lambda(arm: Arm, total_steps: int) -> Callable[[int], float]:
     """Multiplier of the learning rate at each step: linear warmup, then constant."""
-    warmup = max(1, round(WARMUP_FRACTION * total_steps)) if arm.warmup else 0
+    warmup = warmup_steps(arm, total_steps)
     return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
 
 
@@ -286,9 +293,9 @@ def run_experiment(cfg: Config, progress: Callable[[str, int, float], None] | No
                     lambda e, v, n=name, k=k: progress(n, k * cfg.epochs + e + 1, v))
                 runs.append(train_arm(arm, seed, cfg, train, test, on_epoch))
             steps = cfg.epochs * math.ceil(len(train) / cfg.batch_size)
-            warmup = round(WARMUP_FRACTION * steps) if arm.warmup else 0
-            arms[name] = {"label": arm.label, "norm_position": arm.norm_position, "lr": cfg.lr * arm.lr_scale,
-                          "warmup_steps": warmup, "runs": runs, "summary": aggregate(runs, floor)}
+            arms[name] = {"label": arm.title(cfg.norm), "norm_position": arm.norm_position,
+                          "lr": cfg.lr * arm.lr_scale, "warmup_steps": warmup_steps(arm, steps),
+                          "steps": steps, "runs": runs, "summary": aggregate(runs, floor)}
         grads = {}
         for pos in ("post", "pre"):
             per_seed = [grad_norms_at_init(cfg, pos, seed, train) for seed in cfg.seeds]
@@ -406,7 +413,7 @@ def table_rows(results: dict) -> list[list[str]]:
     rows = []
     for arm in results["arms"].values():
         s = arm["summary"]
-        lr = f"{arm['lr']:.2g}" + (f", warmup {arm['warmup_steps']} steps" if arm["warmup_steps"] else "")
+        lr = f"{arm['lr']:.2g}"
         first = "never" if s["first_within"] is None else f"{s['first_within']:g}"
         failed = ("yes" if s["failed"] else "no") if s["runs"] == 1 else f"{s['failed']}/{s['runs']}"
         rows.append([arm["label"], lr, _g(s["final"]), _g(s["best"]), _g(s["ratio"]), first, failed,
@@ -414,8 +421,8 @@ def table_rows(results: dict) -> list[list[str]]:
     return rows
 
 
-TABLE_HEADER = ["arm", "lr", "final test MSE", "best test MSE", "final / floor",
-                f"first epoch ≤ {WITHIN:g}x floor", "failed", "seconds"]
+TABLE_HEADER = ["arm", "lr", "final MSE", "best MSE", "final ÷ floor", f"epoch ≤ {WITHIN:g}x floor", "failed",
+                "seconds"]
 
 
 def _describe(arm: dict) -> str:
@@ -461,6 +468,8 @@ def readings(results: dict) -> list[tuple[str, bool, str]]:
         out.append(("Without a norm the deep residual stack trains worse than with one.", held,
                     f"{_describe(a['none'])}."))
     g = results["grad_norms"]
+    if len(g["post"]["encoder"]) < 2:  # a trend over layers needs at least two
+        return out
     growth = {pos: {part: g[pos][part][-1] / g[pos][part][0] for part in g[pos]} for pos in g}
     held = all(growth["post"][p] > max(1.0, growth["pre"][p]) for p in ("encoder", "decoder"))
     scale = np.mean(g["post"]["decoder"]) / np.mean(g["pre"]["decoder"])
@@ -473,13 +482,22 @@ def readings(results: dict) -> list[tuple[str, bool, str]]:
     return out
 
 
+def _schedule_text(results: dict) -> str:
+    warm = [arm for arm in results["arms"].values() if arm["warmup_steps"]]
+    if not warm:
+        return "Learning rate: constant."
+    return (f"Learning rate: constant, except {warm[0]['label']}: linear warmup over the first "
+            f"{warm[0]['warmup_steps']} of {warm[0]['steps']} steps, then constant.")
+
+
 def report_markdown(results: dict, command: str) -> str:
     cfg = results["config"]
     lines = [
         "# What the norm and its placement do to training",
         "",
-        f"Command: `{command}` — {results['seconds']:.0f} s in all, torch {results['torch']}, "
-        f"{cfg['threads']} thread(s).",
+        f"Command: `{command}` — {results['seconds']:.0f} s wall clock, "
+        f"{results['cpu_seconds']:.0f} s of CPU time (training and gradient norms), "
+        f"torch {results['torch']}, {cfg['threads']} thread(s).",
         "",
         f"Model: encoder-decoder Transformer, {cfg['depth']} + {cfg['depth']} layers, "
         f"d_model {cfg['d_model']}, "
@@ -492,6 +510,9 @@ def report_markdown(results: dict, command: str) -> str:
         f"(≈ σ² = {NOISE ** 2:g}); no model can do better on average. An arm *failed* if its final test "
         f"MSE is above {FAIL_RATIO:g}x the floor or not finite.",
         "",
+        _schedule_text(results) + f" *epoch ≤ {WITHIN:g}x floor* is the first epoch whose test MSE is within "
+        f"{WITHIN:g}x the floor; the table shows medians over seeds (failed: how many seeds failed).",
+        "",
         "| " + " | ".join(TABLE_HEADER) + " |",
         "|" + "---|" * len(TABLE_HEADER),
         *("| " + " | ".join(row) + " |" for row in table_rows(results)),
@@ -503,6 +524,10 @@ def report_markdown(results: dict, command: str) -> str:
         "## Reading: what the literature predicts, and what happened here",
         "",
     ]
+    if cfg["depth"] < Config.depth or cfg["epochs"] < Config.epochs:
+        lines += [f"This run is smaller than the default ({Config.depth} + {Config.depth} layers, "
+                  f"{Config.epochs} epochs); the predictions are about deep models trained for longer, "
+                  "so the verdicts below say little.", ""]
     for prediction, held, what in readings(results):
         lines += [f"- **{prediction}** {'Held' if held else 'Did not hold'} here: {what}", ""]
     lines += [
@@ -595,7 +620,7 @@ def run(args) -> int:
     columns = (TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("test MSE {task.fields[mse]}"), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
-        tasks = {name: bar.add_task(ARMS[name].label, total=cfg.epochs * len(cfg.seeds), mse="—")
+        tasks = {name: bar.add_task(ARMS[name].title(cfg.norm), total=cfg.epochs * len(cfg.seeds), mse="—")
                  for name in cfg.arms}
 
         def progress(name: str, done: int, mse: float) -> None:
@@ -605,7 +630,7 @@ def run(args) -> int:
     table = Table(title=f"test MSE, noise floor {results['floor']:.4f} "
                         f"(medians over {len(cfg.seeds)} seed(s))")
     for i, col in enumerate(TABLE_HEADER):
-        table.add_column(col, justify="left" if i < 2 else "right")
+        table.add_column(col, justify="left" if i < 2 else "right", no_wrap=i == 0)
     for row in table_rows(results):
         table.add_row(*row)
     console.print(table)
