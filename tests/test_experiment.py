@@ -114,6 +114,10 @@ def test_cli_reports_bad_data_and_arms(tmp_path, capsys):
     assert "--data" in capsys.readouterr().err
     assert cli.main(["train", "--arms", "post,sideways", "--out", str(tmp_path)]) == 2
     assert "sideways" in capsys.readouterr().err
+    assert cli.main(["train", "--epochs", "0", "--out", str(tmp_path)]) == 2
+    assert "--epochs must be at least 1" in capsys.readouterr().err
+    assert cli.main(["train", "--lr", "-1", "--out", str(tmp_path)]) == 2
+    assert "--lr" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
 
@@ -140,6 +144,7 @@ def test_warmup_is_linear_then_constant():
 def test_summarize():
     s = summarize([1.0, 0.05, 0.019, 0.03], floor=0.01)
     assert (s["final"], s["best"], s["first_within"], s["failed"]) == (0.03, 0.019, 3, False)
+    assert s["first_below_fail"] == 2  # first epoch within FAIL_RATIO x floor = 0.1
     assert s["ratio"] == pytest.approx(3.0)
     assert summarize([0.5, FAIL_RATIO * 0.01 * 1.01], 0.01)["failed"]
     assert summarize([0.5, math.nan], 0.01)["failed"]

@@ -72,8 +72,9 @@ def load_sequences(path: str | pathlib.Path) -> np.ndarray:
         if suffix == ".npy":
             data = np.load(path, allow_pickle=False)
         elif suffix == ".csv":
-            data = np.loadtxt(path, delimiter=",", ndmin=2,
-                              skiprows=1 if not _is_number(path.open().readline().split(",")[0]) else 0)
+            with path.open() as f:
+                header = not _is_number(f.readline().split(",")[0])
+            data = np.loadtxt(path, delimiter=",", ndmin=2, skiprows=int(header))
             if data.shape[1:] == (8,):
                 data = data.reshape(-1, 4, 2)
         else:
@@ -176,7 +177,7 @@ def lr_lambda(arm: Arm, total_steps: int) -> Callable[[int], float]:
     return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
 
 
-def test_mse(model: Seq2SeqTransformer, source: torch.Tensor, target: torch.Tensor) -> float:
+def evaluate_mse(model: Seq2SeqTransformer, source: torch.Tensor, target: torch.Tensor) -> float:
     model.eval()
     pred = model.predict(source, target.size(1))
     model.train()
@@ -210,7 +211,7 @@ def train_arm(arm: Arm, seed: int, cfg: Config, train: np.ndarray, test: np.ndar
             sched.step()
             total += loss.item() * len(idx)
         train_loss.append(total / len(source))
-        curve.append(test_mse(model, test_source, test_target))
+        curve.append(evaluate_mse(model, test_source, test_target))
         if on_epoch is not None:
             on_epoch(epoch, curve[-1])
     return {"seed": seed, "lr": lr, "test_mse": curve, "train_loss": train_loss,
@@ -220,7 +221,8 @@ def train_arm(arm: Arm, seed: int, cfg: Config, train: np.ndarray, test: np.ndar
 def grad_norms_at_init(cfg: Config, norm_position: str, seed: int,
                        train: np.ndarray) -> dict[str, list[float]]:
     """Gradient norm of each layer's feed-forward output weight (Xiong et al. 2020, Fig. 3),
-    at initialisation, for the loss on the whole training set; encoder and decoder layers."""
+    at initialisation from ``seed``, for the loss on the whole training set (teacher forcing);
+    encoder and decoder layers, first to last."""
     torch.manual_seed(seed)
     model = build_model(cfg, norm_position)
     source, target = split(train)
@@ -247,29 +249,47 @@ def load_data(cfg: Config) -> tuple[np.ndarray, np.ndarray, str]:
             f"{cfg.data}: {len(data)} sequences, train {len(data) - n_test}, test {n_test} (fixed shuffle)")
 
 
+def _first_epoch(curve: list[float], level: float) -> int | None:
+    return next((i + 1 for i, v in enumerate(curve) if v <= level), None)
+
+
 def summarize(curve: list[float], floor: float) -> dict:
-    """Final and best test MSE, ratio to the floor, first epoch (1-based) within WITHIN x floor, failed."""
+    """Final and best test MSE, ratio to the floor, first epoch (1-based) within WITHIN x floor and
+    within FAIL_RATIO x floor (off the plateau), failed."""
     finite = [v for v in curve if math.isfinite(v)]
     final = curve[-1] if curve else math.nan
-    first = next((i + 1 for i, v in enumerate(curve) if v <= WITHIN * floor), None)
     return {"final": final, "best": min(finite) if finite else math.nan, "ratio": final / floor,
-            "first_within": first, "failed": not math.isfinite(final) or final > FAIL_RATIO * floor}
+            "first_within": _first_epoch(curve, WITHIN * floor),
+            "first_below_fail": _first_epoch(curve, FAIL_RATIO * floor),
+            "failed": not math.isfinite(final) or final > FAIL_RATIO * floor}
+
+
+def _median_epoch(epochs: list[int | None]) -> float | None:
+    """Median over seeds, ``None`` (never) if most seeds never got there."""
+    m = float(np.median([math.inf if e is None else e for e in epochs]))
+    return None if math.isinf(m) else m
 
 
 def aggregate(runs: list[dict], floor: float) -> dict:
-    """One row per arm: medians over seeds (first epoch: median, ``None`` if most seeds never got there)."""
+    """One row per arm: medians over seeds."""
     rows = [summarize(r["test_mse"], floor) for r in runs]
-    firsts = sorted(math.inf if r["first_within"] is None else r["first_within"] for r in rows)
-    first = float(np.median(firsts))
     return {
         "final": float(np.median([r["final"] for r in rows])),
         "best": float(np.median([r["best"] for r in rows])),
         "ratio": float(np.median([r["ratio"] for r in rows])),
-        "first_within": None if math.isinf(first) else first,
+        "first_within": _median_epoch([r["first_within"] for r in rows]),
+        "first_below_fail": _median_epoch([r["first_below_fail"] for r in rows]),
         "failed": sum(r["failed"] for r in rows),
         "runs": len(rows),
         "seconds": sum(r["seconds"] for r in runs),
     }
+
+
+GRAD_INITS = 5  # the gradient norms at initialisation are averaged over at least this many inits
+
+
+def grad_seeds(cfg: Config) -> list[int]:
+    return list(range(max(GRAD_INITS, len(cfg.seeds))))
 
 
 def run_experiment(cfg: Config, progress: Callable[[str, int, float], None] | None = None) -> dict:
@@ -298,11 +318,12 @@ def run_experiment(cfg: Config, progress: Callable[[str, int, float], None] | No
                           "steps": steps, "runs": runs, "summary": aggregate(runs, floor)}
         grads = {}
         for pos in ("post", "pre"):
-            per_seed = [grad_norms_at_init(cfg, pos, seed, train) for seed in cfg.seeds]
+            per_seed = [grad_norms_at_init(cfg, pos, seed, train) for seed in grad_seeds(cfg)]
             grads[pos] = {part: np.mean([g[part] for g in per_seed], axis=0).tolist()
                           for part in ("encoder", "decoder")}
         return {"config": dataclasses.asdict(cfg), "data": description, "floor": floor,
                 "n_train": len(train), "n_test": len(test), "arms": arms, "grad_norms": grads,
+                "grad_inits": len(grad_seeds(cfg)),
                 "torch": torch.__version__, "seconds": time.perf_counter() - start,
                 "cpu_seconds": time.process_time() - cpu_start}
     finally:
@@ -350,7 +371,7 @@ def plot_results(results_json_path: str | pathlib.Path, out_dir: str | pathlib.P
     out.mkdir(parents=True, exist_ok=True)
     floor = results["floor"]
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(10, 5))
     clipped = False
     for arm in results["arms"].values():
         curves = np.array([_nan(r["test_mse"]) for r in arm["runs"]])
@@ -376,7 +397,7 @@ def plot_results(results_json_path: str | pathlib.Path, out_dir: str | pathlib.P
     title = f"Test MSE per epoch ({f'median of {seeds} seeds, band: min-max' if seeds > 1 else '1 seed'})"
     ax.set_title(title + (f"\nvalues above {CLIP:g} drawn at {CLIP:g}" if clipped else ""), fontsize=11)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=9, loc="upper right", ncol=2)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     curves_png = out / "curves.png"
     fig.savefig(curves_png, dpi=120)
@@ -396,7 +417,8 @@ def plot_results(results_json_path: str | pathlib.Path, out_dir: str | pathlib.P
         ax.legend()
     axes[0].set_ylim(bottom=0)  # shared: after both panels are drawn
     axes[0].set_ylabel("‖∂loss/∂W‖ of the FFN output weight")
-    fig.suptitle("Gradient norm per layer at initialisation (cf. Xiong et al. 2020, Fig. 3)")
+    fig.suptitle(f"Gradient norm per layer at initialisation, mean of {results['grad_inits']} inits "
+                 "(cf. Xiong et al. 2020, Fig. 3)")
     fig.tight_layout()
     grads_png = out / "grad_norms.png"
     fig.savefig(grads_png, dpi=120)
@@ -405,7 +427,7 @@ def plot_results(results_json_path: str | pathlib.Path, out_dir: str | pathlib.P
 
 
 def _g(v: float | None) -> str:
-    return "—" if v is None or not math.isfinite(v) else f"{v:.4g}"
+    return "—" if v is None or not math.isfinite(v) else f"{v:.3g}"
 
 
 def table_rows(results: dict) -> list[list[str]]:
@@ -422,14 +444,16 @@ def table_rows(results: dict) -> list[list[str]]:
 
 
 TABLE_HEADER = ["arm", "lr", "final MSE", "best MSE", "final ÷ floor", f"epoch ≤ {WITHIN:g}x floor", "failed",
-                "seconds"]
+                "time (s)"]
 
 
 def _describe(arm: dict) -> str:
     s = arm["summary"]
+    off = ("" if s["first_below_fail"] is None or s["first_within"] is None
+           else f"fell below {FAIL_RATIO:g}x the floor at epoch {s['first_below_fail']:g}, ")
     when = (f"never came within {WITHIN:g}x the floor" if s["first_within"] is None
-            else f"came within {WITHIN:g}x the floor at epoch {s['first_within']:g}")
-    return f"{arm['label']} {when} and ended at {_g(s['final'])} ({_g(s['ratio'])}x floor)"
+            else f"came within {WITHIN:g}x at epoch {s['first_within']:g}")
+    return f"{arm['label']} {off}{when} and ended at {_g(s['final'])} ({_g(s['ratio'])}x floor)"
 
 
 def _speed(arm: dict) -> tuple[float, float]:
@@ -442,43 +466,56 @@ def _fails(arm: dict) -> bool:
     return arm["summary"]["failed"] * 2 > arm["summary"]["runs"]  # most seeds failed
 
 
-def readings(results: dict) -> list[tuple[str, bool, str]]:
-    """``(prediction, held, what happened)`` for each prediction whose arms were run."""
+VERDICTS = ("Held", "Partly held", "Did not hold")
+GROWTH = 1.2  # post-LN's gradient norm "grows toward the output": last / first layer at least this
+
+
+def _verdict(held: bool) -> str:
+    return VERDICTS[0] if held else VERDICTS[2]
+
+
+def readings(results: dict) -> list[tuple[str, str, str]]:
+    """``(prediction, verdict, what happened)`` for each prediction whose arms were run; the verdict
+    is one of :data:`VERDICTS`."""
     a = results["arms"]
     out = []
     if {"pre", "post"} <= a.keys():
-        held = _speed(a["pre"]) < _speed(a["post"]) and not _fails(a["pre"])
+        held = _verdict(_speed(a["pre"]) < _speed(a["post"]) and not _fails(a["pre"]))
         out.append(("Pre-LN trains without warmup; post-LN without warmup struggles (Xiong et al. 2020).",
                     held, f"{_describe(a['pre'])}; {_describe(a['post'])}."))
     if {"post-warmup", "post"} <= a.keys():
-        held = _speed(a["post-warmup"]) < _speed(a["post"])
+        held = _verdict(_speed(a["post-warmup"]) < _speed(a["post"]))
         out.append(("Warmup helps post-LN (Vaswani et al. 2017; Xiong et al. 2020).", held,
                     f"{_describe(a['post-warmup'])}; without warmup, {_describe(a['post'])}."))
     if "post-small-lr" in a:
-        held = not _fails(a["post-small-lr"])
+        held = _verdict(not _fails(a["post-small-lr"]))
         out.append(("A smaller learning rate keeps post-LN stable without warmup, at the cost of speed.",
                     held, f"{_describe(a['post-small-lr'])}."))
     if {"post-large-lr", "pre-large-lr"} <= a.keys():
-        held = not _fails(a["pre-large-lr"]) and _speed(a["pre-large-lr"]) < _speed(a["post-large-lr"])
+        pre, post = a["pre-large-lr"], a["post-large-lr"]
+        held = _verdict(not _fails(pre) and _speed(pre) < _speed(post))
         out.append(("At a large learning rate pre-LN still trains and post-LN does not (Xiong et al. 2020).",
                     held, f"{_describe(a['pre-large-lr'])}; {_describe(a['post-large-lr'])}."))
     normed = [a[n] for n in ("post", "pre") if n in a]
     if "none" in a and normed:
-        held = _fails(a["none"]) or all(_speed(a["none"]) > _speed(n) for n in normed)
+        held = _verdict(_fails(a["none"]) or all(_speed(a["none"]) > _speed(n) for n in normed))
         out.append(("Without a norm the deep residual stack trains worse than with one.", held,
                     f"{_describe(a['none'])}."))
     g = results["grad_norms"]
     if len(g["post"]["encoder"]) < 2:  # a trend over layers needs at least two
         return out
     growth = {pos: {part: g[pos][part][-1] / g[pos][part][0] for part in g[pos]} for pos in g}
-    held = all(growth["post"][p] > max(1.0, growth["pre"][p]) for p in ("encoder", "decoder"))
-    scale = np.mean(g["post"]["decoder"]) / np.mean(g["pre"]["decoder"])
+    # "grows": the last layer's gradient norm at least GROWTH x the first's, and more than pre-LN's
+    parts = [growth["post"][p] >= GROWTH and growth["post"][p] > growth["pre"][p] for p in growth["post"]]
+    held = VERDICTS[0] if all(parts) else VERDICTS[1] if any(parts) else VERDICTS[2]
+    scale = {p: np.mean(g["post"][p]) / np.mean(g["pre"][p]) for p in g["post"]}
     out.append(("At initialisation post-LN's gradient norm grows toward the last layers, pre-LN's does not "
                 "(Xiong et al. 2020, Fig. 3).", held,
-                "last layer / first layer: post-LN encoder {:.2f}, decoder {:.2f}; pre-LN encoder {:.2f}, "
-                "decoder {:.2f}. Post-LN's decoder gradients are {:.1f}x pre-LN's on average.".format(
-                    growth["post"]["encoder"], growth["post"]["decoder"], growth["pre"]["encoder"],
-                    growth["pre"]["decoder"], scale)))
+                f"mean of {results['grad_inits']} initialisations, last layer ÷ first layer: post-LN encoder "
+                f"{growth['post']['encoder']:.2f}, decoder {growth['post']['decoder']:.2f}; pre-LN encoder "
+                f"{growth['pre']['encoder']:.2f}, decoder {growth['pre']['decoder']:.2f} (a trend counts "
+                f"from {GROWTH:g}). Post-LN's gradients are {scale['encoder']:.1f}x pre-LN's in the encoder "
+                f"and {scale['decoder']:.1f}x in the decoder, on average."))
     return out
 
 
@@ -488,6 +525,10 @@ def _schedule_text(results: dict) -> str:
         return "Learning rate: constant."
     return (f"Learning rate: constant, except {warm[0]['label']}: linear warmup over the first "
             f"{warm[0]['warmup_steps']} of {warm[0]['steps']} steps, then constant.")
+
+
+def _small(depth: int, epochs: int) -> bool:
+    return depth < Config.depth or epochs < Config.epochs
 
 
 def report_markdown(results: dict, command: str) -> str:
@@ -524,12 +565,12 @@ def report_markdown(results: dict, command: str) -> str:
         "## Reading: what the literature predicts, and what happened here",
         "",
     ]
-    if cfg["depth"] < Config.depth or cfg["epochs"] < Config.epochs:
+    if _small(cfg["depth"], cfg["epochs"]):
         lines += [f"This run is smaller than the default ({Config.depth} + {Config.depth} layers, "
                   f"{Config.epochs} epochs); the predictions are about deep models trained for longer, "
                   "so the verdicts below say little.", ""]
     for prediction, held, what in readings(results):
-        lines += [f"- **{prediction}** {'Held' if held else 'Did not hold'} here: {what}", ""]
+        lines += [f"- **{prediction}** {held} here: {what}", ""]
     lines += [
         "These readings are generated from the numbers above by fixed rules (earlier arrival within "
         f"{WITHIN:g}x the floor, then a lower final MSE, counts as better). One small task and "
@@ -599,10 +640,24 @@ def command_line(args) -> str:
     return shlex.join(words + (["--quick"] if args.quick else []))
 
 
+def rich_table(results: dict):
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"test MSE, noise floor {results['floor']:.4f} "
+                        f"(medians over {len(results['config']['seeds'])} seed(s))", box=box.SIMPLE_HEAD,
+                  pad_edge=False)
+    rows = table_rows(results)
+    for i, col in enumerate(TABLE_HEADER):  # numbers whole, headers wrap
+        table.add_column(col, justify="left" if i < 2 else "right", min_width=max(len(r[i]) for r in rows))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     from .cli import UsageError
 
@@ -627,15 +682,13 @@ def run(args) -> int:
             bar.update(tasks[name], completed=done, mse=_g(mse))
 
         results = run_experiment(cfg, progress)
-    table = Table(title=f"test MSE, noise floor {results['floor']:.4f} "
-                        f"(medians over {len(cfg.seeds)} seed(s))")
-    for i, col in enumerate(TABLE_HEADER):
-        table.add_column(col, justify="left" if i < 2 else "right", no_wrap=i == 0)
-    for row in table_rows(results):
-        table.add_row(*row)
-    console.print(table)
+    console.print(rich_table(results))
+    if _small(cfg.depth, cfg.epochs):
+        console.print(f"(smaller than the default {Config.depth}+{Config.depth} layers, "
+                      f"{Config.epochs} epochs: the verdicts below say little)")
+    colours = dict(zip(VERDICTS, ("green", "yellow", "red"), strict=True))
     for prediction, held, _ in readings(results):
-        console.print(f"[{'green' if held else 'red'}]{'held' if held else 'did not hold'}[/]: {prediction}")
+        console.print(f"[{colours[held]}]{held.lower()}[/]: {prediction}")
     command = command_line(args)
     written = write_outputs(results, args.out, command)
     console.print(f"wrote {', '.join(str(p) for p in written)} ({results['seconds']:.0f} s)")
