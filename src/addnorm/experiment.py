@@ -519,6 +519,22 @@ def readings(results: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def _wobble(results: dict) -> str:
+    """How much the test MSE moves once a run has come within WITHIN x the floor."""
+    after = []
+    for arm in results["arms"].values():
+        for r in arm["runs"]:
+            curve = [math.nan if v is None else v for v in r["test_mse"]]
+            first = _first_epoch(curve, WITHIN * results["floor"])
+            after += [v for v in curve[first - 1:] if math.isfinite(v)] if first else []
+    if not after:
+        return ""
+    lo, hi = min(after) / results["floor"], max(after) / results["floor"]
+    return (f"Once within {WITHIN:g}x the floor, runs kept moving between {lo:.1f}x and {hi:.1f}x of it from "
+            "epoch to epoch (the learning rate is never decayed), so a difference of an epoch or two in the "
+            f"{WITHIN:g}x column, or a small one in the final MSE, is within that noise. ")
+
+
 def _schedule_text(results: dict) -> str:
     warm = [arm for arm in results["arms"].values() if arm["warmup_steps"]]
     if not warm:
@@ -572,8 +588,9 @@ def report_markdown(results: dict, command: str) -> str:
     for prediction, held, what in readings(results):
         lines += [f"- **{prediction}** {held} here: {what}", ""]
     lines += [
-        "These readings are generated from the numbers above by fixed rules (earlier arrival within "
-        f"{WITHIN:g}x the floor, then a lower final MSE, counts as better). One small task and "
+        "These readings are generated from the numbers above by fixed rules: arriving within "
+        f"{WITHIN:g}x the floor earlier, then a lower final MSE, counts as training better; a run "
+        f"fails above {FAIL_RATIO:g}x the floor. {_wobble(results)}One small task and "
         f"{len(cfg['seeds'])} seed(s) are a demonstration, not a benchmark: rerun with `--seeds 3` to see "
         "how much of it is luck.",
         "",
