@@ -663,10 +663,12 @@ def rich_table(results: dict):
 
     table = Table(title=f"test MSE, noise floor {results['floor']:.4f} "
                         f"(medians over {len(results['config']['seeds'])} seed(s))", box=box.SIMPLE_HEAD,
-                  pad_edge=False)
+                  pad_edge=False, collapse_padding=True)
     rows = table_rows(results)
-    for i, col in enumerate(TABLE_HEADER):  # numbers whole, headers wrap
-        table.add_column(col, justify="left" if i < 2 else "right", min_width=max(len(r[i]) for r in rows))
+    headers = ["arm", "lr", "final\nMSE", "best\nMSE", "final\n÷ floor", f"epoch\n≤{WITHIN:g}x fl.", "failed",
+               "time\n(s)"]  # TABLE_HEADER on two lines: fits 80 columns
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i < 2 else "right", no_wrap=True)
     for row in rows:
         table.add_row(*row)
     return table
