@@ -590,9 +590,10 @@ def report_markdown(results: dict, command: str) -> str:
     lines += [
         "These readings are generated from the numbers above by fixed rules: arriving within "
         f"{WITHIN:g}x the floor earlier, then a lower final MSE, counts as training better; a run "
-        f"fails above {FAIL_RATIO:g}x the floor. {_wobble(results)}One small task and "
-        f"{len(cfg['seeds'])} seed(s) are a demonstration, not a benchmark: rerun with `--seeds 3` to see "
-        "how much of it is luck.",
+        f"fails above {FAIL_RATIO:g}x the floor. {_wobble(results)}" + (
+            "One seed on one small task is a demonstration, not a benchmark: rerun with `--seeds 3` to see "
+            "how much of it is luck." if len(cfg["seeds"]) == 1 else
+            f"{len(cfg['seeds'])} seeds on one small task are a demonstration, not a benchmark."),
         "",
     ]
     return "\n".join(lines)
