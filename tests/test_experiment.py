@@ -151,10 +151,11 @@ def test_summarize():
     assert summarize([0.5, 0.4], 0.01)["first_within"] is None
 
 
+@pytest.mark.parametrize("norm", ["layer", "rms"])
 @pytest.mark.parametrize("position", ["post", "pre"])
-def test_grad_norms_at_init_are_finite_per_layer(position):
+def test_grad_norms_at_init_are_finite_per_layer(position, norm):
     train, _ = square_sequences(32, 1)
-    g = grad_norms_at_init(Config(depth=3, d_model=8, n_heads=2, d_ff=8), position, 0, train)
+    g = grad_norms_at_init(Config(depth=3, d_model=8, n_heads=2, d_ff=8, norm=norm), position, 0, train)
     assert len(g["encoder"]) == 3 and len(g["decoder"]) == 3
     assert all(math.isfinite(v) and v > 0 for v in g["encoder"] + g["decoder"])
 
