@@ -174,6 +174,16 @@ CLI_CASES = [
     (["--no-such-option"], r"^addnorm: error: unrecognized arguments: --no-such-option"),
     (["info", "extra"], r"^addnorm: error: unrecognized arguments: extra"),
     (["info", "--threads", "2"], r"^addnorm: error: unrecognized arguments: --threads 2"),
+    (["explain", "--input", "[[1,2],[3]]"], r"^addnorm explain: error: --input: ragged rows"),
+    (["explain", "--input", "[[1,a]]"], r"^addnorm explain: error: --input: non-numeric value 'a'"),
+    (["explain", "--input", "missing.npy"], r"^addnorm explain: error: --input: file 'missing.npy' not found"),
+    (["explain", "--normalized-shape", "5"], r"^addnorm explain: error: --normalized-shape 5 must equal the trailing dims"),
+    (["explain", "--eps", "-1"], r"^addnorm explain: error: --eps must be a non-negative number"),
+    (["plot", "bench", "--results", "missing.jsonl"], r"^addnorm plot: error: --results: 'missing.jsonl' not found"),
+    (["plot", "hist", "--points", "0"], r"^addnorm plot: error: plot hist needs 1 to 8 --points"),
+    (["train", "--epochs", "0"], r"^addnorm train: error: --epochs must be at least 1, got 0"),
+    (["train", "--arms", "bogus"], r"^addnorm train: error: --arms: unknown arm\(s\) \['bogus'\]"),
+    (["train", "--data", "missing.npy"], r"^addnorm train: error: --data missing.npy: no such file"),
 ]
 
 
@@ -203,7 +213,7 @@ def test_cli_usage_error_is_one_line(capsys, monkeypatch):
 
 
 # Argument words a fuzzer combines: valid-looking and hostile pieces. Add a command's words here.
-FUZZ_COMMANDS = ["info"]
+FUZZ_COMMANDS = ["info", "explain"]  # not train/bench: valid words would start real runs
 WORDS = st.one_of(
     st.sampled_from(["--help", "-h", "--version", "--", "-", "--x=1", "[[1,2],[3,4]]", "nan", "1e999", "\x00"]),
     st.text(max_size=12),

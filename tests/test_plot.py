@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
 from addnorm import cli
-from addnorm.plot import _sinusoidal_encoding, hist_data
+from addnorm.plot import hist_data
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -24,15 +22,6 @@ def assert_png(path: Path) -> None:
     assert len(data) > 0 and data.startswith(PNG_SIGNATURE)
     image = imread(path)
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
-
-
-def test_sinusoidal_encoding_by_hand():
-    pe = _sinusoidal_encoding(3, 6)
-    for pos in range(3):
-        for i in range(3):
-            angle = pos / 10000 ** (2 * i / 6)
-            assert math.isclose(pe[pos, 2 * i].item(), math.sin(angle), abs_tol=1e-6)
-            assert math.isclose(pe[pos, 2 * i + 1].item(), math.cos(angle), abs_tol=1e-6)
 
 
 def test_hist_data_is_the_seeds_setup():
@@ -73,25 +62,13 @@ def test_plot_bench_writes_png(tmp_path):
     assert_png(out)
 
 
-def test_plot_train_calls_the_experiment(tmp_path, monkeypatch):
-    calls = []
-
-    def plot_results(results_json_path, out_dir):
-        from matplotlib.figure import Figure
-
-        calls.append((Path(results_json_path), Path(out_dir)))
-        fig = Figure()
-        fig.subplots().plot([0, 1], [1, 0])
-        path = Path(out_dir) / "loss.png"
-        fig.savefig(path)
-        return [path]
-
-    monkeypatch.setitem(sys.modules, "addnorm.experiment", types.SimpleNamespace(plot_results=plot_results))
-    results = tmp_path / "results.json"
-    results.write_text("{}")
-    assert cli.main(["plot", "train", "--results", str(results), "--out", str(tmp_path / "figs")]) == 0
-    assert calls == [(results, tmp_path / "figs")]
-    assert_png(tmp_path / "figs" / "loss.png")
+def test_plot_train_redraws_the_experiment(tmp_path):
+    """A real (quick) training run, then its plots redrawn from results.json alone."""
+    run = tmp_path / "run"
+    assert cli.main(["train", "--quick", "--out", str(run)]) == 0
+    assert cli.main(["plot", "train", "--results", str(run / "results.json"), "--out", str(tmp_path / "figs")]) == 0
+    for name in ("curves.png", "grad_norms.png"):
+        assert_png(tmp_path / "figs" / name)
 
 
 def error_line(capsys) -> str:
@@ -125,10 +102,10 @@ def test_train_errors(tmp_path, capsys, monkeypatch):
     assert cli.main(["plot", "train", "--results", str(tmp_path / "none.json")]) == 2
     assert "not found" in error_line(capsys)
     results = tmp_path / "results.json"
-    results.write_text("{}")
-    monkeypatch.setitem(sys.modules, "addnorm.experiment", None)  # import fails
-    assert cli.main(["plot", "train", "--results", str(results)]) == 2
-    assert error_line(capsys).endswith("plot train needs addnorm.experiment")
+    for text in ("{}", "not json", "[1, 2]"):
+        results.write_text(text)
+        assert cli.main(["plot", "train", "--results", str(results)]) == 2
+        assert error_line(capsys).endswith("is not a results.json written by 'addnorm train'")
 
 
 def test_missing_matplotlib_is_a_usage_error(tmp_path, capsys, monkeypatch):

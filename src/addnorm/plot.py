@@ -52,25 +52,15 @@ def _save(fig, path: Path) -> Path:
 
 # --------------------------------------------------------------------------- hist
 
-def _sinusoidal_encoding(length: int, d_model: int) -> torch.Tensor:
-    """The Transformer's sinusoidal positional encoding, ``(length, d_model)``: sin on even
-    features, cos on odd ones, wavelengths from 2π to 10000·2π."""
-    position = torch.arange(length, dtype=torch.float32)[:, None]
-    speed = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    pe = torch.zeros(length, d_model)
-    pe[:, 0::2] = torch.sin(position * speed)
-    pe[:, 1::2] = torch.cos(position * speed)[:, : d_model // 2]
-    return pe
-
-
 def hist_data(points: int, d_model: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The seeds' setup: ``randn(points, 1, d_model)·√d_model`` + positional encoding, and
     its LayerNorm (addnorm's, eps 1e-5, γ=1, β=0)."""
     from .functional import layer_norm
+    from .transformer import sinusoidal_table
 
     torch.manual_seed(seed)
     data = torch.randn(points, 1, d_model)
-    encoded = data * math.sqrt(d_model) + _sinusoidal_encoding(1, d_model)
+    encoded = data * math.sqrt(d_model) + sinusoidal_table(1, d_model)
     return encoded, layer_norm(encoded, d_model)
 
 
@@ -170,11 +160,17 @@ def plot_train(out: str | None, results: str) -> list[Path]:
     path = Path(results)
     if not path.is_file():
         raise UsageError(f"--results: {str(path)!r} not found; run the training experiment first")
-    try:
-        from .experiment import plot_results
-    except ImportError:
-        raise UsageError("plot train needs addnorm.experiment") from None
+    import json
+
+    from .experiment import plot_results
+
     _figure()  # a clear error if matplotlib is missing
+    try:
+        results_ok = {"floor", "arms"} <= set(json.loads(path.read_text()))
+    except (ValueError, TypeError, UnicodeDecodeError):
+        results_ok = False
+    if not results_ok:
+        raise UsageError(f"--results: {str(path)!r} is not a results.json written by 'addnorm train'")
     out_dir = Path(out) if out else Path(".")
     if out_dir.exists() and not out_dir.is_dir():
         raise UsageError(f"--out: {str(out_dir)!r} is not a directory (plot train writes several files)")
