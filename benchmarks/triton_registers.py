@@ -64,14 +64,15 @@ def backward(n: int, dtype: torch.dtype, rms: bool) -> str:
     block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"))
     coef = PTR[cd] if chunked else "constexpr"
     sig = {"DY": PTR[dtype], "DSTREAM": PTR[dtype], "S": PTR[dtype], "W": PTR[dtype],
-           "MEAN": "constexpr" if rms else PTR[cd], "RSTD": PTR[cd], "C1": coef, "C2": coef, "DS": PTR[dtype],
+           "MEAN": "constexpr" if rms else PTR[cd], "RSTD": PTR[cd], "K": coef, "C1": coef, "C2": coef,
+           "DS": PTR[dtype],
            "DW": PTR[cd], "DB": "constexpr" if rms else PTR[cd],
            "M": "i32", "N": "i32", "rows_per_program": "i32", "sdy": "i64", "sdst": "i64", "ss": "i64"}
     const = {"HAS_DSTREAM": True, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "IS_RMS": rms, "CHUNKED": chunked,
              "BLOCK_M": block_m, "BLOCK_N": block_n}
     out = resources(K._backward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
     if chunked:
-        keys = ("DY", "S", "W", "MEAN", "RSTD", "C1", "C2", "M", "N", "sdy", "ss")
+        keys = ("DY", "S", "W", "MEAN", "RSTD", "K", "C1", "C2", "M", "N", "sdy", "ss")
         cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BLOCK_M", "BLOCK_N")}
         out += "  coef: " + resources(K._coef_kernel, {**{k: sig[k] for k in keys},
                                                       **dict.fromkeys(cconst, "constexpr")}, cconst, warps)

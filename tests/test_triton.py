@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as TF
 
 import addnorm
+import test_numerics
 from addnorm import ops, reference
-from conftest import TEST_DEVICE, assert_matches_oracle
+from conftest import TEST_DEVICE, TOLERANCES, assert_matches_oracle
 
 pytest.importorskip("triton")  # the optional [gpu] extra; CI installs it
 from addnorm.kernels import triton as K  # noqa: E402
@@ -108,6 +109,62 @@ def test_chunked_statistics_with_large_mean_offset(chunked):
     ours = (addnorm.layer_norm(x.float(), 1000, backend="triton").double() - oracle).abs().max()
     theirs = (TF.layer_norm(x.float(), (1000,)).double() - oracle).abs().max()
     assert ours <= 1.5 * theirs + 1e-6, (ours, theirs)
+
+
+CHUNKED_SCENARIOS = [sc for sc in test_numerics.SCENARIOS if sc.name in (
+    "mean offset 1e6", "all-equal rows", "near-constant (var 1e-8 << eps)", "bf16 1e18 rms",
+    "near bf16 max", "denormal fp32")]
+
+
+@pytest.mark.parametrize("sc", CHUNKED_SCENARIOS, ids=[s.name for s in CHUNKED_SCENARIOS])
+def test_chunked_hard_numerics(chunked, sc):
+    """The chunked path (two chunks of 256 here) meets the same bar as the fused one: offset,
+    constant, near-overflow and subnormal rows, forward and backward, against fp64 and torch."""
+    test_numerics.test_error_no_worse_than_torch("triton", sc)
+
+
+def test_chunked_offset_rows_are_centered_exactly(chunked):
+    test_numerics.test_offset_rows_are_centered_exactly("triton")
+
+
+# per dtype, the exponents j of max|s| = 2**j: both sides of 1, and up to the dtype's largest
+POW2_MAX = {torch.float32: [-1, 0, 1, 64, 126, 127], torch.bfloat16: [-1, 0, 1, 60, 127],
+            torch.float64: [-1, 0, 1, 600, 1023]}
+
+
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", list(POW2_MAX), ids=str)
+def test_rows_whose_max_is_a_power_of_two(monkeypatch, path, rms, dtype):
+    """Row j has max|s| exactly 2**j (the frexp edge of the row scale), up to the dtype's top
+    binade, where s**2 overflows. Oracle: torch in fp64 on s / 2**j with eps / 4**j, which is
+    the same function (LayerNorm and RMSNorm are scale-invariant once eps is scaled too); the
+    gradient of s is that oracle's gradient divided by 2**j. Compared after scaling by 2**j."""
+    if path == "chunked":
+        monkeypatch.setattr(K, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "CHUNK_N", 256)
+    js, n, eps = POW2_MAX[dtype], 300, 1e-5
+    scale = torch.tensor([2.0**j for j in js], dtype=torch.float64)[:, None]
+    unit = rows_of(len(js), n, torch.float64).clamp(-0.99, 0.99)
+    unit[:, 7] = 1.0
+    x = (unit * scale).to(dtype)
+    w, dy = rows_of(1, n, dtype, seed=1)[0] + 1, rows_of(len(js), n, dtype, seed=2)
+    b = None if rms else rows_of(1, n, dtype, seed=3)[0]
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    y = test_numerics.ours_norm(*leaves, b, eps, rms, "triton")
+    dx, dw = torch.autograd.grad(y, leaves, dy)
+    rtol, atol = TOLERANCES[dtype]
+    for i, c in enumerate(scale[:, 0].tolist()):
+        s, w64 = (x[i:i + 1].double() / c).requires_grad_(), w.double()
+        b64 = None if b is None else b.double()
+        y64 = test_numerics.torch_norm(s, None, None, eps / c / c, rms) * w64
+        y64 = y64 + b64 if b64 is not None else y64
+        (ds64,) = torch.autograd.grad(y64, s, dy[i:i + 1].double())
+        torch.testing.assert_close(y[i:i + 1].double(), y64, rtol=rtol, atol=atol, msg=f"y, 2**{js[i]}")
+        torch.testing.assert_close(dx[i:i + 1].double() * c, ds64, rtol=rtol, atol=atol, msg=f"dx, 2**{js[i]}")
+    xhat = torch.stack([test_numerics.torch_norm(x[i].double() / c, None, None, eps / c / c, rms)
+                        for i, c in enumerate(scale[:, 0].tolist())])
+    torch.testing.assert_close(dw.double(), (dy.double() * xhat).sum(0), rtol=rtol, atol=atol * len(js))
 
 
 @pytest.mark.parametrize("n", [1000, 3000])

@@ -2,21 +2,28 @@
 
 Algorithm (forward). A program normalizes a tile of ``BLOCK_M`` rows by ``BLOCK_N`` columns.
 Rows up to ``MAX_FUSED_N`` features are held whole in registers: one read of ``x`` (and
-``residual``), two passes over registers for the statistics (mean, then the mean of the
-centred squares -- never E[s^2] - E[s]^2), one write of ``y`` (and the stream ``s``).
-Wider rows take the chunked path: the same program walks the row in ``CHUNK_N`` chunks,
-combining per-chunk (count, mean, M2) with Chan's parallel formula (exact two-pass statistics
-inside a chunk, a stable update between chunks), then walks the row again to normalize; the
-second read should mostly hit L2, as a row in flight is at most a few hundred KB.
+``residual``), one write of the stream ``s`` and of ``y``, and in between four reductions over
+registers, as ``reference.forward_rows``: ``max|s|`` gives the row scale ``k`` (a power of two,
+so ``s * k`` is exact and its squares cannot overflow even near bf16's maximum); the mean of
+``s * k``; the mean of the centred row, which corrects that mean (exact centring of constant
+rows and of rows with a large offset); the mean of the centred squares (never
+E[s^2] - E[s]^2). Wider rows take the chunked path: the same program walks the row in
+``CHUNK_N`` chunks three times: ``max|s|`` and the sum of ``s * k`` (rescaled, exactly, when a
+later chunk lowers ``k``); the sums of the centred values and of their squares, whose corrected
+two-pass combination ``mean(c^2) - mean(c)^2`` is the variance about the corrected mean; then
+normalize. The re-reads should mostly hit L2, as a row in flight is at most a few hundred KB.
 
 Algorithm (backward). ``ds = rstd * (g - xhat * mean(g * xhat) - mean(g))`` per row (see
-reference.py), plus ``dstream``. Each program owns a contiguous block of rows and one column
-chunk, keeps fp32 (fp64 for fp64) sums of ``dy * xhat`` and ``dy`` for its columns in
-registers, and writes them as one row of a ``(programs, N)`` partials buffer. A second kernel
-sums the partials column by column in program order: no atomics, no locks, so dweight/dbias
-are bit-identical from run to run on the same device (the Triton tutorial's lock-based
-reduction is not). Rows wider than ``MAX_FUSED_N`` first get their two row coefficients
-(mean(g * xhat), mean(g)) from a chunked pass, then every column chunk is a separate program.
+reference.py), plus ``dstream``, with ``xhat = (s * k - mean * k) * (rstd / k)`` and the
+forward's row scale ``k`` (one more max-reduction), so it cannot overflow either. Each program
+owns a contiguous block of rows and one column chunk, keeps fp32 (fp64 for fp64) sums of
+``dy * xhat`` and ``dy`` for its columns in registers, and writes them as one row of a
+``(programs, N)`` partials buffer. A second kernel sums the partials column by column in
+program order: no atomics, no locks, so dweight/dbias are bit-identical from run to run on the
+same device (the Triton tutorial's lock-based reduction is not). Rows wider than
+``MAX_FUSED_N`` first get ``k`` and their two row coefficients (mean(g * xhat), mean(g)) from a
+chunked kernel (a pass for ``max|s|``, a pass for the sums), then every column chunk is a
+separate program.
 
 Limits and why. Statistics and arithmetic are fp32 for fp16/bf16/fp32 and fp64 for fp64, as
 the reference. Row offsets are int64 (tensors over 2**31 elements are safe); rows may have any
@@ -24,7 +31,7 @@ stride (a copy is made only when the last dim is not contiguous, as the kernels 
 column stride for coalesced loads). ``MAX_FUSED_N = 8192``: at the maximum of 32 warps a
 thread then holds 8 elements of the row; the backward keeps about six row-sized values live
 (s, dy, xhat, g and the dweight/dbias sums) and compiles to at most 64 registers without
-spilling, while 16384 features (16 per thread) spill 72-192 bytes per thread in ptxas for
+spilling, while 16384 features (16 per thread) spill up to 200 bytes per thread in ptxas for
 sm_90 (``python benchmarks/triton_registers.py --max-fused-n 16384 16384`` compiles every
 kernel for sm_90 without a GPU and prints registers and spills). bf16 is rounded to nearest
 even by hand (``_round``) because Triton's interpreter truncates; on GPU the same few integer
@@ -34,7 +41,7 @@ Launch heuristic (``_config``): ``BLOCK_N`` is the next power of two of ``N`` (o
 short rows are stacked into ``BLOCK_M`` rows per program so that a tile holds about
 ``TILE_ELEMS`` elements; ``num_warps`` gives each thread ``ELEMS_PER_THREAD`` = 4 elements of
 the tile (clamped to 1..32). The kernels are memory-bound, so what matters is warps resident
-per SM: at N=4096 four elements per thread compile to 23-48 registers (32 or more warps per
+per SM: at N=4096 four elements per thread compile to 26-44 registers (32 or more warps per
 SM for every kernel), where eight per thread took 49-128 registers and left 16 warps per SM
 (``benchmarks/triton_registers.py --elems-per-thread 8 4096``). Backward launches
 ``SMs * max(1, 32 // num_warps)`` programs, each looping over its rows, which bounds the
@@ -137,18 +144,46 @@ def _load_param(P, cols, N, CD: tl.constexpr, HAS: tl.constexpr):
 
 
 @triton.jit
-def _normalize_store(s, w, b, Y, S, rows, cols, mask, N, mean, rstd,
-                     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, IS_RMS: tl.constexpr):
-    """Write ``y`` (and the stream ``s``) of one tile, given ``s``, the tile's weight and bias
-    and the row statistics."""
-    out = rows[:, None] * N + cols[None, :]
-    if HAS_RESIDUAL:  # s holds values of S's dtype already: the cast is exact
-        tl.store(S + out, s.to(S.dtype.element_ty), mask=mask)
-    if IS_RMS:
-        y = s * rstd[:, None]
+def _row_scale(amax):
+    """Per row, the power of two ``k = 2**-e <= 1`` with ``max|s * k| < 1`` (``reference.row_scale``),
+    built from the exponent bits of ``amax = max|s|``: exact, and at ``amax = 2**j`` it is
+    ``2**-(j + 1)``, as frexp. ``e`` stops at the smallest normal's exponent, so ``k`` is never
+    subnormal (a GPU may flush those): rows beyond ``2**126`` get ``max|s * k| < 4``, which is
+    as safe. Non-finite rows get ``k = 1`` and propagate as unscaled."""
+    if amax.dtype == tl.float64:
+        biased = (amax.to(tl.int64, bitcast=True) >> 52) & 0x7FF
+        e = tl.where(biased == 0x7FF, 0, tl.minimum(tl.maximum(biased - 1022, 0), 1022))
+        return ((1023 - e) << 52).to(tl.float64, bitcast=True)
     else:
-        y = (s - mean[:, None]) * rstd[:, None]
+        biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        e = tl.where(biased == 0xFF, 0, tl.minimum(tl.maximum(biased - 126, 0), 126))
+        return ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS: tl.constexpr):
+    """``xhat = (s * k - mean_k - corr) * rstd_k`` from ``sk = s * k``, subtracting the rough mean
+    then its correction (exact for constant rows), as ``reference.forward_rows``; zero outside
+    ``mask``."""
+    if IS_RMS:
+        return sk * rstd_k[:, None]
+    else:
+        c = tl.where(mask, sk - mean_k[:, None], 0.0)
+        return tl.where(mask, c - corr[:, None], 0.0) * rstd_k[:, None]
+
+
+@triton.jit
+def _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL: tl.constexpr):
+    """Write the stream ``s`` of one tile (with a residual; nothing without)."""
+    if HAS_RESIDUAL:  # s holds values of S's dtype already: the cast is exact
+        tl.store(S + rows[:, None] * N + cols[None, :], s.to(S.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_y(xhat, w, b, Y, rows, cols, mask, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Write ``y = xhat * weight + bias`` of one tile."""
+    out = rows[:, None] * N + cols[None, :]
+    y = xhat
     if HAS_WEIGHT:
         y = y * w[None, :]
     if HAS_BIAS:
@@ -165,94 +200,126 @@ def _forward_kernel(X, R, W, B, Y, S, MEAN, RSTD, M, N, sx, sr, eps,
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.arange(0, BLOCK_N)
-    if not CHUNKED:  # the whole row is in registers: two passes over it there
+    mean_k = tl.zeros([BLOCK_M], dtype=CD)  # the mean of s * k, then its correction
+    corr = tl.zeros([BLOCK_M], dtype=CD)
+    if not CHUNKED:  # the whole row is in registers: every pass is over registers
         mask = row_ok[:, None] & (cols < N)[None, :]
         s = _load_stream(X, R, S, rows, cols, mask, sx, sr, CD, HAS_RESIDUAL)
         w = _load_param(W, cols, N, CD, HAS_WEIGHT)  # issued now: latency hidden by the reductions
         b = _load_param(B, cols, N, CD, HAS_BIAS)
-        if IS_RMS:
-            mean = tl.zeros([BLOCK_M], dtype=CD)
-            c = s
-        else:
-            mean = tl.sum(s, axis=1) / N
-            c = tl.where(mask, s - mean[:, None], 0.0)
-        rstd = _rsqrt(tl.sum(c * c, axis=1) / N + eps)
-    else:  # chunks combined with Chan's formula: mean and M2 of the `start` columns seen so far
-        mean = tl.zeros([BLOCK_M], dtype=CD)
+        _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL)  # now: s need not stay live
+        k = _row_scale(tl.max(tl.abs(s), axis=1))
+        sk = s * k[:, None]
+        c = sk
+        if not IS_RMS:
+            mean_k = tl.sum(c, axis=1) / N
+            c = tl.where(mask, c - mean_k[:, None], 0.0)
+            corr = tl.sum(c, axis=1) / N
+            c = tl.where(mask, c - corr[:, None], 0.0)
+        var_k = tl.sum(c * c, axis=1) / N
+    else:
+        # Pass 1: k from max|s|, and (LayerNorm) the sum of s * k, rescaled whenever k shrinks
+        # (by a power of two: exact). Pass 2: the centred sum and sum of squares; their
+        # corrected two-pass combination gives the variance about the corrected mean.
+        k = tl.full([BLOCK_M], 1.0, CD)
+        amax = tl.zeros([BLOCK_M], dtype=CD)
+        for start in range(0, N, BLOCK_N):
+            ccols = start + cols
+            mask = row_ok[:, None] & (ccols < N)[None, :]
+            s = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL)
+            _store_stream(s, S, rows, ccols, mask, N, HAS_RESIDUAL)
+            amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
+            k_new = _row_scale(amax)
+            if not IS_RMS:
+                mean_k = mean_k * (k_new / k) + tl.sum(s * k_new[:, None], axis=1)
+            k = k_new
+        mean_k = mean_k / N
         m2 = tl.zeros([BLOCK_M], dtype=CD)
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
-            s = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL)
-            if IS_RMS:
-                m2 += tl.sum(s * s, axis=1)
-            else:
-                n_b = tl.minimum(N - start, BLOCK_N).to(CD)
-                mean_b = tl.sum(s, axis=1) / n_b
-                c = tl.where(mask, s - mean_b[:, None], 0.0)
-                delta = mean_b - mean
-                seen = tl.full([BLOCK_M], start, CD)
-                mean += delta * (n_b / (seen + n_b))
-                m2 += tl.sum(c * c, axis=1) + delta * delta * (seen * n_b / (seen + n_b))
-        rstd = _rsqrt(m2 / N + eps)
+            c = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL) * k[:, None]
+            if not IS_RMS:
+                c = tl.where(mask, c - mean_k[:, None], 0.0)
+                corr += tl.sum(c, axis=1)
+            m2 += tl.sum(c * c, axis=1)
+        corr = corr / N
+        var_k = tl.maximum(m2 / N - corr * corr, 0.0)
+    rstd_k = _rsqrt(var_k + eps * k * k)  # = rstd / k
     if not IS_RMS:
-        tl.store(MEAN + rows, mean, mask=row_ok)
-    tl.store(RSTD + rows, rstd, mask=row_ok)
+        tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
+    tl.store(RSTD + rows, rstd_k * k, mask=row_ok)
     if not CHUNKED:
-        _normalize_store(s, w, b, Y, S, rows, cols, mask, N, mean, rstd,
-                         HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, IS_RMS)
+        _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, cols, mask, N,
+                 HAS_WEIGHT, HAS_BIAS)
     else:
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
-            s = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL)
+            sk = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL) * k[:, None]
             w = _load_param(W, ccols, N, CD, HAS_WEIGHT)
             b = _load_param(B, ccols, N, CD, HAS_BIAS)
-            _normalize_store(s, w, b, Y, S, rows, ccols, mask, N, mean, rstd,
-                             HAS_RESIDUAL, HAS_WEIGHT, HAS_BIAS, IS_RMS)
+            _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, ccols, mask, N,
+                     HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
-def _load_grad_terms(DY, S, W, MEAN, RSTD, rows, row_ok, cols, sdy, ss, N,
-                     CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr):
-    """``(xhat, g = dy * weight, dy, rstd, mask)`` of one tile, zero outside the tile's mask."""
+def _load_s(S, rows, row_ok, cols, ss, N, CD: tl.constexpr):
+    """``(s, mask)`` of one tile, zero outside the mask."""
     mask = row_ok[:, None] & (cols < N)[None, :]
-    s = tl.load(S + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0).to(CD)
+    return tl.load(S + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0).to(CD), mask
+
+
+@triton.jit
+def _grad_terms(s, mask, k, DY, W, MEAN, RSTD, rows, row_ok, cols, sdy, N,
+                CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr):
+    """``(xhat, g = dy * weight, dy, rstd)`` of one tile; ``xhat`` is ``(s * k - mean * k) *
+    (rstd / k)`` with the forward's row scale ``k``, which cannot overflow. ``g`` and ``dy`` are
+    zero outside ``mask`` and ``xhat`` is finite there, so products with it vanish unmasked."""
     rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+    rstd_k = rstd / k
     if IS_RMS:
-        xhat = s * rstd[:, None]
+        xhat = s * k[:, None] * rstd_k[:, None]
     else:
-        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-        xhat = tl.where(mask, (s - mean[:, None]) * rstd[:, None], 0.0)
+        mean_k = tl.load(MEAN + rows, mask=row_ok, other=0.0) * k
+        xhat = (s * k[:, None] - mean_k[:, None]) * rstd_k[:, None]
     dy = tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0).to(CD)
     g = dy
     if HAS_WEIGHT:
         g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(CD)[None, :]
-    return xhat, g, dy, rstd, mask
+    return xhat, g, dy, rstd
 
 
 @triton.jit
-def _coef_kernel(DY, S, W, MEAN, RSTD, C1, C2, M, N, sdy, ss,
+def _coef_kernel(DY, S, W, MEAN, RSTD, K, C1, C2, M, N, sdy, ss,
                  HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Chunked path: the row coefficients ``mean(g * xhat)`` and ``mean(g)`` of wide rows."""
+    """Chunked path: the row scale ``k`` (a pass for max|s|), then the row coefficients
+    ``mean(g * xhat)`` and ``mean(g)`` of wide rows."""
     CD: tl.constexpr = RSTD.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
+    amax = tl.zeros([BLOCK_M], dtype=CD)
+    for start in range(0, N, BLOCK_N):
+        s, mask = _load_s(S, rows, row_ok, start + tl.arange(0, BLOCK_N), ss, N, CD)
+        amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
+    k = _row_scale(amax)
     c1 = tl.zeros([BLOCK_M], dtype=CD)
     c2 = tl.zeros([BLOCK_M], dtype=CD)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        xhat, g, dy, rstd, mask = _load_grad_terms(DY, S, W, MEAN, RSTD, rows, row_ok, cols, sdy, ss, N,
-                                                   CD, HAS_WEIGHT, IS_RMS)
+        s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
+        xhat, g, dy, rstd = _grad_terms(s, mask, k, DY, W, MEAN, RSTD, rows, row_ok, cols, sdy, N,
+                                        CD, HAS_WEIGHT, IS_RMS)
         c1 += tl.sum(g * xhat, axis=1)
         c2 += tl.sum(g, axis=1)
+    tl.store(K + rows, k, mask=row_ok)
     tl.store(C1 + rows, c1 / N, mask=row_ok)
     tl.store(C2 + rows, c2 / N, mask=row_ok)
 
 
 @triton.jit
-def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, C1, C2, DS, DW, DB, M, N, rows_per_program,
+def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, K, C1, C2, DS, DW, DB, M, N, rows_per_program,
                      sdy, sdst, ss,
                      HAS_DSTREAM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      IS_RMS: tl.constexpr, CHUNKED: tl.constexpr,
@@ -260,7 +327,7 @@ def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, C1, C2, DS, DW, DB, M, N, ro
     """``ds`` of rows ``[pid * rows_per_program, ...)`` and their partial dweight/dbias sums.
 
     Grid ``(programs, column chunks)``; without ``CHUNKED`` one chunk holds the whole row and
-    the row coefficients are computed here, else they come from :func:`_coef_kernel`.
+    the row scale and coefficients are computed here, else they come from :func:`_coef_kernel`.
     """
     CD: tl.constexpr = RSTD.dtype.element_ty
     pid = tl.program_id(0)
@@ -271,8 +338,13 @@ def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, C1, C2, DS, DW, DB, M, N, ro
     for offset in range(0, rows_per_program, BLOCK_M):
         rows = first + offset + tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        xhat, g, dy, rstd, mask = _load_grad_terms(DY, S, W, MEAN, RSTD, rows, row_ok, cols, sdy, ss, N,
-                                                   CD, HAS_WEIGHT, IS_RMS)
+        s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
+        if CHUNKED:
+            k = tl.load(K + rows, mask=row_ok, other=1.0)
+        else:
+            k = _row_scale(tl.max(tl.abs(s), axis=1))
+        xhat, g, dy, rstd = _grad_terms(s, mask, k, DY, W, MEAN, RSTD, rows, row_ok, cols, sdy, N,
+                                        CD, HAS_WEIGHT, IS_RMS)
         if CHUNKED:
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)
             c2 = tl.load(C2 + rows, mask=row_ok, other=0.0)
@@ -408,12 +480,11 @@ def _backward(dy, dstream, s, weight, mean, rstd, has_bias):
         zeros = torch.zeros((n,), dtype=cd, device=s.device)
         return ds, (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
     block_m, block_n, num_warps, chunked = _config(n, s.device)
-    c1 = c2 = None
+    k = c1 = c2 = None
     if chunked:
-        c1 = torch.empty((m,), dtype=cd, device=s.device)
-        c2 = torch.empty((m,), dtype=cd, device=s.device)
+        k, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(3))
         _coef_kernel[(triton.cdiv(m, block_m),)](
-            dy, s, weight, mean, rstd, c1, c2, m, n, dy.stride(0), s.stride(0),
+            dy, s, weight, mean, rstd, k, c1, c2, m, n, dy.stride(0), s.stride(0),
             HAS_WEIGHT=weight is not None, IS_RMS=mean is None, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps,
         )
@@ -423,7 +494,7 @@ def _backward(dy, dstream, s, weight, mean, rstd, has_bias):
     dw = torch.empty((programs, n), dtype=cd, device=s.device) if weight is not None else None
     db = torch.empty((programs, n), dtype=cd, device=s.device) if has_bias else None
     _backward_kernel[(programs, triton.cdiv(n, block_n))](
-        dy, dstream, s, weight, mean, rstd, c1, c2, ds, dw, db, m, n, rows_per_program,
+        dy, dstream, s, weight, mean, rstd, k, c1, c2, ds, dw, db, m, n, rows_per_program,
         dy.stride(0), dstream.stride(0) if dstream is not None else 0, s.stride(0),
         HAS_DSTREAM=dstream is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
         IS_RMS=mean is None, CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
