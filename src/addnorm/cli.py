@@ -14,6 +14,7 @@ import sys
 # Modules that define register(subparsers), in the order `addnorm --help` lists them.
 COMMAND_MODULES = [
     "addnorm.info",
+    "addnorm.bench",
 ]
 
 
