@@ -1,42 +1,43 @@
 """Fused CPU kernels (numba): the contract of :mod:`addnorm.reference`, one pass over memory.
 
-Algorithm. Rows are split into ``chunks`` contiguous blocks, one per thread (``prange``).
-Forward, per row: add the residual and round it to the stream dtype (written out as ``s``),
-widen it into a per-chunk buffer of the statistics dtype, then two passes over that buffer
-while it sits in L1/L2 (mean, then the mean of squared deviations: never E[s^2]-E[s]^2),
-then the output. Backward, per row: ``xhat`` and ``g = dy * weight`` into buffers, the two
-row sums, then ``ds`` (plus the stream's own gradient) in one pass. ``dweight``/``dbias``
-accumulate into one partial row per chunk, summed in chunk order afterwards: bit-identical
-from run to run for the same thread count.
+Algorithm. Rows are split into contiguous blocks, one per torch thread; each block runs a
+compiled, GIL-free row loop. Forward, per row: add the residual and round it to the stream
+dtype (written out as ``s``), widen it into a buffer of the statistics dtype, then two passes
+over that buffer while it sits in L1/L2 (mean, then the mean of squared deviations: never
+E[s^2]-E[s]^2), then the output. Backward, per row: ``xhat`` and ``g = dy * weight`` into
+buffers, the two row sums, then ``ds`` (plus the stream's own gradient) in one pass.
+``dweight``/``dbias`` accumulate into one partial row per block, summed in block order
+afterwards: bit-identical from run to run for the same thread count.
 
-Why it is exact enough: no fastmath. Row sums use 8 interleaved accumulators (the compiler
-may then vectorize them without reassociating) so a 65536-wide fp32 row keeps torch's accuracy.
+Why not ``@njit(parallel=True)``: its thread pool is a second pool beside torch's. With the
+OpenMP layer its spinning threads starved torch's (torch's own 64x256 add+layer_norm went from
+0.02 ms to 24 ms after one numba call); with the workqueue layer every call pays two thread
+wake-ups (48-62 µs at 8x768, against 5 µs for the serial kernel). Blocks on a small Python
+thread pool cost one hand-off (~25-35 µs), so inputs below PARALLEL_MIN_ELEMENTS stay on the
+calling thread; ``parallel=True`` also compiled ~2x slower.
+
+Accuracy: no fastmath. Row sums use 8 interleaved accumulators (the compiler may then
+vectorize them without reassociating), so a 65536-wide fp32 row keeps torch's accuracy.
 
 Dtypes. Statistics and arithmetic are float32 (float64 for float64 streams). numba has no
 bfloat16/float16, so tensors travel as their 16-bit patterns: bfloat16 as ``uint16`` and
 float16 as ``int16``; they are widened to float32 and rounded back to nearest-even here.
 
-Threads: ``torch.get_num_threads()``, passed to numba outside the compiled code (asking numba
-for its thread count inside a cached kernel would disable the cache). numba's thread pool is
-its "workqueue" layer unless ``NUMBA_THREADING_LAYER`` says otherwise: its OpenMP layer brings
-a second OpenMP runtime whose spinning threads starve torch's (we measured torch's own 64x256
-add+layer_norm going from 0.02 ms to 24 ms after one numba call). workqueue does not allow
-concurrent launches, so launches are serialized by a lock. Compiled code is cached
-on disk (``NUMBA_CACHE_DIR`` or numba's defaults); without a writable cache directory the
-kernels still work, compiled once per process.
+Compiled code is cached on disk (``NUMBA_CACHE_DIR`` or numba's defaults: next to this file,
+else a user cache directory), so a second process starts warm; without any writable cache
+directory the kernels still work, compiled once per process.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import prange, types
+from numba import types
 from numba.extending import intrinsic, overload
 from torch import Tensor
 
@@ -45,9 +46,11 @@ from .. import reference
 # forward() accepts out=/residual_out= buffers and writes the results straight into them.
 WRITES_OUT = True
 
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
-_LAUNCH = threading.Lock()
+# Below this many elements one thread does the whole call: handing rows to a second thread costs
+# more than it saves (8x768 fp32 forward: 5 µs on one thread, 28-39 µs split over two; numba's
+# parallel=True launch cost 48-62 µs).
+PARALLEL_MIN_ELEMENTS = 1 << 16
+_POOL: ThreadPoolExecutor | None = None
 
 _SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -65,11 +68,11 @@ def unavailable_reason(x: Tensor | None) -> str | None:
 
 def _jit(fn):
     try:
-        return numba.njit(parallel=True, cache=True)(fn)
+        return numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError as err:  # no writable cache directory: compile per process instead
         warnings.warn(f"addnorm: numba cache unavailable ({err}); kernels compile on first use",
                       RuntimeWarning, stacklevel=2)
-        return numba.njit(parallel=True)(fn)
+        return numba.njit(nogil=True)(fn)
 
 
 # --------------------------------------------------------------------------- 16-bit floats
@@ -208,54 +211,50 @@ def _sum(a, b, shift, mode):
 
 # --------------------------------------------------------------------------- kernels
 
-def _forward_kernel(x, r, w, b, eps, nf, has_residual, rms, y, s, mean, rstd, chunks):
+def _forward_kernel(x, r, w, b, eps, nf, has_residual, rms, y, s, mean, rstd):
     m, n = x.shape
     zero = nf - nf
-    for c in prange(chunks):
-        buf = np.empty(n, w.dtype)
-        for i in range(c * m // chunks, (c + 1) * m // chunks):
-            if has_residual:  # s = x + residual, each rounded to the stream dtype as torch does
-                for j in range(n):
-                    v = _round(s, _round(s, _load(x, i, j)) + _round(s, _load(r, i, j)))
-                    _store(s, i, j, v)
-                    buf[j] = v
-            else:
-                for j in range(n):
-                    buf[j] = _load(x, i, j)
-            mu = zero if rms else _sum(buf, buf, zero, 0) / nf
-            rs = (nf / nf) / np.sqrt(_sum(buf, buf, mu, 1) / nf + eps)
+    buf = np.empty(n, w.dtype)
+    for i in range(m):
+        if has_residual:  # s = x + residual, each rounded to the stream dtype as torch does
             for j in range(n):
-                _store(y, i, j, (buf[j] - mu) * rs * w[j] + b[j])
-            if not rms:
-                mean[i] = mu
-            rstd[i] = rs
+                v = _round(s, _round(s, _load(x, i, j)) + _round(s, _load(r, i, j)))
+                _store(s, i, j, v)
+                buf[j] = v
+        else:
+            for j in range(n):
+                buf[j] = _load(x, i, j)
+        mu = zero if rms else _sum(buf, buf, zero, 0) / nf
+        rs = (nf / nf) / np.sqrt(_sum(buf, buf, mu, 1) / nf + eps)
+        for j in range(n):
+            _store(y, i, j, (buf[j] - mu) * rs * w[j] + b[j])
+        if not rms:
+            mean[i] = mu
+        rstd[i] = rs
 
 
-def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw_part, db_part, chunks):
+def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, db):
     m, n = s.shape
     zero = nf - nf
-    for c in prange(chunks):
-        xhat = np.empty(n, w.dtype)
-        g = np.empty(n, w.dtype)
-        dw = dw_part[c]
-        db = db_part[c]
-        for i in range(c * m // chunks, (c + 1) * m // chunks):
-            mu = zero if rms else mean[i]
-            rs = rstd[i]
-            for j in range(n):
-                d = _round(w, _load(dy, i, j))
-                xh = (_load(s, i, j) - mu) * rs
-                xhat[j] = xh
-                g[j] = d * w[j]
-                dw[j] += d * xh
-                db[j] += d
-            mgx = _sum(g, xhat, zero, 2) / nf
-            mg = zero if rms else _sum(g, g, zero, 0) / nf
-            for j in range(n):
-                v = (g[j] - xhat[j] * mgx - mg) * rs
-                if has_dstream:
-                    v += _load(dstream, i, j)
-                _store(ds, i, j, v)
+    xhat = np.empty(n, w.dtype)
+    g = np.empty(n, w.dtype)
+    for i in range(m):
+        mu = zero if rms else mean[i]
+        rs = rstd[i]
+        for j in range(n):
+            d = _round(w, _load(dy, i, j))
+            xh = (_load(s, i, j) - mu) * rs
+            xhat[j] = xh
+            g[j] = d * w[j]
+            dw[j] += d * xh
+            db[j] += d
+        mgx = _sum(g, xhat, zero, 2) / nf
+        mg = zero if rms else _sum(g, g, zero, 0) / nf
+        for j in range(n):
+            v = (g[j] - xhat[j] * mgx - mg) * rs
+            if has_dstream:
+                v += _load(dstream, i, j)
+            _store(ds, i, j, v)
 
 
 _forward_jit = _jit(_forward_kernel)
@@ -274,10 +273,24 @@ def _array(t: Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _chunks(rows: int) -> int:
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
-    return min(rows, threads)
+def _chunks(rows: int, cols: int) -> int:
+    """Row blocks for one call: torch's thread count, one for small inputs."""
+    if rows * cols < PARALLEL_MIN_ELEMENTS:
+        return 1
+    return max(1, min(rows, torch.get_num_threads()))
+
+
+def _launch(kernel, rows: int, chunks: int, args_for) -> None:
+    """Run ``kernel(*args_for(lo, hi, c))`` on ``chunks`` row blocks: block 0 on this thread,
+    the others on pool threads (the kernels release the GIL)."""
+    global _POOL
+    bounds = [(c * rows // chunks, (c + 1) * rows // chunks) for c in range(chunks)]
+    if chunks > 1 and (_POOL is None or _POOL._max_workers < chunks - 1):
+        _POOL = ThreadPoolExecutor(max_workers=chunks - 1, thread_name_prefix="addnorm-cpu")
+    futures = [_POOL.submit(kernel, *args_for(lo, hi, c)) for c, (lo, hi) in enumerate(bounds) if c]
+    kernel(*args_for(*bounds[0], 0))
+    for f in futures:
+        f.result()
 
 
 def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> np.ndarray:
@@ -308,10 +321,12 @@ def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, re
     if m:
         r = residual.contiguous() if residual is not None else x
         npd = np.float64 if cd == torch.float64 else np.float32
-        with _LAUNCH:
-            _forward_jit(_array(x), _array(r), _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0),
-                         npd(eps), npd(n), residual is not None, rms, _array(y),
-                         _array(s if s is not None else y), _array(mean), _array(rstd), _chunks(m))
+        xa, ra, ya, ma, rsa = _array(x), _array(r), _array(y), _array(mean), _array(rstd)
+        sa = _array(s) if s is not None else ya
+        wa, ba = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)
+        _launch(_forward_jit, m, _chunks(m, n), lambda lo, hi, c: (
+            xa[lo:hi], ra[lo:hi], wa, ba, npd(eps), npd(n), residual is not None, rms, ya[lo:hi], sa[lo:hi],
+            ma[lo:hi], rsa[lo:hi]))
     if y.dtype != y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
     return y, s, (None if rms else mean), rstd
@@ -325,16 +340,17 @@ def backward(dy, dstream, s, weight, mean, rstd, has_bias):
     dy, dstream = (t if t is None or t.dtype == s.dtype else t.to(cd) for t in (dy, dstream))
     s = s.contiguous()
     ds = torch.empty((m, n), dtype=s.dtype)
-    chunks = _chunks(m) if m else 1
+    chunks = _chunks(m, n) if m else 1
     dw_part = torch.zeros((chunks, n), dtype=cd)
     db_part = torch.zeros((chunks, n), dtype=cd)
     if m:
         dst = dstream.contiguous() if dstream is not None else s
-        with _LAUNCH:
-            _backward_jit(_array(dy.contiguous()), _array(dst), _array(s), _param(weight, n, cd, 1.0),
-                          _array(mean if mean is not None else rstd), _array(rstd), rstd.numpy().dtype.type(n),
-                          dstream is not None, mean is None, _array(ds), _array(dw_part), _array(db_part),
-                          chunks)
+        dya, dsta, sa, dsa = _array(dy.contiguous()), _array(dst), _array(s), _array(ds)
+        wa, ma, rsa = _param(weight, n, cd, 1.0), _array(mean if mean is not None else rstd), _array(rstd)
+        dwa, dba, nf = _array(dw_part), _array(db_part), rstd.numpy().dtype.type(n)
+        _launch(_backward_jit, m, chunks, lambda lo, hi, c: (
+            dya[lo:hi], dsta[lo:hi], sa[lo:hi], wa, ma[lo:hi], rsa[lo:hi], nf, dstream is not None, mean is None,
+            dsa[lo:hi], dwa[c], dba[c]))
     # sum the per-chunk partial rows in chunk order: deterministic for a given thread count
     dweight, dbias = dw_part[0].clone(), db_part[0].clone()
     for k in range(1, chunks):
