@@ -1,8 +1,9 @@
 """``addnorm bench``: addnorm's backends against torch eager, ``torch.compile`` and other norms.
 
 Every implementation of a configuration (op, shape, dtype, pass) runs in the same process,
-interleaved round by round (the order rotates each round), so that noise from other processes
-hits all of them alike. Each sample times enough calls to last ~1 ms; we report the median and
+interleaved round by round, so that noise from other processes
+hits all of them alike (the order is shuffled each round, so that no implementation always
+follows the same one). Each sample times enough calls to last ~1 ms; we report the median and
 p20/p80 per call, the throughput in GB/s from an explicit count of the bytes each pass must
 move (:func:`bytes_moved`), that throughput as a fraction of a copy bandwidth measured in the
 same run (``dst.copy_(src)`` of a 64 MiB buffer), and the ratio to torch eager.
@@ -17,6 +18,7 @@ import json
 import math
 import os
 import platform
+import random
 import subprocess
 import time
 from collections.abc import Callable
@@ -220,9 +222,11 @@ def measure(runs: dict[str, Callable], rounds: int, device: str, min_sample_s: f
         t = _time(run, 1, device)
         reps[name] = max(1, min(1000, math.ceil(min_sample_s / max(t, 1e-7))))
     samples: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
-    for k in range(rounds):
-        for name in names[k % len(names):] + names[:k % len(names)]:
+    order = list(runs)
+    shuffle = random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)  # a new order each round: no impl always runs right after the same one
+        for name in order:
             samples[name].append(_time(runs[name], reps[name], device))
     out = {}
     for name, values in samples.items():
@@ -334,6 +338,7 @@ def _plot(results: list[dict], path: str) -> None:
         ax.set_title(f"{op} {pass_} {dtype}")
         ax.legend(fontsize=7)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
 

@@ -37,7 +37,7 @@ BACKEND_MODULES: dict[str, str] = {
 # backend="auto" sends CPU inputs with at least this many elements to the numba kernels and
 # smaller ones to the torch path. Measured (add_layer_norm, 1 thread, medians in ms, cpu vs
 # reference) with `addnorm bench --threads 1 --impl addnorm-cpu,addnorm-reference --shapes
-# 2x768,8x768,16x768,32x768,128x768 --rounds 41`: up to 16x768 the two tie within noise (fwd
+# 2x768,8x768,16x768,32x768,128x768 --rounds 41 --save`: up to 16x768 the two tie within noise (fwd
 # fp32 16x768 0.116 vs 0.119, fwd+bwd 0.601 vs 0.525); from 32x768 the kernels win in every
 # dtype and pass (fp32 fwd 0.122 vs 0.153, fwd+bwd 0.445 vs 0.497; bf16 fwd+bwd 0.640 vs 0.803).
 # Both paths then pay ~0.1 ms of custom-op dispatch per call, which dominates tiny inputs.
