@@ -144,6 +144,9 @@ def make_impl(name: str, op: str, device: str) -> Callable:
     if name == "torch-eager":
         return _torch_norm(op)
     if name == "torch-compile":
+        # a fresh compile per configuration: past dynamo's recompile limit (8) it would
+        # silently run the reference eagerly
+        torch._dynamo.reset()
         return torch.compile(_reference_norm(op))
     if name == "addnorm":
         return _addnorm_norm(op, "auto")
