@@ -168,7 +168,7 @@ def _out_variant(name: str, op: str, fn: Callable, x, r, w, b) -> Callable | Non
         out = {"out": y, "residual_out": s} if s is not None else {"out": y}
         return lambda x, r, w, b: fn(x, r, w, b, **out)
     if name == "torch-eager" and "rms" not in op:
-        m = x.new_empty((x.shape[0], 1), dtype=torch.float32)
+        m = x.new_empty((x.shape[0], 1))  # aten wants the statistics in x.dtype here
         rs = torch.empty_like(m)
 
         def f(x, r, w, b):
