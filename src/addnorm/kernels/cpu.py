@@ -48,8 +48,8 @@ from .. import reference
 WRITES_OUT = True
 
 # Below this many elements one thread does the whole call: handing rows to a second thread costs
-# more than it saves (8x768 fp32 forward: 5 µs on one thread, 28-39 µs split over two; numba's
-# parallel=True launch cost 48-62 µs).
+# more than it saves (measured on the 2-core development machine with a prototype: 8x768 fp32
+# forward 5 µs on one thread, 28-39 µs split over two, 48-62 µs with numba's parallel=True).
 PARALLEL_MIN_ELEMENTS = 1 << 16
 _POOL: ThreadPoolExecutor | None = None
 
