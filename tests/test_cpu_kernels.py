@@ -135,3 +135,28 @@ def test_second_process_loads_compiled_kernels_from_cache():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) >= 1, out.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+def test_forked_child_can_still_run_the_kernels():
+    """A DataLoader-style fork after the thread pool exists must not hang in the child."""
+    import time
+
+    x = torch.randn(256, 1024)  # large enough to be split over the thread pool
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = addnorm.layer_norm(x, 1024, backend="cpu")
+        pid = os.fork()
+        if pid == 0:  # child: same call, exit status says whether it matched
+            os._exit(0 if torch.equal(addnorm.layer_norm(x, 1024, backend="cpu"), y) else 3)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in the kernels")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        torch.set_num_threads(before)

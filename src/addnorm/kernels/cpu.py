@@ -31,6 +31,7 @@ directory the kernels still work, compiled once per process.
 
 from __future__ import annotations
 
+import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -51,7 +52,7 @@ WRITES_OUT = True
 # more than it saves (measured on the 2-core development machine with a prototype: 8x768 fp32
 # forward 5 µs on one thread, 28-39 µs split over two, 48-62 µs with numba's parallel=True).
 PARALLEL_MIN_ELEMENTS = 1 << 16
-_POOL: ThreadPoolExecutor | None = None
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
 
 _SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -272,9 +273,10 @@ def _launch(kernel, rows: int, chunks: int, args_for) -> None:
     the others on pool threads (the kernels release the GIL)."""
     global _POOL
     bounds = [(c * rows // chunks, (c + 1) * rows // chunks) for c in range(chunks)]
-    if chunks > 1 and (_POOL is None or _POOL._max_workers < chunks - 1):
-        _POOL = ThreadPoolExecutor(max_workers=chunks - 1, thread_name_prefix="addnorm-cpu")
-    futures = [_POOL.submit(kernel, *args_for(lo, hi, c)) for c, (lo, hi) in enumerate(bounds) if c]
+    # a new pool when more threads are asked for, or in a forked child (its threads stayed behind)
+    if chunks > 1 and (_POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < chunks - 1):
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=chunks - 1, thread_name_prefix="addnorm-cpu"))
+    futures = [_POOL[1].submit(kernel, *args_for(lo, hi, c)) for c, (lo, hi) in enumerate(bounds) if c]
     kernel(*args_for(*bounds[0], 0))
     for f in futures:
         f.result()
