@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "addnorm.experiment",
     "addnorm.explain",
     "addnorm.plot",
+    "addnorm.bench",
 ]
 
 

@@ -6,6 +6,11 @@ its statistics in float32 (float64 for float64 input), returns ``y`` in the dtyp
 :mod:`addnorm.reference` for the formulas). ``backend`` picks the implementation:
 ``"auto"`` (by device, dtype and size at call time), ``"reference"``, or a kernel
 backend when installed (``addnorm info`` lists them).
+
+For inference loops, ``out=`` (and ``residual_out=`` for the stream ``s`` of the Add & Norm
+functions) take preallocated contiguous buffers of the results' shape and dtype, which are
+written and returned instead of fresh tensors (fresh multi-MB outputs page-fault on every
+call). They do not support autograd: an error is raised if an input requires grad.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ def layer_norm(
     eps: float = 1e-5,
     *,
     backend: str = "auto",
+    out: Tensor | None = None,
 ) -> Tensor:
     """``weight * (x - mean) / sqrt(var + eps) + bias`` over the trailing ``normalized_shape``
     dims, with the biased variance; as :func:`torch.nn.functional.layer_norm`."""
     return add_norm(x, None, normalized_shape, weight, bias, eps,
-                    rms=False, prenorm=False, residual_dtype=None, backend=backend)
+                    rms=False, prenorm=False, residual_dtype=None, backend=backend, out=out)
 
 
 def rms_norm(
@@ -42,12 +48,13 @@ def rms_norm(
     eps: float | None = None,
     *,
     backend: str = "auto",
+    out: Tensor | None = None,
 ) -> Tensor:
     """``weight * x / sqrt(mean(x**2) + eps)`` over the trailing ``normalized_shape`` dims;
     ``eps=None`` means the machine epsilon of the compute dtype (float32's for float16,
     bfloat16 and float32 input; float64's for float64), as :func:`torch.nn.functional.rms_norm`."""
     return add_norm(x, None, normalized_shape, weight, None, eps,
-                    rms=True, prenorm=False, residual_dtype=None, backend=backend)
+                    rms=True, prenorm=False, residual_dtype=None, backend=backend, out=out)
 
 
 def add_layer_norm(
@@ -61,6 +68,8 @@ def add_layer_norm(
     prenorm: bool = False,
     residual_dtype: torch.dtype | None = None,
     backend: str = "auto",
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Add & Norm with LayerNorm: ``s = x + residual``, then ``layer_norm(s)``.
 
@@ -72,7 +81,8 @@ def add_layer_norm(
     """
     _check_float_tensor("residual", residual)
     return add_norm(x, residual, normalized_shape, weight, bias, eps,
-                    rms=False, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend)
+                    rms=False, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
+                    out=out, residual_out=residual_out)
 
 
 def add_rms_norm(
@@ -85,8 +95,11 @@ def add_rms_norm(
     prenorm: bool = False,
     residual_dtype: torch.dtype | None = None,
     backend: str = "auto",
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`."""
     _check_float_tensor("residual", residual)
     return add_norm(x, residual, normalized_shape, weight, None, eps,
-                    rms=True, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend)
+                    rms=True, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
+                    out=out, residual_out=residual_out)

@@ -1,1 +1,1 @@
-"""Fused kernels: cpu (numba) and triton."""
+"""Fused kernels implementing the contract of :mod:`addnorm.reference` (one module per kernel family)."""

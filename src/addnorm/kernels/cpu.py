@@ -1,0 +1,348 @@
+"""Fused CPU kernels (numba): the contract of :mod:`addnorm.reference`, one pass over memory.
+
+Algorithm. Rows are split into contiguous blocks, one per torch thread; each block runs a
+compiled, GIL-free row loop. Forward, per row: add the residual and round it to the stream
+dtype (written out as ``s``), widen it into a buffer of the statistics dtype, then two passes
+over that buffer while it sits in L1/L2 (mean, then the mean of squared deviations: never
+E[s^2]-E[s]^2), then the output. Backward, per row: ``xhat`` and ``g = dy * weight`` into
+buffers, the two row sums, then ``ds`` (plus the stream's own gradient) in one pass.
+``dweight``/``dbias`` accumulate into one partial row per block, summed in block order
+afterwards: bit-identical from run to run for the same thread count.
+
+Why not ``@njit(parallel=True)``: its thread pool is a second pool beside torch's. With the
+OpenMP layer its spinning threads starved torch's (torch's own 64x256 add+layer_norm went from
+0.02 ms to 24 ms after one numba call); with the workqueue layer every call pays two thread
+wake-ups (48-62 µs at 8x768, against 5 µs for the serial kernel). Blocks on a small Python
+thread pool cost one hand-off (~25-35 µs), so inputs below PARALLEL_MIN_ELEMENTS stay on the
+calling thread; ``parallel=True`` also compiled ~2x slower.
+
+Accuracy: no fastmath except reassociation inside the three row sums (so they vectorize; the
+partial sums are then shorter, and a 65536-wide fp32 row keeps torch's accuracy). The order is
+fixed by the compiled code: run-to-run deterministic on a machine, not across CPU generations.
+
+Dtypes. Statistics and arithmetic are float32 (float64 for float64 streams). numba has no
+bfloat16/float16, so tensors travel as their 16-bit patterns: bfloat16 as ``uint16`` and
+float16 as ``int16``; they are widened to float32 and rounded back to nearest-even here.
+
+Compiled code is cached on disk (``NUMBA_CACHE_DIR`` or numba's defaults: next to this file,
+else a user cache directory), so a second process starts warm; without any writable cache
+directory the kernels still work, compiled once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+from torch import Tensor
+
+from .. import reference
+
+# forward() accepts out=/residual_out= buffers and writes the results straight into them.
+WRITES_OUT = True
+
+# Below this many elements one thread does the whole call: handing rows to a second thread costs
+# more than it saves (measured on the 2-core development machine with a prototype: 8x768 fp32
+# forward 5 µs on one thread, 28-39 µs split over two, 48-62 µs with numba's parallel=True).
+PARALLEL_MIN_ELEMENTS = 1 << 16
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
+
+_SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def unavailable_reason(x: Tensor | None) -> str | None:
+    """Why these kernels cannot run on ``x`` (None: they can)."""
+    if x is None:
+        return None
+    if x.device.type != "cpu":
+        return f"tensor on {x.device}, the numba kernels run on CPU only"
+    if x.dtype not in _SUPPORTED:
+        return f"dtype {x.dtype} not supported (float32, float64, bfloat16, float16)"
+    return None
+
+
+def _jit(fn):
+    try:
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError as err:  # no writable cache directory: compile per process instead
+        warnings.warn(f"addnorm: numba cache unavailable ({err}); kernels compile on first use",
+                      RuntimeWarning, stacklevel=2)
+        return numba.njit(nogil=True)(fn)
+
+
+# --------------------------------------------------------------------------- 16-bit floats
+
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _bits_from_f32(typingctx, value):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _f32_from_half(typingctx, bits):
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _half_from_f32(typingctx, value):
+    def codegen(context, builder, sig, args):  # fptrunc rounds to nearest-even
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.int16(types.float32), codegen
+
+
+def _bf16_bits(v):
+    """float32 -> bfloat16 bits, round to nearest-even, NaN stays a quiet NaN (as torch)."""
+    if v != v:
+        return np.uint16(0x7FC0)
+    b = _bits_from_f32(np.float32(v))
+    return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+_bf16_bits_jit = numba.njit(_bf16_bits)
+
+
+def _load(a, i, j):
+    """Element ``a[i, j]`` widened to float32 (kept float64 for float64 arrays)."""
+
+
+def _store(a, i, j, v):
+    """Write ``v`` to ``a[i, j]`` rounded to nearest-even in ``a``'s dtype."""
+
+
+def _round(a, v):
+    """``v`` rounded to the dtype of ``a`` and widened back (the value a store then load gives)."""
+
+
+@overload(_load)
+def _load_impl(a, i, j):
+    if a.dtype == types.uint16:
+        return lambda a, i, j: _f32_from_bits(np.uint32(a[i, j]) << np.uint32(16))
+    if a.dtype == types.int16:
+        return lambda a, i, j: _f32_from_half(a[i, j])
+    return lambda a, i, j: a[i, j]
+
+
+@overload(_store)
+def _store_impl(a, i, j, v):
+    if a.dtype == types.uint16:
+        def store_bf16(a, i, j, v):
+            a[i, j] = _bf16_bits_jit(v)
+        return store_bf16
+    if a.dtype == types.int16:
+        def store_half(a, i, j, v):
+            a[i, j] = _half_from_f32(np.float32(v))
+        return store_half
+    def store(a, i, j, v):
+        a[i, j] = v
+    return store
+
+
+@overload(_round)
+def _round_impl(a, v):
+    if a.dtype == types.uint16:
+        return lambda a, v: _f32_from_bits(np.uint32(_bf16_bits_jit(v)) << np.uint32(16))
+    if a.dtype == types.int16:
+        return lambda a, v: _f32_from_half(_half_from_f32(np.float32(v)))
+    if a.dtype == types.float32:
+        return lambda a, v: np.float32(v)
+    return lambda a, v: np.float64(v)
+
+
+# --------------------------------------------------------------------------- row sums
+
+# Only these three row sums may be reassociated (so that they vectorize: ~4x faster than a
+# sequential sum, and no less accurate, as the partial sums are shorter); no other fastmath flag.
+_SUM_MATH = {"reassoc"}
+
+
+@numba.njit(fastmath=_SUM_MATH)
+def _sum(a):
+    total = a[0] - a[0]
+    for j in range(a.shape[0]):
+        total += a[j]
+    return total
+
+
+@numba.njit(fastmath=_SUM_MATH)
+def _sum_sq_dev(a, mu):
+    total = mu - mu
+    for j in range(a.shape[0]):
+        d = a[j] - mu
+        total += d * d
+    return total
+
+
+@numba.njit(fastmath=_SUM_MATH)
+def _dot(a, b):
+    total = a[0] - a[0]
+    for j in range(a.shape[0]):
+        total += a[j] * b[j]
+    return total
+
+
+# --------------------------------------------------------------------------- kernels
+
+def _forward_kernel(x, r, w, b, eps, nf, has_residual, rms, y, s, mean, rstd):
+    m, n = x.shape
+    zero = nf - nf
+    buf = np.empty(n, w.dtype)
+    for i in range(m):
+        if has_residual:  # s = x + residual, each rounded to the stream dtype as torch does
+            for j in range(n):
+                v = _round(s, _round(s, _load(x, i, j)) + _round(s, _load(r, i, j)))
+                _store(s, i, j, v)
+                buf[j] = v
+        else:
+            for j in range(n):
+                buf[j] = _load(x, i, j)
+        mu = zero if rms else _sum(buf) / nf
+        rs = (nf / nf) / np.sqrt(_sum_sq_dev(buf, mu) / nf + eps)
+        for j in range(n):
+            _store(y, i, j, (buf[j] - mu) * rs * w[j] + b[j])
+        if not rms:
+            mean[i] = mu
+        rstd[i] = rs
+
+
+def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, db):
+    m, n = s.shape
+    zero = nf - nf
+    xhat = np.empty(n, w.dtype)
+    g = np.empty(n, w.dtype)
+    for i in range(m):
+        mu = zero if rms else mean[i]
+        rs = rstd[i]
+        for j in range(n):
+            d = _round(w, _load(dy, i, j))
+            xh = (_load(s, i, j) - mu) * rs
+            xhat[j] = xh
+            g[j] = d * w[j]
+            dw[j] += d * xh
+            db[j] += d
+        mgx = _dot(g, xhat) / nf
+        mg = zero if rms else _sum(g) / nf
+        for j in range(n):
+            v = (g[j] - xhat[j] * mgx - mg) * rs
+            if has_dstream:
+                v += _load(dstream, i, j)
+            _store(ds, i, j, v)
+
+
+_forward_jit = _jit(_forward_kernel)
+_backward_jit = _jit(_backward_kernel)
+
+
+# --------------------------------------------------------------------------- launchers
+
+def _array(t: Tensor) -> np.ndarray:
+    """A numpy view of the contiguous CPU tensor ``t`` (16-bit floats as their bit patterns)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype == torch.float16:
+        return t.view(torch.int16).numpy()
+    return t.numpy()
+
+
+def _chunks(rows: int, cols: int) -> int:
+    """Row blocks for one call: torch's thread count, one for small inputs."""
+    if rows * cols < PARALLEL_MIN_ELEMENTS:
+        return 1
+    return max(1, min(rows, torch.get_num_threads()))
+
+
+def _launch(kernel, rows: int, chunks: int, args_for) -> None:
+    """Run ``kernel(*args_for(lo, hi, c))`` on ``chunks`` row blocks: block 0 on this thread,
+    the others on pool threads (the kernels release the GIL)."""
+    global _POOL
+    bounds = [(c * rows // chunks, (c + 1) * rows // chunks) for c in range(chunks)]
+    # a new pool when more threads are asked for, or in a forked child (its threads stayed behind)
+    if chunks > 1 and (_POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < chunks - 1):
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=chunks - 1, thread_name_prefix="addnorm-cpu"))
+    futures = [_POOL[1].submit(kernel, *args_for(lo, hi, c)) for c, (lo, hi) in enumerate(bounds) if c]
+    kernel(*args_for(*bounds[0], 0))
+    for f in futures:
+        f.result()
+
+
+def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> np.ndarray:
+    if p is None:
+        return np.full(n, fill, dtype=np.float64 if cd == torch.float64 else np.float32)
+    return p.detach().to(cd).contiguous().numpy()
+
+
+def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, residual_out=None):
+    """:func:`addnorm.reference.forward`; ``y`` and ``s`` are written into the contiguous
+    ``out``/``residual_out`` when given (no allocation: see ``docs/benchmarks.md``)."""
+    m, n = x.shape
+    sd = reference.stream_dtype(x, residual, residual_dtype)
+    cd = reference.stats_dtype(sd)
+    y_dtype = x.dtype
+    if residual is not None and (x.dtype != sd or residual.dtype != sd):
+        # mixed dtypes (e.g. bf16 x, fp32 stream): cast first, as the reference does, so that one
+        # compiled kernel per dtype serves; y then goes through the statistics dtype
+        x, residual = x.to(sd), residual.to(sd)
+    x = x.contiguous()
+    direct = x.dtype == y_dtype  # else y is computed in the statistics dtype, then cast once
+    y = out if out is not None and direct else torch.empty((m, n), dtype=y_dtype if direct else cd)
+    s = None
+    if residual is not None:
+        s = residual_out if residual_out is not None else torch.empty((m, n), dtype=sd)
+    mean = torch.empty(m, dtype=cd)
+    rstd = torch.empty(m, dtype=cd)
+    if m:
+        r = residual.contiguous() if residual is not None else x
+        npd = np.float64 if cd == torch.float64 else np.float32
+        xa, ra, ya, ma, rsa = _array(x), _array(r), _array(y), _array(mean), _array(rstd)
+        sa = _array(s) if s is not None else ya
+        wa, ba = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)
+        _launch(_forward_jit, m, _chunks(m, n), lambda lo, hi, c: (
+            xa[lo:hi], ra[lo:hi], wa, ba, npd(eps), npd(n), residual is not None, rms, ya[lo:hi], sa[lo:hi],
+            ma[lo:hi], rsa[lo:hi]))
+    if y.dtype != y_dtype:
+        y = out.copy_(y) if out is not None else y.to(y_dtype)
+    return y, s, (None if rms else mean), rstd
+
+
+def backward(dy, dstream, s, weight, mean, rstd, has_bias):
+    """:func:`addnorm.reference.backward` in one fused pass over the rows."""
+    m, n = s.shape
+    cd = rstd.dtype
+    # a gradient of another dtype than s is cast to the statistics dtype first (as the reference)
+    dy, dstream = (t if t is None or t.dtype == s.dtype else t.to(cd) for t in (dy, dstream))
+    s = s.contiguous()
+    ds = torch.empty((m, n), dtype=s.dtype)
+    chunks = _chunks(m, n) if m else 1
+    dw_part = torch.zeros((chunks, n), dtype=cd)
+    db_part = torch.zeros((chunks, n), dtype=cd)
+    if m:
+        dst = dstream.contiguous() if dstream is not None else s
+        dya, dsta, sa, dsa = _array(dy.contiguous()), _array(dst), _array(s), _array(ds)
+        wa, ma, rsa = _param(weight, n, cd, 1.0), _array(mean if mean is not None else rstd), _array(rstd)
+        dwa, dba, nf = _array(dw_part), _array(db_part), rstd.numpy().dtype.type(n)
+        _launch(_backward_jit, m, chunks, lambda lo, hi, c: (
+            dya[lo:hi], dsta[lo:hi], sa[lo:hi], wa, ma[lo:hi], rsa[lo:hi], nf, dstream is not None, mean is None,
+            dsa[lo:hi], dwa[c], dba[c]))
+    # sum the per-chunk partial rows in chunk order: deterministic for a given thread count
+    dweight, dbias = dw_part[0].clone(), db_part[0].clone()
+    for k in range(1, chunks):
+        dweight += dw_part[k]
+        dbias += db_part[k]
+    return ds, (dweight if weight is not None else None), (dbias if has_bias else None)

@@ -1,0 +1,47 @@
+"""``addnorm bench`` runs on a tiny shape and writes well-formed rows (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from addnorm import bench
+from addnorm.cli import main
+
+
+def test_bench_writes_rows_in_the_documented_format(tmp_path, capsys):
+    results = tmp_path / "rows.jsonl"
+    args = ["bench", "--op", "add_layer_norm,rms_norm", "--shapes", "4x64", "--dtype", "float32",
+            "--pass", "fwd,fwd+bwd", "--impl", "torch-eager,addnorm,addnorm-reference,liger",
+            "--rounds", "3", "--save", "--results", str(results)]
+    assert main(args) == 0
+    assert "liger" in capsys.readouterr().out  # reported as not installed / unusable, not fatal
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 3  # ops x passes x impls that ran
+    for row in rows:
+        assert list(row) == bench.ROW_FIELDS
+        assert row["device"] == "cpu" and row["rows"] == 4 and row["cols"] == 64 and row["dtype"] == "float32"
+        assert row["p20_ms"] <= row["median_ms"] <= row["p80_ms"]
+        assert row["gbps"] == pytest.approx(row["bytes"] / row["median_ms"] / 1e6)
+    by = {(r["op"], r["pass"]): r["bytes"] for r in rows}
+    # hand count, fp32: add fwd reads x, r and writes s, y (4 x 4x64) + weight, bias (2 x 64)
+    assert by["add_layer_norm", "fwd"] == (4 * 4 * 64 + 2 * 64) * 4
+    # rms fwd: x, y + weight; bwd: dy, x, dx + weight, dweight
+    assert by["rms_norm", "fwd+bwd"] == ((2 * 4 * 64 + 64) + (3 * 4 * 64 + 2 * 64)) * 4
+    assert main(args) == 0  # --save appends
+    assert len(results.read_text().splitlines()) == 2 * len(rows)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shapes", "4096by768"], "expected ROWSxCOLS"),
+    (["--shapes", "0x768"], "expected ROWSxCOLS"),
+    (["--op", "batch_norm"], "--op: expected"),
+    (["--dtype", "int8"], "--dtype: expected"),
+    (["--impl", "nope"], "--impl: expected"),
+    (["--threads", "0"], "--threads must be a positive int"),
+])
+def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

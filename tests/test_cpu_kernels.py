@@ -1,0 +1,164 @@
+"""The numba CPU kernels: 16-bit rounding, determinism, wide rows, auto dispatch, warm cache.
+
+Their general accuracy (every op, dtype, awkward size) is covered by test_functional.py,
+which runs over every usable backend, this one included.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import addnorm
+from addnorm import ops
+from conftest import assert_matches_oracle
+
+cpu = pytest.importorskip("addnorm.kernels.cpu", reason="numba is not installed")
+
+
+def _special_fp32_values() -> torch.Tensor:
+    """fp32 values that stress rounding to 16 bits: ties, near-ties, overflow, subnormals, inf, NaN."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (4096,), generator=g, dtype=torch.int64).to(torch.int32)
+    bits[:1024] = (bits[:1024] & ~0xFFFF) | 0x8000  # exact bf16 ties
+    normal = (torch.randn(1024, generator=g) * 100).view(torch.int32)
+    bits[1024:2048] = (normal & ~0x1FFF) | 0x1000  # exact fp16 ties, in fp16's normal range
+    values = bits.view(torch.float32).clone()
+    values[values.isnan()] = 1.0
+    extra = torch.tensor([0.0, 1e-40, -3e-39, 6e-8, 3e-8, 65504.0, 65520.0, 7e4, 3.4e38,
+                          float("inf"), float("-inf"), float("nan")])
+    return torch.cat([values, extra])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_output_rounding_is_torchs_round_to_nearest_even(dtype):
+    """weight 0, bias b: the kernel's fp32 result is exactly b, so y must be b.to(dtype) bit for bit."""
+    b = _special_fp32_values()
+    n = b.numel()
+    x = torch.randn(3, n).to(dtype)
+    y, *_ = cpu.forward(x, None, torch.zeros(n), b, 1e-5, False, None)
+    expected = b.to(dtype).expand(3, n)
+    same = (y.view(torch.int16) == expected.view(torch.int16)) | (y.isnan() & expected.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} values rounded differently from torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stream_and_output_within_one_ulp_of_torch(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(64, 1000, generator=g) * 3).to(dtype), torch.randn(64, 1000, generator=g).to(dtype)
+    w, b = torch.randn(1000, generator=g).to(dtype), torch.randn(1000, generator=g).to(dtype)
+    y, s = addnorm.add_layer_norm(x, r, 1000, w, b, prenorm=True, backend="cpu")
+    assert torch.equal(s.view(torch.int16), (x + r).view(torch.int16))  # torch's own rounded add
+    y_ref, _ = addnorm.add_layer_norm(x, r, 1000, w, b, prenorm=True, backend="reference")
+    ulps = (y.view(torch.int16).int() - y_ref.view(torch.int16).int()).abs()
+    assert int(ulps.max()) <= 1
+
+
+def _grads(backend, rows=199, n=1023):
+    g = torch.Generator().manual_seed(2)
+    x, r = torch.randn(rows, n, generator=g), torch.randn(rows, n, generator=g)
+    w, b = torch.randn(n, generator=g).requires_grad_(), torch.randn(n, generator=g).requires_grad_()
+    y = addnorm.add_layer_norm(x, r, n, w, b, backend=backend)
+    return torch.autograd.grad(y, (w, b), torch.randn(rows, n, generator=g))
+
+
+def test_parameter_gradients_are_bit_identical_from_run_to_run():
+    first = _grads("cpu")
+    for _ in range(3):
+        again = _grads("cpu")
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    for ours, ref in zip(first, _grads("reference")):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_outputs_do_not_depend_on_thread_count():
+    x = torch.randn(37, 3000)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = addnorm.layer_norm(x, 3000, backend="cpu")
+        torch.set_num_threads(2)
+        two = addnorm.layer_norm(x, 3000, backend="cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_wide_rows_keep_torchs_accuracy(rms):
+    """65536 features with a mean offset, forward and backward, against the fp64 oracle."""
+    g = torch.Generator().manual_seed(3)
+    n = 65536
+    x64 = 3 + torch.randn(4, n, generator=g, dtype=torch.float64)
+    w64 = torch.randn(n, generator=g, dtype=torch.float64)
+    dy = torch.randn(4, n, generator=g)
+    norm = (lambda t, w: TF.rms_norm(t, (n,), w, 1e-5)) if rms else (lambda t, w: TF.layer_norm(t, (n,), w))
+    ours_fn = addnorm.rms_norm if rms else addnorm.layer_norm
+    results = []
+    for fn, dtype in ((lambda t, w: ours_fn(t, n, w, eps=1e-5, backend="cpu"), torch.float32),
+                      (norm, torch.float64), (norm, torch.float32)):
+        x, w = x64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()
+        y = fn(x, w)
+        results.append((y, *torch.autograd.grad(y, (x, w), dy.to(dtype))))
+    for ours, oracle, torch_fp32 in zip(*results):
+        assert_matches_oracle(ours.detach(), oracle.detach(), torch_fp32.detach(),
+                              scale=2.0 if ours.dim() == 1 else 1.0)
+
+
+def test_auto_picks_the_kernels_above_the_threshold():
+    cols = 768
+    big_rows = -(-ops.CPU_MIN_ELEMENTS // cols)
+    assert ops.auto_backend(torch.empty(big_rows, cols)) == "cpu"
+    assert ops.auto_backend(torch.empty(big_rows - 1 if big_rows > 1 else 1, cols // 2)) == "reference"
+    assert ops.auto_backend(torch.empty(8, cols)) == "reference"
+    assert ops.auto_backend(torch.empty(big_rows, cols, device="meta")) == "reference"
+
+
+def test_unavailable_reason_names_device():
+    assert cpu.unavailable_reason(torch.empty(2, 2)) is None
+    assert "CPU only" in cpu.unavailable_reason(torch.empty(2, 2, device="meta"))
+
+
+def test_second_process_loads_compiled_kernels_from_cache():
+    """The on-disk cache works: a fresh process finds the kernel compiled by this one."""
+    addnorm.layer_norm(torch.randn(2, 8), 8, backend="cpu")  # compiled (or loaded) and saved here
+    code = ("import torch; from addnorm.kernels import cpu; "
+            "cpu.forward(torch.randn(2, 8), None, None, None, 1e-5, False, None); "
+            "print(sum(cpu._forward_jit.stats.cache_hits.values()))")
+    env = {**os.environ, "PYTHONPATH": str(Path(addnorm.__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) >= 1, out.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+def test_forked_child_can_still_run_the_kernels():
+    """A DataLoader-style fork after the thread pool exists must not hang in the child."""
+    import time
+
+    x = torch.randn(256, 1024)  # large enough to be split over the thread pool
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = addnorm.layer_norm(x, 1024, backend="cpu")
+        pid = os.fork()
+        if pid == 0:  # child: same call, exit status says whether it matched (compared in numpy:
+            # torch's own OpenMP pool is not usable in a forked child, a known torch limitation)
+            os._exit(0 if np.array_equal(addnorm.layer_norm(x, 1024, backend="cpu").numpy(), y.numpy()) else 3)
+        deadline = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in the kernels")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        torch.set_num_threads(before)

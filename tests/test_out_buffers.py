@@ -1,0 +1,77 @@
+"""``out=`` / ``residual_out=``: inference into preallocated buffers, on every backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import addnorm
+
+
+def _inputs(dtype=torch.float32, rows=37, n=96):
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(3, rows, n, generator=g).to(dtype), torch.randn(3, rows, n, generator=g).to(dtype)
+    w, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    return x, r, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms", [False, True])
+def test_results_equal_the_allocating_call(backend, dtype, rms):
+    x, r, w, b = _inputs(dtype)
+    n = x.shape[-1]
+    fn, params = (addnorm.add_rms_norm, (w,)) if rms else (addnorm.add_layer_norm, (w, b))
+    y_ref, s_ref = fn(x, r, n, *params, prenorm=True, backend=backend)
+    out, stream = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    y, s = fn(x, r, n, *params, prenorm=True, backend=backend, out=out, residual_out=stream)
+    assert y is out and s is stream
+    assert torch.equal(out, y_ref) and torch.equal(stream, s_ref)
+    # post-norm with only out=: the stream is not returned, y still lands in the buffer
+    out.fill_(float("nan"))
+    assert fn(x, r, n, *params, backend=backend, out=out) is out and torch.equal(out, y_ref)
+    plain = addnorm.rms_norm if rms else addnorm.layer_norm
+    assert torch.equal(plain(x, n, *params, backend=backend, out=out), plain(x, n, *params, backend=backend))
+
+
+def test_mixed_stream_dtype_into_buffers(backend):
+    x, r, w, b = _inputs(torch.bfloat16)
+    r = r.float()
+    y_ref, s_ref = addnorm.add_layer_norm(x, r, 96, w, b, prenorm=True, residual_dtype=torch.float32,
+                                          backend=backend)
+    out, stream = torch.empty_like(x), torch.empty_like(r)
+    addnorm.add_layer_norm(x, r, 96, w, b, prenorm=True, residual_dtype=torch.float32, backend=backend,
+                           out=out, residual_out=stream)
+    assert torch.equal(out, y_ref) and torch.equal(stream, s_ref)
+
+
+def test_requires_grad_is_refused_but_no_grad_is_fine():
+    x, r, w, b = _inputs()
+    w.requires_grad_()
+    with pytest.raises(RuntimeError, match="out= and residual_out= do not support autograd"):
+        addnorm.add_layer_norm(x, r, 96, w, b, out=torch.empty_like(x))
+    with torch.no_grad():
+        out = addnorm.add_layer_norm(x, r, 96, w, b, out=torch.empty_like(x))
+    torch.testing.assert_close(out, torch.nn.functional.layer_norm(x + r, (96,), w.detach(), b))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda x: torch.empty(3, 37, 95), r"out must be a contiguous torch.float32 tensor of shape \(3, 37, 96\)"),
+    (lambda x: torch.empty_like(x, dtype=torch.float64), "got torch.float64"),
+    (lambda x: torch.empty(96, 37, 3).permute(2, 1, 0), "got non-contiguous"),
+    (lambda x: torch.empty_like(x, device="meta"), "on meta"),
+])
+def test_bad_out_buffer_is_a_clear_error(bad, match):
+    x, r, w, b = _inputs()
+    with pytest.raises(ValueError, match=match):
+        addnorm.add_layer_norm(x, r, 96, w, b, out=bad(x))
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        addnorm.layer_norm(x, 96, out=[1.0])
+
+
+def test_residual_out_needs_a_residual_and_the_stream_dtype():
+    x, r, w, b = _inputs(torch.bfloat16)
+    with pytest.raises(ValueError, match="residual_out= needs a residual"):
+        addnorm.ops.add_norm(x, None, 96, w, b, 1e-5, rms=False, prenorm=False, residual_dtype=None,
+                             backend="auto", residual_out=torch.empty_like(x))
+    with pytest.raises(ValueError, match="residual_out must be a contiguous torch.float32"):
+        addnorm.add_layer_norm(x, r, 96, w, b, residual_dtype=torch.float32, residual_out=torch.empty_like(x))
