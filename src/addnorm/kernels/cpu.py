@@ -3,8 +3,9 @@
 Algorithm. Rows are split into contiguous blocks, one per torch thread; each block runs a
 compiled, GIL-free row loop. Forward, per row: add the residual and round it to the stream
 dtype (written out as ``s``), widen it into a buffer of the statistics dtype, then two passes
-over that buffer while it sits in L1/L2 (mean, then the mean of squared deviations: never
-E[s^2]-E[s]^2), then the output. Backward, per row: ``xhat`` and ``g = dy * weight`` into
+over that buffer while it sits in L1/L2 (the row is first scaled by a power of two so that
+its statistics cannot overflow; then the mean, corrected by the mean of the centered row, then
+the mean of squared deviations: never E[s^2]-E[s]^2), then the output. Backward, per row: ``xhat`` and ``g = dy * weight`` into
 buffers, the two row sums, then ``ds`` (plus the stream's own gradient) in one pass.
 ``dweight``/``dbias`` accumulate into one partial row per block, summed in block order
 afterwards: bit-identical from run to run for the same thread count.
@@ -31,6 +32,7 @@ directory the kernels still work, compiled once per process.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -70,11 +72,11 @@ def unavailable_reason(x: Tensor | None) -> str | None:
 
 def _jit(fn):
     try:
-        return numba.njit(nogil=True, cache=True)(fn)
+        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
     except RuntimeError as err:  # no writable cache directory: compile per process instead
         warnings.warn(f"addnorm: numba cache unavailable ({err}); kernels compile on first use",
                       RuntimeWarning, stacklevel=2)
-        return numba.njit(nogil=True)(fn)
+        return numba.njit(nogil=True, error_model="numpy")(fn)
 
 
 # --------------------------------------------------------------------------- 16-bit floats
@@ -167,42 +169,75 @@ def _round_impl(a, v):
 
 # --------------------------------------------------------------------------- row sums
 
-# Only these three row sums may be reassociated (so that they vectorize: ~4x faster than a
+# Only these row sums may be reassociated (so that they vectorize: ~4x faster than a
 # sequential sum, and no less accurate, as the partial sums are shorter); no other fastmath flag.
 _SUM_MATH = {"reassoc"}
 
 
 @numba.njit(fastmath=_SUM_MATH)
 def _sum(a):
-    total = a[0] - a[0]
-    for j in range(a.shape[0]):
+    total = a[0]  # not a[0] - a[0] as a typed zero: that is NaN when a[0] is inf
+    for j in range(1, a.shape[0]):
         total += a[j]
     return total
 
 
 @numba.njit(fastmath=_SUM_MATH)
-def _sum_sq_dev(a, mu):
-    total = mu - mu
+def _sums_dev(a, mu):
+    """Sum of ``d = a - mu`` and of ``d * d`` in one pass."""
+    total = sq = mu - mu
     for j in range(a.shape[0]):
         d = a[j] - mu
-        total += d * d
-    return total
+        total += d
+        sq += d * d
+    return total, sq
 
 
 @numba.njit(fastmath=_SUM_MATH)
 def _dot(a, b):
-    total = a[0] - a[0]
-    for j in range(a.shape[0]):
+    total = a[0] * b[0]
+    for j in range(1, a.shape[0]):
         total += a[j] * b[j]
     return total
 
 
 # --------------------------------------------------------------------------- kernels
 
+@numba.njit
+def _row_scale(a, k):
+    """:func:`addnorm.reference.row_scale`: the power of two ``k <= 1`` with ``max|a * k| < 1``
+    (statistics on ``a * k`` cannot overflow; the scaling is exact, so rows that need no
+    scaling get the same results either way). Returned in the row's dtype through the
+    one-element array ``k``."""
+    amax = abs(a[0])
+    for j in range(a.shape[0]):
+        amax = max(amax, abs(a[j]))
+    _, e = math.frexp(amax)
+    k[0] = math.ldexp(1.0, -max(e, 0)) if math.isfinite(amax) else 1.0  # inf/nan: 1, as the reference
+    return k[0]
+
+
+@numba.njit
+def _stats(buf, nf, rms):
+    """``(mu, c, var)`` of a row: var of the deviations from ``mu + c``."""
+    zero = nf - nf
+    if rms:
+        return zero, zero, _dot(buf, buf) / nf
+    # The mean is off by its rounding error; the mean of the centered row measures it (c, below
+    # one ulp of mu, so it is subtracted separately): exact centering, as the reference, for
+    # constant rows and rows far from zero. The variance of the corrected deviations d - c is
+    # then mean(d*d) - c*c.
+    mu = _sum(buf) / nf
+    total, sq = _sums_dev(buf, mu)
+    c = total / nf
+    return mu, c, max(sq / nf - c * c, zero)
+
+
 def _forward_kernel(x, r, w, b, eps, nf, has_residual, rms, y, s, mean, rstd):
     m, n = x.shape
-    zero = nf - nf
+    one = nf / nf
     buf = np.empty(n, w.dtype)
+    kbuf = np.empty(1, w.dtype)
     for i in range(m):
         if has_residual:  # s = x + residual, each rounded to the stream dtype as torch does
             for j in range(n):
@@ -212,26 +247,44 @@ def _forward_kernel(x, r, w, b, eps, nf, has_residual, rms, y, s, mean, rstd):
         else:
             for j in range(n):
                 buf[j] = _load(x, i, j)
-        mu = zero if rms else _sum(buf) / nf
-        rs = (nf / nf) / np.sqrt(_sum_sq_dev(buf, mu) / nf + eps)
+        k = one
+        mu, c, var = _stats(buf, nf, rms)
+        if not np.isfinite(var):  # overflow (bf16 beyond ~1e19): again on the row times k <= 1
+            k = _row_scale(buf, kbuf)
+            if k != one:
+                for j in range(n):
+                    buf[j] *= k
+                mu, c, var = _stats(buf, nf, rms)
+        rs = one / np.sqrt(var + eps * k * k)  # rstd / k
         for j in range(n):
-            _store(y, i, j, (buf[j] - mu) * rs * w[j] + b[j])
+            _store(y, i, j, ((buf[j] - mu) - c) * rs * w[j] + b[j])
         if not rms:
-            mean[i] = mu
-        rstd[i] = rs
+            mean[i] = (mu + c) / k
+        rstd[i] = rs * k
+
+
+# Below this rstd (a std beyond 1e18) s - mean may overflow in float32: backward then scales
+# the row as the forward did. Above it the scaling would change nothing (it is exact).
+_SCALE_BELOW_RSTD = 1e-18
 
 
 def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, db):
     m, n = s.shape
     zero = nf - nf
+    one = nf / nf
     xhat = np.empty(n, w.dtype)
     g = np.empty(n, w.dtype)
+    kbuf = np.empty(1, w.dtype)
     for i in range(m):
-        mu = zero if rms else mean[i]
+        for j in range(n):
+            xhat[j] = _load(s, i, j)
         rs = rstd[i]
+        k = _row_scale(xhat, kbuf) if rs < _SCALE_BELOW_RSTD else one
+        mu = zero if rms else mean[i] * k
+        rs_k = rs / k
         for j in range(n):
             d = _round(w, _load(dy, i, j))
-            xh = (_load(s, i, j) - mu) * rs
+            xh = (xhat[j] * k - mu) * rs_k
             xhat[j] = xh
             g[j] = d * w[j]
             dw[j] += d * xh
