@@ -328,6 +328,7 @@ def run_experiment(cfg: Config, progress: Callable[[str, int, float], None] | No
                 "cpu_seconds": time.process_time() - cpu_start}
     finally:
         torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)  # torch's default: leave the process as we found it
 
 
 # --------------------------------------------------------------------------- outputs

@@ -89,9 +89,12 @@ def row_scale(sf: Tensor) -> Tensor:
     float32's range, so rows beyond ~1e19 would overflow ``s**2`` and rows near the
     maximum even the sum. Scaling by a power of two is exact, so rows within ``(-1, 1)``
     are untouched and others get bit-for-bit the statistics they would have unscaled.
+    ``k`` stays a normal number (rows in the top two binades then get ``max|s * k| < 4``),
+    so it survives flush-to-zero modes.
     """
     _, exponent = torch.frexp(sf.abs().amax(dim=-1, keepdim=True))
-    return torch.ldexp(torch.ones_like(exponent, dtype=sf.dtype), -exponent.clamp(min=0))
+    top = 1022 if sf.dtype == torch.float64 else 126  # the largest e with 2**-e normal
+    return torch.ldexp(torch.ones_like(exponent, dtype=sf.dtype), -exponent.clamp(min=0, max=top))
 
 
 def forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms: bool) -> dict[str, Tensor | None]:

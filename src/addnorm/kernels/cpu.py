@@ -3,10 +3,11 @@
 Algorithm. Rows are split into contiguous blocks, one per torch thread; each block runs a
 compiled, GIL-free row loop. Forward, per row: add the residual and round it to the stream
 dtype (written out as ``s``), widen it into a buffer of the statistics dtype, then two passes
-over that buffer while it sits in L1/L2 (the row is first scaled by a power of two so that
-its statistics cannot overflow; then the mean, corrected by the mean of the centered row, then
-the mean of squared deviations: never E[s^2]-E[s]^2), then the output. Backward, per row: ``xhat`` and ``g = dy * weight`` into
-buffers, the two row sums, then ``ds`` (plus the stream's own gradient) in one pass.
+over that buffer while it sits in L1/L2 (the mean, corrected by the mean of the centered row,
+then the mean of squared deviations: never E[s^2]-E[s]^2; a row whose sum of squares
+overflows is scaled by a power of two and done again), then the output. Backward, per row:
+``xhat`` and ``g = dy * weight`` into buffers, the two row sums, then ``ds`` (plus the
+stream's own gradient) in one pass.
 ``dweight``/``dbias`` accumulate into one partial row per block, summed in block order
 afterwards: bit-identical from run to run for the same thread count.
 
@@ -213,7 +214,8 @@ def _row_scale(a, k):
     for j in range(a.shape[0]):
         amax = max(amax, abs(a[j]))
     _, e = math.frexp(amax)
-    k[0] = math.ldexp(1.0, -max(e, 0)) if math.isfinite(amax) else 1.0  # inf/nan: 1, as the reference
+    top = 126 if k.itemsize == 4 else 1022  # k stays a normal number, as the reference
+    k[0] = math.ldexp(1.0, -min(max(e, 0), top)) if math.isfinite(amax) else 1.0  # inf/nan: 1
     return k[0]
 
 
