@@ -372,26 +372,34 @@ def run(args) -> int:
               f"copy bandwidth {copy_gbps:.1f} GB/s; load average {load}")
     console.print(header)
     configs = [(op, s, d, p) for op in op_list for s in shapes for d in dtypes for p in passes]
-    results, skipped = [], {}
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(configs))
-        for op, (rows, cols), dtype, pass_ in configs:
-            progress.update(task, description=f"{op} {pass_} {rows}x{cols} {dtype}")
-            res, skip = run_config(op, rows, cols, dtype, pass_, impls, args.device, args.rounds, args.out_buffers)
-            results += res
-            skipped.update(skip)
-            progress.advance(task)
-    _print_table(console, results, skipped, copy_gbps,
-                 "addnorm bench" + (" (outputs into reused buffers)" if args.out_buffers else ""))
-    if args.save:
+    save = None
+    if args.save:  # rows are appended as each configuration finishes: a run cut short keeps them
         path = Path(args.results)
         path.parent.mkdir(parents=True, exist_ok=True)
         common = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "commit": git_commit(), "machine": machine_name(args.device), "device": args.device,
                   "threads": torch.get_num_threads(), "torch": torch.__version__}
-        with path.open("a") as f:
-            for row in results:
-                f.write(json.dumps({k: {**common, **row}[k] for k in ROW_FIELDS}) + "\n")
+        save = path.open("a")
+    results, skipped = [], {}
+    try:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("benchmarking", total=len(configs))
+            for op, (rows, cols), dtype, pass_ in configs:
+                progress.update(task, description=f"{op} {pass_} {rows}x{cols} {dtype}")
+                res, skip = run_config(op, rows, cols, dtype, pass_, impls, args.device, args.rounds,
+                                       args.out_buffers)
+                results += res
+                skipped.update(skip)
+                if save is not None:
+                    save.writelines(json.dumps({k: {**common, **row}[k] for k in ROW_FIELDS}) + "\n" for row in res)
+                    save.flush()
+                progress.advance(task)
+    finally:
+        if save is not None:
+            save.close()
+    _print_table(console, results, skipped, copy_gbps,
+                 "addnorm bench" + (" (outputs into reused buffers)" if args.out_buffers else ""))
+    if save is not None:
         console.print(f"appended {len(results)} rows to {path}")
     if args.plot:
         _plot(results, args.plot)
