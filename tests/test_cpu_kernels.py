@@ -112,13 +112,11 @@ def test_wide_rows_keep_torchs_accuracy(rms):
                               scale=2.0 if ours.dim() == 1 else 1.0)
 
 
-def test_auto_picks_the_kernels_above_the_threshold():
-    cols = 768
-    big_rows = -(-ops.CPU_MIN_ELEMENTS // cols)
-    assert ops.auto_backend(torch.empty(big_rows, cols)) == "cpu"
-    assert ops.auto_backend(torch.empty(big_rows - 1 if big_rows > 1 else 1, cols // 2)) == "reference"
-    assert ops.auto_backend(torch.empty(8, cols)) == "reference"
-    assert ops.auto_backend(torch.empty(big_rows, cols, device="meta")) == "reference"
+def test_auto_picks_the_kernels_on_cpu_at_every_size():
+    for shape in [(1, 3), (2, 768), (4096, 768)]:
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            assert ops.auto_backend(torch.empty(*shape, dtype=dtype)) == "cpu"
+    assert ops.auto_backend(torch.empty(2, 768, device="meta")) == "reference"
 
 
 def test_unavailable_reason_names_device():

@@ -36,15 +36,13 @@ BACKEND_MODULES: dict[str, str] = {
     "triton": "addnorm.kernels.triton",
 }
 
-# backend="auto" sends CPU inputs with at least this many elements to the numba kernels and
-# smaller ones to the torch path. Measured (add_layer_norm, 1 thread, medians in ms, cpu vs
-# reference) with `addnorm bench --threads 1 --impl addnorm-cpu,addnorm-reference --shapes
-# 2x768,8x768,16x768,32x768,128x768 --rounds 41 --save`: up to 16x768 the two tie within noise (fwd
-# fp32 16x768 0.116 vs 0.119, fwd+bwd 0.601 vs 0.525); from 32x768 the kernels win in every
-# dtype and pass (fp32 fwd 0.122 vs 0.153, fwd+bwd 0.445 vs 0.497; bf16 fwd+bwd 0.640 vs 0.803).
-# (Measured when every call still went through the custom-op dispatch, ~0.1 ms; eager calls
-# now skip it, see _EagerAddNorm, which lowers both sides alike.)
-CPU_MIN_ELEMENTS = 32 * 768
+# backend="auto" sends every CPU input to the numba kernels when they can run: since eager calls
+# skip the custom-op dispatch they beat the reference at every size, down to 2x768. Measured with
+# `addnorm bench --op add_layer_norm --threads 1 --impl addnorm-cpu,addnorm-reference,torch-eager
+# --shapes 2x768,8x768,32x768,128x768 --dtype float32,bfloat16 --pass fwd,fwd+bwd --rounds 21`
+# (medians, ms, cpu vs reference): fp32 fwd 2x768 0.138 vs 0.299, 8x768 0.076 vs 0.187,
+# 128x768 0.237 vs 1.355; bf16 fwd+bwd 8x768 0.534 vs 0.828. (torch eager's own fused op is
+# faster still at these sizes: 0.012-0.27 ms; see docs/benchmarks.md.)
 
 
 def backend_names() -> list[str]:
@@ -65,7 +63,7 @@ def auto_backend(x: Tensor) -> str:
     """The backend ``backend="auto"`` picks for ``x`` (2-D rows about to be normalized)."""
     if x.is_cuda and backend_unavailable_reason("triton", x) is None:
         return "triton"
-    if x.device.type == "cpu" and x.numel() >= CPU_MIN_ELEMENTS and backend_unavailable_reason("cpu", x) is None:
+    if x.device.type == "cpu" and backend_unavailable_reason("cpu", x) is None:
         return "cpu"
     return "reference"
 
