@@ -340,7 +340,9 @@ def _launch(kernel, rows: int, chunks: int, args_for) -> None:
 def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> np.ndarray:
     if p is None:
         return np.full(n, fill, dtype=np.float64 if cd == torch.float64 else np.float32)
-    return p.detach().to(cd).contiguous().numpy()
+    # a copy (N elements): .numpy() marks a tensor's storage non-resizable for good, and FSDP
+    # frees its unsharded parameters by resizing their storage after each forward
+    return p.detach().to(cd, copy=True).contiguous().numpy()
 
 
 def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, residual_out=None):
