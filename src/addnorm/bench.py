@@ -320,33 +320,6 @@ def _print_table(console, results: list[dict], skipped: dict, copy_gbps: float, 
         console.print(f"  {name}: {reason}")
 
 
-def _plot(results: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise UsageError("--plot needs matplotlib (pip install addnorm[plot])") from err
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = sorted({(r["op"], r["pass"], r["dtype"]) for r in results})
-    fig, axes = plt.subplots(len(configs), 1, figsize=(9, 3.2 * len(configs)), squeeze=False)
-    for ax, (op, pass_, dtype) in zip(axes[:, 0], configs):
-        rows = [r for r in results if (r["op"], r["pass"], r["dtype"]) == (op, pass_, dtype)]
-        shapes = list(dict.fromkeys(f"{r['rows']}x{r['cols']}" for r in rows))
-        impls = list(dict.fromkeys(r["impl"] for r in rows))
-        width = 0.8 / len(impls)
-        for k, impl in enumerate(impls):
-            vals = {f"{r['rows']}x{r['cols']}": r["gbps"] for r in rows if r["impl"] == impl}
-            ax.bar([i + k * width for i in range(len(shapes))], [vals.get(s, 0) for s in shapes], width, label=impl)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))], shapes)
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"{op} {pass_} {dtype}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
-
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -374,13 +347,13 @@ def run(args) -> int:
               f"copy bandwidth {copy_gbps:.1f} GB/s; load average {load}")
     console.print(header)
     configs = [(op, s, d, p) for op in op_list for s in shapes for d in dtypes for p in passes]
+    common = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "commit": git_commit(), "machine": machine_name(args.device), "device": args.device,
+              "threads": torch.get_num_threads(), "torch": torch.__version__}
     save = None
     if args.save:  # rows are appended as each configuration finishes: a run cut short keeps them
         path = Path(args.results)
         path.parent.mkdir(parents=True, exist_ok=True)
-        common = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "commit": git_commit(), "machine": machine_name(args.device), "device": args.device,
-                  "threads": torch.get_num_threads(), "torch": torch.__version__}
         save = path.open("a")
     results, skipped = [], {}
     try:
@@ -404,8 +377,9 @@ def run(args) -> int:
     if save is not None:
         console.print(f"appended {len(results)} rows to {path}")
     if args.plot:
-        _plot(results, args.plot)
-        console.print(f"wrote {args.plot}")
+        from .plot import draw_bench
+
+        draw_bench([{**common, **row} for row in results], args.plot, "this run")  # prints where it wrote
     return 0
 
 

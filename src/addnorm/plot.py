@@ -122,15 +122,21 @@ def plot_bench(out: str | None, results: str | None, op: str | None, dtype: str 
     if not keep:
         ops, dtypes = sorted({r["op"] for r in rows}), sorted({r["dtype"] for r in rows})
         raise UsageError(f"--results: no rows in {str(path)!r} match (ops {ops}, dtypes {dtypes})")
+    return draw_bench(keep, out, str(path))
+
+
+def draw_bench(rows: list[dict], out: str | None, source: str) -> Path:
+    """GB/s bars, one panel per (op, pass, dtype, machine, device, threads), from bench rows
+    (the format ``addnorm bench --save`` writes); ``source`` names them in the title."""
     groups: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
-    for r in keep:  # the latest row wins for a repeated (shape, impl)
+    for r in rows:  # the latest row wins for a repeated (shape, impl)
         key = (r["op"], r["pass"], r["dtype"], r["machine"], r["device"], r["threads"])
         cell = (r["rows"], r["cols"], r["impl"])
         if cell not in groups[key] or str(r.get("time", "")) >= str(groups[key][cell].get("time", "")):
             groups[key][cell] = r
     fig = _figure(figsize=(11, 4.2 * len(groups)), layout="constrained")
     axs = fig.subplots(len(groups), 1, squeeze=False)
-    all_impls = sorted({r["impl"] for r in keep})
+    all_impls = sorted({r["impl"] for r in rows})
     colors = {impl: f"C{i % 10}" for i, impl in enumerate(all_impls)}  # one colour per impl everywhere
     for ax, (key, cells) in zip(axs[:, 0], sorted(groups.items()), strict=True):
         op_name, pass_name, dt, machine, device, threads = key
@@ -150,7 +156,7 @@ def plot_bench(out: str | None, results: str | None, op: str | None, dtype: str 
         ax.set_ylim(0, 1.25 * max(r["gbps"] for r in cells.values()))  # room for the legend
         ax.legend(fontsize=9, ncols=min(len(impls), 4), loc="upper left")
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"addnorm bench: bytes moved / median time, from {path}", fontsize=10)
+    fig.suptitle(f"addnorm bench: bytes moved / median time, from {source}", fontsize=10)
     return _save(fig, _out_path(out, "bench.png"))
 
 
