@@ -69,13 +69,13 @@ def auto_backend(x: Tensor) -> str:
 
 
 def resolve_backend(name: str, x: Tensor) -> ModuleType:
+    check_backend(name)
     if name == "auto":
-        name = auto_backend(x)
-    elif name not in BACKEND_MODULES:
-        raise ValueError(f"backend must be one of {backend_names()}, got {name!r}")
-    reason = backend_unavailable_reason(name, x)
-    if reason is not None:
-        raise RuntimeError(f"backend {name!r} cannot run here: {reason}")
+        name = auto_backend(x)  # picks only a backend that can run on x
+    else:
+        reason = backend_unavailable_reason(name, x)
+        if reason is not None:
+            raise RuntimeError(f"backend {name!r} cannot run here: {reason}")
     return importlib.import_module(BACKEND_MODULES[name])
 
 
