@@ -160,3 +160,20 @@ def test_forked_child_can_still_run_the_kernels():
         assert os.waitstatus_to_exitcode(done[1]) == 0
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rms", [False, True])
+def test_post_norm_inference_never_writes_the_stream(dtype, rms):
+    """need_stream=False (no_grad post-norm) gives the same y, and no s at all."""
+    g = torch.Generator().manual_seed(3)
+    x, r = torch.randn(70, 300, generator=g).to(dtype), torch.randn(70, 300, generator=g).to(dtype)
+    w, b = torch.randn(300, generator=g).to(dtype), torch.randn(300, generator=g).to(dtype)
+    y_full, s_full, *_ = cpu.forward(x, r, w, b, 1e-5, rms, None)
+    y, s, *_ = cpu.forward(x, r, w, b, 1e-5, rms, None, need_stream=False)
+    assert s is None and torch.equal(y, y_full)
+    assert torch.equal(s_full, x + r)
+    with torch.no_grad():  # the public call takes that path
+        out = addnorm.add_layer_norm(x, r, 300, w, b, backend="cpu") if not rms else \
+            addnorm.add_rms_norm(x, r, 300, w, eps=1e-5, backend="cpu")
+    assert torch.equal(out, y_full if not rms else cpu.forward(x, r, w, None, 1e-5, True, None)[0])

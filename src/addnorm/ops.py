@@ -315,9 +315,9 @@ def check_inputs(
     return shape, eps
 
 
-def _check_out(x, residual, weight, bias, out, residual_out, sd) -> None:
+def _check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
     """``out``/``residual_out`` must be contiguous buffers of the results' shape, dtype and device."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, residual, weight, bias)):
+    if needs_grad:
         raise RuntimeError("out= and residual_out= do not support autograd: an input requires grad; "
                            "call under torch.no_grad() / torch.inference_mode(), or drop out=")
     if residual_out is not None and residual is None:
@@ -363,24 +363,38 @@ def add_norm(
     r2 = residual.reshape(-1, n) if residual is not None else None
     w = weight.reshape(n) if weight is not None else None
     b = bias.reshape(n) if bias is not None else None
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, residual, weight, bias))
     if out is not None or residual_out is not None:
-        _check_out(x, residual, weight, bias, out, residual_out, reference.stream_dtype(x, residual, residual_dtype))
-        impl = resolve_backend(backend, x2)
-        y2 = out.view(-1, n) if out is not None else None
-        s2 = residual_out.view(-1, n) if residual_out is not None else None
-        if getattr(impl, "WRITES_OUT", False):  # the kernel writes straight into the buffers
-            y, s, _, _ = impl.forward(x2, r2, w, b, eps, rms, residual_dtype, out=y2, residual_out=s2)
-        else:
-            y, s, _, _ = impl.forward(x2, r2, w, b, eps, rms, residual_dtype)
-            y, s = (y if y2 is None else y2.copy_(y)), (s if s2 is None else s2.copy_(s))
-        y = out if out is not None else y.view(x.shape)
-        s = residual_out if residual_out is not None else (s.view(x.shape) if s is not None else None)
-        return (y, s) if prenorm else y
-    traced = torch.compiler.is_compiling() or torch.compiler.is_exporting()
-    run = _forward_op if traced else _EagerAddNorm.apply
-    y, s, _, _ = run(x2, r2, w, b, eps, rms, residual_dtype, backend)
-    y = y.view(x.shape)
-    return (y, s.view(x.shape)) if prenorm else y
+        _check_out(x, residual, out, residual_out, reference.stream_dtype(x, residual, residual_dtype), needs_grad)
+    buffers = out is not None or residual_out is not None  # written by the backend itself, eagerly
+    if (torch.compiler.is_compiling() or torch.compiler.is_exporting()) and not buffers:
+        y, s, _, _ = _forward_op(x2, r2, w, b, eps, rms, residual_dtype, backend)
+    elif needs_grad:
+        y, s, _, _ = _EagerAddNorm.apply(x2, r2, w, b, eps, rms, residual_dtype, backend)
+    else:  # inference: no autograd, nothing saved, the stream only when it is returned
+        y, s = _infer(x2, r2, w, b, eps, rms, residual_dtype, backend, prenorm, out, residual_out)
+    y = out if out is not None else y.view(x.shape)
+    if not prenorm:
+        return y
+    return y, (residual_out if residual_out is not None else s.view(x.shape))
+
+
+def _infer(x2, r2, w, b, eps, rms, residual_dtype, backend, prenorm, out, residual_out):
+    """The backend's forward called directly (no autograd), writing into ``out``/``residual_out``
+    when given. Post-norm inference asks for no stream: a fused kernel then never writes it."""
+    impl = resolve_backend(backend, x2)
+    n = x2.shape[1]
+    y2 = out.view(-1, n) if out is not None else None
+    s2 = residual_out.view(-1, n) if residual_out is not None else None
+    args = (x2, r2, w, b, eps, rms, residual_dtype)
+    need_stream = prenorm or s2 is not None
+    if getattr(impl, "WRITES_OUT", False):  # the kernel writes straight into the buffers
+        y, s, _, _ = impl.forward(*args, out=y2, residual_out=s2, need_stream=need_stream)
+    else:
+        y, s, _, _ = impl.forward(*args, need_stream=need_stream)
+        y, s = (y if y2 is None else y2.copy_(y)), (s if s2 is None or s is None else s2.copy_(s))
+    return y, s
 
 
 def _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype):

@@ -179,12 +179,16 @@ def forward(
     eps: float,
     rms: bool,
     residual_dtype: torch.dtype | None,
+    *,
+    need_stream: bool = True,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """Normalize each row of the 2-D ``x`` (after adding ``residual`` if given).
 
     Returns ``(y, s, mean, rstd)``: ``y`` in ``x.dtype``; ``s`` the residual stream
     ``x + residual`` (``None`` without a residual); ``mean`` (``None`` for RMSNorm) and
-    ``rstd`` of shape ``(M,)`` in :func:`stats_dtype`.
+    ``rstd`` of shape ``(M,)`` in :func:`stats_dtype`. ``need_stream=False`` says the caller will
+    not use ``s`` (inference post-norm): a fused kernel may then skip writing it and return
+    ``None`` (here ``s`` is the input of the norm, so it is returned anyway).
     """
     s = stream(x, residual, residual_dtype)
     cd = stats_dtype(s.dtype)

@@ -121,40 +121,46 @@ def _bf16_bits(v):
 _bf16_bits_jit = numba.njit(_bf16_bits)
 
 
-def _load(a, i, j):
-    """Element ``a[i, j]`` widened to float32 (kept float64 for float64 arrays)."""
+def _load(a, j):
+    """Element ``a[j]`` of a row widened to float32 (kept float64 for float64 rows)."""
 
 
-def _store(a, i, j, v):
-    """Write ``v`` to ``a[i, j]`` rounded to nearest-even in ``a``'s dtype."""
+def _put(a, j, v):
+    """Write ``v`` to ``a[j]`` rounded to nearest-even in ``a``'s dtype; return that rounded
+    value widened back (what a load of ``a[j]`` now gives)."""
 
 
 def _round(a, v):
-    """``v`` rounded to the dtype of ``a`` and widened back (the value a store then load gives)."""
+    """``v`` rounded to the dtype of ``a`` and widened back (what ``_put`` would return)."""
 
 
 @overload(_load)
-def _load_impl(a, i, j):
+def _load_impl(a, j):
     if a.dtype == types.uint16:
-        return lambda a, i, j: _f32_from_bits(np.uint32(a[i, j]) << np.uint32(16))
+        return lambda a, j: _f32_from_bits(np.uint32(a[j]) << np.uint32(16))
     if a.dtype == types.int16:
-        return lambda a, i, j: _f32_from_half(a[i, j])
-    return lambda a, i, j: a[i, j]
+        return lambda a, j: _f32_from_half(a[j])
+    return lambda a, j: a[j]
 
 
-@overload(_store)
-def _store_impl(a, i, j, v):
+@overload(_put)
+def _put_impl(a, j, v):
     if a.dtype == types.uint16:
-        def store_bf16(a, i, j, v):
-            a[i, j] = _bf16_bits_jit(v)
-        return store_bf16
+        def put_bf16(a, j, v):
+            bits = _bf16_bits_jit(v)
+            a[j] = bits
+            return _f32_from_bits(np.uint32(bits) << np.uint32(16))
+        return put_bf16
     if a.dtype == types.int16:
-        def store_half(a, i, j, v):
-            a[i, j] = _half_from_f32(np.float32(v))
-        return store_half
-    def store(a, i, j, v):
-        a[i, j] = v
-    return store
+        def put_half(a, j, v):
+            bits = _half_from_f32(np.float32(v))
+            a[j] = bits
+            return _f32_from_half(bits)
+        return put_half
+    def put(a, j, v):
+        a[j] = v
+        return a[j]
+    return put
 
 
 @overload(_round)
@@ -202,6 +208,23 @@ def _dot(a, b):
     return total
 
 
+@numba.njit(fastmath=_SUM_MATH)
+def _load_row(xi, ri, si, buf, has_residual, write_s, rms):
+    """``buf`` = the row of ``s`` in the statistics dtype: ``x + residual`` rounded to the stream
+    dtype (both already in it), written to ``si`` when ``write_s``; else ``x``. Returns the sum of
+    the row (of its squares for RMSNorm), taken in the same pass."""
+    total = _round(buf, 0.0)
+    for j in range(buf.shape[0]):
+        if has_residual:
+            v = _load(xi, j) + _load(ri, j)
+            v = _put(si, j, v) if write_s else _round(si, v)
+        else:
+            v = _load(xi, j)
+        buf[j] = v
+        total += v * v if rms else v
+    return total
+
+
 # --------------------------------------------------------------------------- kernels
 
 @numba.njit
@@ -235,22 +258,23 @@ def _stats(buf, nf, rms):
     return mu, c, max(sq / nf - c * c, zero)
 
 
-def _forward_kernel(x, r, w, b, eps, nf, has_residual, rms, y, s, mean, rstd):
+def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd):
     m, n = x.shape
     one = nf / nf
     buf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
     for i in range(m):
-        if has_residual:  # s = x + residual, each rounded to the stream dtype as torch does
-            for j in range(n):
-                v = _round(s, _round(s, _load(x, i, j)) + _round(s, _load(r, i, j)))
-                _store(s, i, j, v)
-                buf[j] = v
-        else:
-            for j in range(n):
-                buf[j] = _load(x, i, j)
+        yi = y[i]
+        total = _load_row(x[i], r[i], s[i], buf, has_residual, write_s, rms)
         k = one
-        mu, c, var = _stats(buf, nf, rms)
+        if rms:
+            mu = c = nf - nf
+            var = total / nf
+        else:  # the corrected mean and the variance around it, as _stats
+            mu = total / nf
+            dev, sq = _sums_dev(buf, mu)
+            c = dev / nf
+            var = max(sq / nf - c * c, nf - nf)
         if not np.isfinite(var):  # overflow (bf16 beyond ~1e19): again on the row times k <= 1
             k = _row_scale(buf, kbuf)
             if k != one:
@@ -259,7 +283,7 @@ def _forward_kernel(x, r, w, b, eps, nf, has_residual, rms, y, s, mean, rstd):
                 mu, c, var = _stats(buf, nf, rms)
         rs = one / np.sqrt(var + eps * k * k)  # rstd / k
         for j in range(n):
-            _store(y, i, j, ((buf[j] - mu) - c) * rs * w[j] + b[j])
+            _put(yi, j, ((buf[j] - mu) - c) * rs * w[j] + b[j])
         if not rms:
             mean[i] = (mu + c) / k
         rstd[i] = rs * k
@@ -278,26 +302,31 @@ def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw
     g = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
     for i in range(m):
-        for j in range(n):
-            xhat[j] = _load(s, i, j)
+        si, dyi, dsi = s[i], dy[i], ds[i]
         rs = rstd[i]
-        k = _row_scale(xhat, kbuf) if rs < _SCALE_BELOW_RSTD else one
+        k = one
+        if rs < _SCALE_BELOW_RSTD:
+            for j in range(n):
+                xhat[j] = _load(si, j)
+            k = _row_scale(xhat, kbuf)
         mu = zero if rms else mean[i] * k
         rs_k = rs / k
         for j in range(n):
-            d = _round(w, _load(dy, i, j))
-            xh = (xhat[j] * k - mu) * rs_k
+            dj = _round(w, _load(dyi, j))
+            xh = (_load(si, j) * k - mu) * rs_k
             xhat[j] = xh
-            g[j] = d * w[j]
-            dw[j] += d * xh
-            db[j] += d
+            g[j] = dj * w[j]
+            dw[j] += dj * xh
+            db[j] += dj
         mgx = _dot(g, xhat) / nf
         mg = zero if rms else _sum(g) / nf
-        for j in range(n):
-            v = (g[j] - xhat[j] * mgx - mg) * rs
-            if has_dstream:
-                v += _load(dstream, i, j)
-            _store(ds, i, j, v)
+        if has_dstream:
+            dsti = dstream[i]
+            for j in range(n):
+                _put(dsi, j, (g[j] - xhat[j] * mgx - mg) * rs + _load(dsti, j))
+        else:
+            for j in range(n):
+                _put(dsi, j, (g[j] - xhat[j] * mgx - mg) * rs)
 
 
 _forward_jit = _jit(_forward_kernel)
@@ -345,9 +374,11 @@ def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> np.ndarray
     return p.detach().to(cd, copy=True).contiguous().numpy()
 
 
-def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, residual_out=None):
+def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, residual_out=None, need_stream=True):
     """:func:`addnorm.reference.forward`; ``y`` and ``s`` are written into the contiguous
-    ``out``/``residual_out`` when given (no allocation: see ``docs/benchmarks.md``)."""
+    ``out``/``residual_out`` when given (no allocation: see ``docs/benchmarks.md``).
+    ``need_stream=False``: ``s`` is not needed (inference post-norm), so it is neither allocated
+    nor written, and ``None`` is returned in its place."""
     m, n = x.shape
     sd = reference.stream_dtype(x, residual, residual_dtype)
     cd = reference.stats_dtype(sd)
@@ -359,8 +390,9 @@ def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, re
     x = x.contiguous()
     direct = x.dtype == y_dtype  # else y is computed in the statistics dtype, then cast once
     y = out if out is not None and direct else torch.empty((m, n), dtype=y_dtype if direct else cd)
+    write_s = residual is not None and (need_stream or residual_out is not None)
     s = None
-    if residual is not None:
+    if write_s:
         s = residual_out if residual_out is not None else torch.empty((m, n), dtype=sd)
     mean = torch.empty(m, dtype=cd)
     rstd = torch.empty(m, dtype=cd)
@@ -368,11 +400,11 @@ def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, re
         r = residual.contiguous() if residual is not None else x
         npd = np.float64 if cd == torch.float64 else np.float32
         xa, ra, ya, ma, rsa = _array(x), _array(r), _array(y), _array(mean), _array(rstd)
-        sa = _array(s) if s is not None else ya
+        sa = _array(s if s is not None else torch.empty((m, 0), dtype=sd))
         wa, ba = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)
         _launch(_forward_jit, m, _chunks(m, n), lambda lo, hi, c: (
-            xa[lo:hi], ra[lo:hi], wa, ba, npd(eps), npd(n), residual is not None, rms, ya[lo:hi], sa[lo:hi],
-            ma[lo:hi], rsa[lo:hi]))
+            xa[lo:hi], ra[lo:hi], wa, ba, npd(eps), npd(n), residual is not None, write_s, rms, ya[lo:hi],
+            sa[lo:hi], ma[lo:hi], rsa[lo:hi]))
     if y.dtype != y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
     return y, s, (None if rms else mean), rstd

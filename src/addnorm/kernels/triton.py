@@ -425,6 +425,8 @@ def forward(
     eps: float,
     rms: bool,
     residual_dtype: torch.dtype | None,
+    *,
+    need_stream: bool = True,  # s is always written here
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """:func:`addnorm.reference.forward`, fused: one read of the inputs, one write of the outputs."""
     x, residual = _rows(x), _rows(residual)
