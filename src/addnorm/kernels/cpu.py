@@ -335,6 +335,10 @@ _backward_jit = _jit(_backward_kernel)
 
 # --------------------------------------------------------------------------- launchers
 
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.uint16,
+                 torch.float16: np.int16}
+
+
 def _array(t: Tensor) -> np.ndarray:
     """A numpy view of the contiguous CPU tensor ``t`` (16-bit floats as their bit patterns)."""
     t = t.detach()
@@ -356,9 +360,12 @@ def _launch(kernel, rows: int, chunks: int, args_for) -> None:
     """Run ``kernel(*args_for(lo, hi, c))`` on ``chunks`` row blocks: block 0 on this thread,
     the others on pool threads (the kernels release the GIL)."""
     global _POOL
+    if chunks == 1:
+        kernel(*args_for(0, rows, 0))
+        return
     bounds = [(c * rows // chunks, (c + 1) * rows // chunks) for c in range(chunks)]
     # a new pool when more threads are asked for, or in a forked child (its threads stayed behind)
-    if chunks > 1 and (_POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < chunks - 1):
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < chunks - 1:
         _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=chunks - 1, thread_name_prefix="addnorm-cpu"))
     futures = [_POOL[1].submit(kernel, *args_for(lo, hi, c)) for c, (lo, hi) in enumerate(bounds) if c]
     kernel(*args_for(*bounds[0], 0))
@@ -366,12 +373,25 @@ def _launch(kernel, rows: int, chunks: int, args_for) -> None:
         f.result()
 
 
+class _Interface:
+    """Exposes memory to numpy through ``__array_interface__`` (no copy, no hold on the tensor)."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, t: Tensor, typestr: str):
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
+                                    "typestr": typestr, "version": 3}
+
+
 def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> np.ndarray:
+    npd = np.float64 if cd == torch.float64 else np.float32
     if p is None:
-        return np.full(n, fill, dtype=np.float64 if cd == torch.float64 else np.float32)
-    # a copy (N elements): .numpy() marks a tensor's storage non-resizable for good, and FSDP
-    # frees its unsharded parameters by resizing their storage after each forward
-    return p.detach().to(cd, copy=True).contiguous().numpy()
+        return np.full(n, fill, dtype=npd)
+    if p.dtype != cd or not p.is_contiguous():  # a new tensor, owned by the returned array
+        return p.detach().to(cd, memory_format=torch.contiguous_format).numpy()
+    # the tensor itself through the array interface, not .numpy(): .numpy() marks a storage
+    # non-resizable for good, and FSDP frees its unsharded parameters by resizing theirs
+    return np.asarray(_Interface(p, np.dtype(npd).str))
 
 
 def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, residual_out=None, need_stream=True):
@@ -400,7 +420,7 @@ def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, re
         r = residual.contiguous() if residual is not None else x
         npd = np.float64 if cd == torch.float64 else np.float32
         xa, ra, ya, ma, rsa = _array(x), _array(r), _array(y), _array(mean), _array(rstd)
-        sa = _array(s if s is not None else torch.empty((m, 0), dtype=sd))
+        sa = _array(s) if s is not None else np.empty((m, 0), _NUMPY_DTYPES[sd])  # never touched
         wa, ba = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)
         _launch(_forward_jit, m, _chunks(m, n), lambda lo, hi, c: (
             xa[lo:hi], ra[lo:hi], wa, ba, npd(eps), npd(n), residual is not None, write_s, rms, ya[lo:hi],
@@ -419,7 +439,7 @@ def backward(dy, dstream, s, weight, mean, rstd, has_bias):
     s = s.contiguous()
     ds = torch.empty((m, n), dtype=s.dtype)
     chunks = _chunks(m, n) if m else 1
-    dw_part = torch.zeros((chunks, n), dtype=cd)
+    dw_part = torch.zeros((chunks, n), dtype=cd)  # two tensors: the custom op's outputs may not alias
     db_part = torch.zeros((chunks, n), dtype=cd)
     if m:
         dst = dstream.contiguous() if dstream is not None else s
@@ -430,7 +450,7 @@ def backward(dy, dstream, s, weight, mean, rstd, has_bias):
             dya[lo:hi], dsta[lo:hi], sa[lo:hi], wa, ma[lo:hi], rsa[lo:hi], nf, dstream is not None, mean is None,
             dsa[lo:hi], dwa[c], dba[c]))
     # sum the per-chunk partial rows in chunk order: deterministic for a given thread count
-    dweight, dbias = dw_part[0].clone(), db_part[0].clone()
+    dweight, dbias = dw_part[0], db_part[0]
     for k in range(1, chunks):
         dweight += dw_part[k]
         dbias += db_part[k]
