@@ -104,3 +104,14 @@ def assert_matches_oracle(ours: torch.Tensor, oracle: torch.Tensor, torch_same_d
     assert bool((err <= allowed).all()), (
         f"{int((err > allowed).sum())} elements off; worst at flat index {int(worst)}: "
         f"ours {ours.flatten()[worst].item():.8g}, oracle {oracle.flatten()[worst].item():.8g}")
+
+
+@pytest.fixture
+def parallel_cpu_kernels(monkeypatch):
+    """Split even small inputs over threads in the CPU kernels (normally only inputs of
+    ``PARALLEL_MIN_ELEMENTS`` and more are), so that small tests cover the threaded path."""
+    try:
+        from addnorm.kernels import cpu
+    except ImportError:  # numba missing: the cpu backend is not tested at all
+        return
+    monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMENTS", 1)

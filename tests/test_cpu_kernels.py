@@ -69,6 +69,7 @@ def _grads(backend, rows=199, n=1023):
     return torch.autograd.grad(y, (w, b), torch.randn(rows, n, generator=g))
 
 
+@pytest.mark.usefixtures("parallel_cpu_kernels")
 def test_parameter_gradients_are_bit_identical_from_run_to_run():
     first = _grads("cpu")
     for _ in range(3):
@@ -78,6 +79,7 @@ def test_parameter_gradients_are_bit_identical_from_run_to_run():
         torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.usefixtures("parallel_cpu_kernels")
 def test_outputs_do_not_depend_on_thread_count():
     x = torch.randn(37, 3000)
     before = torch.get_num_threads()
@@ -113,6 +115,7 @@ def test_wide_rows_keep_torchs_accuracy(rms):
 
 
 def test_auto_picks_the_kernels_on_cpu_at_every_size():
+    """The kernel backend of "auto" (small inputs go to torch's own ops first: test_torch_path)."""
     for shape in [(1, 3), (2, 768), (4096, 768)]:
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
             assert ops.auto_backend(torch.empty(*shape, dtype=dtype)) == "cpu"
@@ -137,11 +140,12 @@ def test_second_process_loads_compiled_kernels_from_cache():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+@pytest.mark.usefixtures("parallel_cpu_kernels")
 def test_forked_child_can_still_run_the_kernels():
     """A DataLoader-style fork after the thread pool exists must not hang in the child."""
     import time
 
-    x = torch.randn(256, 1024)  # large enough to be split over the thread pool
+    x = torch.randn(256, 1024)  # split over the threads (parallel_cpu_kernels)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -17,6 +17,8 @@ import torch
 import addnorm
 from conftest import TOLERANCES
 
+pytestmark = pytest.mark.usefixtures("parallel_cpu_kernels")
+
 M, N = 64, 384  # several row blocks / parallel chunks, yet cheap for every backend
 NAMES = ["y", "s", "dx", "dresidual", "dweight", "dbias"]
 

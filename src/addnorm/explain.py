@@ -233,7 +233,7 @@ def explain(x: Tensor, normalized_shape: tuple[int, ...], *, eps: float, gamma: 
     y_torch = (TF.rms_norm(s64, normalized_shape, w64, eps) if rms
                else TF.layer_norm(s64, normalized_shape, w64, b64, eps))
     out["op_name"] = (f"addnorm.{'add_' if residual is not None else ''}{'rms' if rms else 'layer'}_norm"
-                      f" ({str(dt).removeprefix('torch.')}, backend {ops.auto_backend(x2)})")
+                      f" ({str(dt).removeprefix('torch.')}, backend auto: {ops.auto_choice(x2)})")
     out["torch_name"] = f"torch.nn.functional.{'rms' if rms else 'layer'}_norm (float64)"
     out["op_maxdiff"] = _maxdiff(y_op.reshape(-1, n), st["y"])
     out["torch_maxdiff"] = _maxdiff(y_torch.reshape(-1, n), st["y"])

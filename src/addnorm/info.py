@@ -51,7 +51,8 @@ def run(args) -> int:
     console.print(table)
 
     probe = torch.empty(1, 3)
-    checks = Table(title=f"backends (auto on CPU picks {ops.auto_backend(probe)!r})")
+    checks = Table(title=f"backends (auto on CPU: torch's own ops below {ops.TORCH_PATH_MAX_ELEMENTS} elements, "
+                         f"then {ops.auto_backend(probe)!r})")
     for col in ("backend", "usable", "self-test: worked example, eps 1e-5"):
         checks.add_column(col)
     failed = False

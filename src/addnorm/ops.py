@@ -36,13 +36,29 @@ BACKEND_MODULES: dict[str, str] = {
     "triton": "addnorm.kernels.triton",
 }
 
-# backend="auto" sends every CPU input to the numba kernels when they can run: since eager calls
-# skip the custom-op dispatch they beat the reference at every size, down to 2x768. Measured with
+# backend="auto" sends CPU inputs to the numba kernels when they can run: since eager calls skip
+# the custom-op dispatch they beat the reference at every size, down to 2x768. Measured with
 # `addnorm bench --op add_layer_norm --threads 1 --impl addnorm-cpu,addnorm-reference,torch-eager
 # --shapes 2x768,8x768,32x768,128x768 --dtype float32,bfloat16 --pass fwd,fwd+bwd --rounds 21`
 # (medians, ms, cpu vs reference): fp32 fwd 2x768 0.138 vs 0.299, 8x768 0.076 vs 0.187,
-# 128x768 0.237 vs 1.355; bf16 fwd+bwd 8x768 0.534 vs 0.828. (torch eager's own fused op is
-# faster still at these sizes: 0.012-0.27 ms; see docs/benchmarks.md.)
+# 128x768 0.237 vs 1.355; bf16 fwd+bwd 8x768 0.534 vs 0.828.
+#
+# Below TORCH_PATH_MAX_ELEMENTS, "auto" runs torch's own ops instead (``x + residual``, then
+# torch's layer_norm / rms_norm, differentiated by torch; see _torch_path): there the ~30-40 µs
+# of Python around a numba call (argument checks, array views, the numba dispatch, an
+# autograd.Function) and, from PARALLEL_MIN_ELEMENTS of kernels/cpu.py on, the wake-up of a
+# second thread cost more than the norm itself. On the 2-core development machine `addnorm bench
+# --op add_layer_norm,layer_norm,add_rms_norm --shapes 8x768,64x768,256x768,512x768,1024x768,
+# 2048x768,128x4096,512x4096 --dtype float32,bfloat16 --pass fwd,fwd+bwd --impl
+# torch-eager,addnorm-cpu` gave (kernels vs torch eager): add_layer_norm fwd 8x768 0.33x,
+# 512x768 0.49x, 1024x768 0.72x, 2048x768 1.08x; fwd+bwd 512x768 0.44x, 2048x768 1.28x (fp32).
+# With this path "auto" took 0.74-0.95x of torch eager at 8x768..256x768 (the rest is this
+# module's argument checks, ~1-3 µs).
+TORCH_PATH_MAX_ELEMENTS = 1 << 20
+_F = torch.nn.functional
+# the dtypes the torch path takes, with RMSNorm's default eps (the statistics dtype's epsilon)
+_TORCH_PATH_EPS = {dt: torch.finfo(reference.stats_dtype(dt)).eps
+                   for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
 def backend_names() -> list[str]:
@@ -66,6 +82,15 @@ def auto_backend(x: Tensor) -> str:
     if x.device.type == "cpu" and backend_unavailable_reason("cpu", x) is None:
         return "cpu"
     return "reference"
+
+
+def auto_choice(x: Tensor) -> str:
+    """What ``backend="auto"`` runs for the rows ``x`` when stream, weight and bias share its
+    dtype: ``"torch"`` (torch's own ops, see _torch_path) for small CPU inputs, else the backend
+    :func:`auto_backend` picks."""
+    if x.device.type == "cpu" and x.numel() < TORCH_PATH_MAX_ELEMENTS:
+        return "torch"
+    return auto_backend(x)
 
 
 def resolve_backend(name: str, x: Tensor) -> ModuleType:
@@ -355,6 +380,10 @@ def add_norm(
     residual_out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The one entry point behind every function of :mod:`addnorm.functional`."""
+    if backend == "auto" and out is None and residual_out is None:
+        shape = _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm, residual_dtype)
+        if shape is not None:
+            return _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm)
     if eps is None and rms:  # RMSNorm's default, as torch: the machine epsilon of the compute dtype
         eps = torch.finfo(reference.stats_dtype(x.dtype)).eps if isinstance(x, Tensor) else 0.0
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
@@ -382,6 +411,51 @@ def add_norm(
     if not prenorm:
         return y
     return y, (residual_out if residual_out is not None else s.view(x.shape))
+
+
+def _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm, residual_dtype):
+    """``normalized_shape`` as a tuple when ``backend="auto"`` hands this call to
+    :func:`_torch_path`, else None: a small CPU input (TORCH_PATH_MAX_ELEMENTS) whose stream,
+    weight and bias all have the dtype of ``x``, in eager mode (compiled graphs keep the custom
+    ops). Also a validation, lean on purpose (a microsecond here is 10 % of a small norm): an
+    argument this does not accept exactly goes to the full checks of :func:`add_norm`."""
+    if type(x) is not Tensor or x.dtype not in _TORCH_PATH_EPS or not x.is_cpu or x.numel() >= TORCH_PATH_MAX_ELEMENTS:
+        return None
+    if type(normalized_shape) is int:  # the common case first, in few steps
+        if not x.dim() or x.shape[-1] != normalized_shape or normalized_shape <= 2:  # <= 2: the warning
+            return None
+        shape = x.shape[-1:]
+    elif type(normalized_shape) is tuple and all(type(d) is int for d in normalized_shape):
+        k = len(normalized_shape)
+        shape = x.shape[-k:]
+        if not 0 < k <= x.dim() or shape != normalized_shape or math.prod(shape) <= 2:
+            return None
+    else:
+        return None
+    dt = x.dtype
+    if residual is not None and (type(residual) is not Tensor or residual.dtype != dt or residual.shape != x.shape
+                                 or not residual.is_cpu or residual_dtype not in (None, dt)):
+        return None
+    for p in (weight, bias):
+        if p is not None and (not isinstance(p, Tensor) or p.dtype != dt or p.shape != shape or not p.is_cpu):
+            return None
+    if (eps is not None and (type(eps) is not float or not 0 <= eps < math.inf)) or type(prenorm) is not bool:
+        return None
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return None
+    return shape
+
+
+def _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm):
+    """Add & Norm by torch's own ops: ``s = x + residual``, then torch's layer_norm (one fused
+    kernel, forward and backward) or rms_norm, differentiated by torch. The formulas, statistics
+    dtype and default eps are the reference's (torch computes 16-bit inputs in float32 too)."""
+    s = x if residual is None else x + residual
+    if rms:
+        y = _F.rms_norm(s, shape, weight, _TORCH_PATH_EPS[x.dtype] if eps is None else eps)
+    else:
+        y = _F.layer_norm(s, shape, weight, bias, eps)
+    return (y, s) if prenorm else y
 
 
 def _infer(x2, r2, w, b, eps, rms, residual_dtype, backend, prenorm, out, residual_out):

@@ -59,10 +59,14 @@ from .. import reference
 # forward() accepts out=/residual_out= buffers and writes the results straight into them.
 WRITES_OUT = True
 
-# Below this many elements one thread does the whole call: handing rows to a second thread costs
-# more than it saves (measured on the 2-core development machine with a prototype: 8x768 fp32
-# forward 5 µs on one thread, 28-39 µs split over two, 48-62 µs with numba's parallel=True).
-PARALLEL_MIN_ELEMENTS = 1 << 16
+# Below this many elements one thread does the whole call: waking the other threads costs more
+# than they save. On the 2-core development machine (a VM, where waking a sleeping thread and
+# handing the GIL to it take tens of µs) the fp32 add+layer_norm forward at Mx768 took, 1 vs 2
+# threads (ms): M=256 0.089 vs 0.151, 512 0.159 vs 0.173, 1024 0.325 vs 0.281, 2048 0.986 vs
+# 0.655; backward 512 0.235 vs 0.233, 1024 0.593 vs 0.423 (cpu.forward/backward timed with
+# addnorm.bench.measure and this constant set to 1 and to 2**40). Inside a benchmark that
+# interleaves torch's ops the hand-off cost more (~100 µs at 128x4096), hence the margin.
+PARALLEL_MIN_ELEMENTS = 1 << 20
 # Rows are split into this many blocks per thread, claimed one at a time: a late thread costs
 # at most its share of blocks, and dweight/dbias keep one partial row per block.
 BLOCKS_PER_THREAD = 8
@@ -317,6 +321,21 @@ def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, r
         rstd[i] = rs * k
 
 
+@numba.njit(fastmath=_SUM_MATH)
+def _backward_load_row(si, dyi, w, k, mu, rs_k, xhat, g):
+    """``xhat`` and ``g = dy * weight`` of a row into buffers; returns the sums of ``g`` and of
+    ``g * xhat``, taken in the same pass (a separate pass over the buffers cost ~20 % more)."""
+    sum_g = sum_gx = mu - mu
+    for j in range(xhat.shape[0]):
+        xh = (_load(si, j) * k - mu) * rs_k
+        gj = _round(w, _load(dyi, j)) * w[j]
+        xhat[j] = xh
+        g[j] = gj
+        sum_g += gj
+        sum_gx += gj * xh
+    return sum_g, sum_gx
+
+
 # Below this rstd (a std beyond 1e18) s - mean may overflow in float32: backward then scales
 # the row as the forward did. Above it the scaling would change nothing (it is exact).
 _SCALE_BELOW_RSTD = 1e-18
@@ -337,15 +356,13 @@ def _backward_rows(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, 
             k = _row_scale(xhat, kbuf)
         mu = zero if rms else mean[i] * k
         rs_k = rs / k
+        sum_g, sum_gx = _backward_load_row(si, dyi, w, k, mu, rs_k, xhat, g)
         for j in range(n):
             dj = _round(w, _load(dyi, j))
-            xh = (_load(si, j) * k - mu) * rs_k
-            xhat[j] = xh
-            g[j] = dj * w[j]
-            dw[j] += dj * xh
+            dw[j] += dj * xhat[j]
             db[j] += dj
-        mgx = _dot(g, xhat) / nf
-        mg = zero if rms else _sum(g) / nf
+        mgx = sum_gx / nf
+        mg = zero if rms else sum_g / nf
         if has_dstream:
             dsti = dstream[i]
             for j in range(n):
