@@ -56,9 +56,9 @@ BACKEND_MODULES: dict[str, str] = {
 # module's argument checks, ~1-3 µs).
 TORCH_PATH_MAX_ELEMENTS = 1 << 20
 _F = torch.nn.functional
-# the dtypes the torch path takes, with RMSNorm's default eps (the statistics dtype's epsilon)
-_TORCH_PATH_EPS = {dt: torch.finfo(reference.stats_dtype(dt)).eps
-                   for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+# RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype
+_RMS_DEFAULT_EPS = {dt: torch.finfo(reference.stats_dtype(dt)).eps
+                    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
 def backend_names() -> list[str]:
@@ -88,9 +88,12 @@ def auto_choice(x: Tensor) -> str:
     """What ``backend="auto"`` runs for the rows ``x`` when stream, weight and bias share its
     dtype: ``"torch"`` (torch's own ops, see _torch_path) for small CPU inputs, else the backend
     :func:`auto_backend` picks."""
-    if x.device.type == "cpu" and x.numel() < TORCH_PATH_MAX_ELEMENTS:
-        return "torch"
-    return auto_backend(x)
+    return "torch" if _small_cpu_input(x) else auto_backend(x)
+
+
+def _small_cpu_input(x: Tensor) -> bool:
+    """Whether ``x`` is small enough, and on the CPU, for torch's own ops (TORCH_PATH_MAX_ELEMENTS)."""
+    return x.is_cpu and x.numel() < TORCH_PATH_MAX_ELEMENTS
 
 
 def resolve_backend(name: str, x: Tensor) -> ModuleType:
@@ -384,8 +387,8 @@ def add_norm(
         shape = _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm, residual_dtype)
         if shape is not None:
             return _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm)
-    if eps is None and rms:  # RMSNorm's default, as torch: the machine epsilon of the compute dtype
-        eps = torch.finfo(reference.stats_dtype(x.dtype)).eps if isinstance(x, Tensor) else 0.0
+    if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
+        eps = _RMS_DEFAULT_EPS.get(x.dtype, 0.0) if isinstance(x, Tensor) else 0.0
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
     check_flag("prenorm", prenorm)
     check_backend(backend)
@@ -419,7 +422,7 @@ def _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm,
     weight and bias all have the dtype of ``x``, in eager mode (compiled graphs keep the custom
     ops). Also a validation, lean on purpose (a microsecond here is 10 % of a small norm): an
     argument this does not accept exactly goes to the full checks of :func:`add_norm`."""
-    if type(x) is not Tensor or x.dtype not in _TORCH_PATH_EPS or not x.is_cpu or x.numel() >= TORCH_PATH_MAX_ELEMENTS:
+    if type(x) is not Tensor or x.dtype not in _RMS_DEFAULT_EPS or not _small_cpu_input(x):
         return None
     if type(normalized_shape) is int:  # the common case first, in few steps
         if not x.dim() or x.shape[-1] != normalized_shape or normalized_shape <= 2:  # <= 2: the warning
@@ -452,7 +455,7 @@ def _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm):
     dtype and default eps are the reference's (torch computes 16-bit inputs in float32 too)."""
     s = x if residual is None else x + residual
     if rms:
-        y = _F.rms_norm(s, shape, weight, _TORCH_PATH_EPS[x.dtype] if eps is None else eps)
+        y = _F.rms_norm(s, shape, weight, _RMS_DEFAULT_EPS[x.dtype] if eps is None else eps)
     else:
         y = _F.layer_norm(s, shape, weight, bias, eps)
     return (y, s) if prenorm else y

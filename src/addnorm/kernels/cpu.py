@@ -372,30 +372,40 @@ def _backward_rows(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, 
                 _put(dsi, j, (g[j] - xhat[j] * mgx - mg) * rs)
 
 
+# The kernels: every calling thread claims blocks of ``block_rows`` rows from the shared counter
+# ``sched[0]``, counts each block it finishes in ``sched[1]``, and returns once all are done
+# (see _launch).
+
 @numba.njit
-def _wait_all(sched, blocks):
-    """Return once every block is done (``sched[1]`` counts them): the results are then complete,
-    whether or not the other threads ever got a block."""
+def _claim_rows(sched, block_rows, m):
+    """``(block, lo, hi)``: the next unclaimed block of rows, or block -1 when none is left."""
+    blk = _claim(sched, 0)
+    lo = blk * block_rows
+    if lo >= m:
+        return -1, m, m
+    return blk, lo, min(m, lo + block_rows)
+
+
+@numba.njit
+def _wait_all(sched, block_rows, m):
+    """Return once every block is done: the results are then complete, whether or not the other
+    threads ever got a block."""
+    blocks = (m + block_rows - 1) // block_rows
     while _read(sched, 1) < blocks:
         pass
 
-
-# The kernels: every calling thread claims blocks of ``block_rows`` rows from the shared counter
-# ``sched[0]`` until none is left (see _launch).
 
 def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, sched, block_rows):
     m, n = x.shape
     buf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
-    blocks = (m + block_rows - 1) // block_rows
-    blk = _claim(sched, 0)
-    while blk < blocks:
-        lo, hi = blk * block_rows, min(m, (blk + 1) * block_rows)
+    blk, lo, hi = _claim_rows(sched, block_rows, m)
+    while blk >= 0:
         _forward_rows(x[lo:hi], r[lo:hi], w, b, eps, nf, has_residual, write_s, rms, y[lo:hi], s[lo:hi],
                       mean[lo:hi], rstd[lo:hi], buf, kbuf)
         _claim(sched, 1)
-        blk = _claim(sched, 0)
-    _wait_all(sched, blocks)
+        blk, lo, hi = _claim_rows(sched, block_rows, m)
+    _wait_all(sched, block_rows, m)
 
 
 def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sched, block_rows):
@@ -405,15 +415,13 @@ def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw
     xhat = np.empty(n, w.dtype)
     g = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
-    blocks = (m + block_rows - 1) // block_rows
-    blk = _claim(sched, 0)
-    while blk < blocks:
-        lo, hi = blk * block_rows, min(m, (blk + 1) * block_rows)
+    blk, lo, hi = _claim_rows(sched, block_rows, m)
+    while blk >= 0:
         _backward_rows(dy[lo:hi], dstream[lo:hi], s[lo:hi], w, mean[lo:hi], rstd[lo:hi], nf, has_dstream, rms,
                        ds[lo:hi], dw[blk], db[blk], xhat, g, kbuf)
         _claim(sched, 1)
-        blk = _claim(sched, 0)
-    _wait_all(sched, blocks)
+        blk, lo, hi = _claim_rows(sched, block_rows, m)
+    _wait_all(sched, block_rows, m)
 
 
 _forward_jit = _jit(_forward_kernel)
