@@ -47,13 +47,15 @@ BACKEND_MODULES: dict[str, str] = {
 # torch's layer_norm / rms_norm, differentiated by torch; see _torch_path): there the ~30-40 µs
 # of Python around a numba call (argument checks, array views, the numba dispatch, an
 # autograd.Function) and, from PARALLEL_MIN_ELEMENTS of kernels/cpu.py on, the wake-up of a
-# second thread cost more than the norm itself. On the 2-core development machine `addnorm bench
-# --op add_layer_norm,layer_norm,add_rms_norm --shapes 8x768,64x768,256x768,512x768,1024x768,
-# 2048x768,128x4096,512x4096 --dtype float32,bfloat16 --pass fwd,fwd+bwd --impl
-# torch-eager,addnorm-cpu` gave (kernels vs torch eager): add_layer_norm fwd 8x768 0.33x,
-# 512x768 0.49x, 1024x768 0.72x, 2048x768 1.08x; fwd+bwd 512x768 0.44x, 2048x768 1.28x (fp32).
-# With this path "auto" took 0.74-0.95x of torch eager at 8x768..256x768 (the rest is this
-# module's argument checks, ~1-3 µs).
+# second thread cost more than the norm itself. On the 2-core development machine, `addnorm bench
+# --op add_layer_norm,layer_norm --shapes 512x768,1024x768,2048x768,128x4096,512x4096 --dtype
+# float32,bfloat16 --pass fwd,fwd+bwd --impl torch-eager,addnorm-cpu --rounds 15` gave (kernels
+# vs torch eager, fp32 add_layer_norm): fwd 512x768 0.49x, 1024x768 0.72x, 2048x768 1.08x;
+# fwd+bwd 512x768 0.44x, 2048x768 1.28x. With this path, `addnorm bench --op
+# add_layer_norm,add_rms_norm,layer_norm --shapes 8x768,64x768,256x768,512x768 --dtype
+# float32,bfloat16 --pass fwd,fwd+bwd --impl torch-eager,addnorm,addnorm-cpu --rounds 15` gave
+# "auto" 0.70-0.98x of torch eager at 8x768..256x768 (the rest is this module's argument checks),
+# but for one noisy row: add_rms_norm fp32 fwd+bwd at 256x768, 0.51x.
 TORCH_PATH_MAX_ELEMENTS = 1 << 20
 _F = torch.nn.functional
 # RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype

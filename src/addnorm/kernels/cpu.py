@@ -63,9 +63,11 @@ WRITES_OUT = True
 # than they save. On the 2-core development machine (a VM, where waking a sleeping thread and
 # handing the GIL to it take tens of µs) the fp32 add+layer_norm forward at Mx768 took, 1 vs 2
 # threads (ms): M=256 0.089 vs 0.151, 512 0.159 vs 0.173, 1024 0.325 vs 0.281, 2048 0.986 vs
-# 0.655; backward 512 0.235 vs 0.233, 1024 0.593 vs 0.423 (cpu.forward/backward timed with
-# addnorm.bench.measure and this constant set to 1 and to 2**40). Inside a benchmark that
-# interleaves torch's ops the hand-off cost more (~100 µs at 128x4096), hence the margin.
+# 0.655; backward 512 0.235 vs 0.233, 1024 0.593 vs 0.423 (a scratch timing, not kept:
+# cpu.forward/backward under addnorm.bench.measure with this constant set to 1 and to 2**40). In
+# `addnorm bench` (it interleaves torch's ops) two threads cost ~100 µs more at 128x4096 than
+# torch eager's whole call, hence the margin (the bench command beside TORCH_PATH_MAX_ELEMENTS
+# in ops.py).
 PARALLEL_MIN_ELEMENTS = 1 << 20
 # Rows are split into this many blocks per thread, claimed one at a time: a late thread costs
 # at most its share of blocks, and dweight/dbias keep one partial row per block.

@@ -1,0 +1,59 @@
+"""Per-element cost of the CPU kernels' row loops against torch's own CPU layer_norm, 1 thread.
+
+    python benchmarks/cpu_row_cost.py [float32|bfloat16]
+
+Rows stay in cache (16 and 80 rows of 768), and the per-call cost (Python, dispatch) cancels
+out: the reported ns/element is the slope between the two sizes, best of 7 repetitions.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from addnorm.kernels import cpu
+
+N = 768
+
+
+def calls(m: int, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(0)
+    x, r, dy = (torch.randn(m, N, generator=g).to(dtype) for _ in range(3))
+    w, b = (torch.randn(N, generator=g).to(dtype) for _ in range(2))
+    y, s = torch.empty_like(x), torch.empty_like(x)
+    _, _, mean, rstd = cpu.forward(x, r, w, b, 1e-5, False, None)
+    _, tmean, trstd = torch.native_layer_norm(x, (N,), w, b, 1e-5)
+    return {
+        "addnorm add+layer_norm forward": lambda: cpu.forward(x, r, w, b, 1e-5, False, None, out=y, residual_out=s),
+        "torch layer_norm forward": lambda: torch.native_layer_norm(x, (N,), w, b, 1e-5),
+        "addnorm layer_norm backward": lambda: cpu.backward(dy, None, x, w, mean, rstd, True),
+        "torch layer_norm backward": lambda: torch.ops.aten.native_layer_norm_backward(
+            dy, x, (N,), tmean, trstd, w, b, (True, True, True)),
+    }
+
+
+def best_seconds(fn, reps: int = 300) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(7):
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t) / reps)
+    return best
+
+
+def main() -> None:
+    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
+    torch.set_num_threads(1)
+    small, large = calls(16, dtype), calls(80, dtype)
+    print(f"{dtype}, 1 thread, rows of {N}: ns per element (slope between 16 and 80 rows)")
+    for name in small:
+        slope = (best_seconds(large[name]) - best_seconds(small[name])) / (64 * N)
+        print(f"  {name:32s} {slope * 1e9:.3f}")
+
+
+if __name__ == "__main__":
+    main()
