@@ -109,5 +109,11 @@ def test_bad_input_is_still_reported_by_addnorm():
         addnorm.layer_norm(x, 64, eps=float("nan"))
     with pytest.raises(ValueError, match="must end with normalized_shape"):
         addnorm.layer_norm(x, 65)
+    with pytest.raises(ValueError, match="must end with normalized_shape"):
+        addnorm.add_rms_norm(x, r, (4, 64), w)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        addnorm.add_layer_norm(x, r, 64, w, b[:63])
+    with pytest.raises(ValueError, match="normalized_shape must be one or more positive ints"):
+        addnorm.layer_norm(x, (0, 64))
     with pytest.raises(TypeError, match="prenorm must be True or False"):
         addnorm.add_layer_norm(x, r, 64, prenorm="yes")

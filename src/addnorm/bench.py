@@ -95,12 +95,14 @@ def _addnorm_norm(op: str, backend: str) -> Callable:
     from . import functional
 
     fn = getattr(functional, op)
-
-    def f(x, r, w, b, **out):
-        args = (x, r) if op.startswith("add_") else (x,)
-        params = (w,) if "rms" in op else (w, b)
-        return fn(*args, x.shape[-1], *params, backend=backend, **out)
-    return f
+    # one plain call per op, as lean as _torch_norm's: at 8x768 each µs is ~10 % of the norm
+    if op == "layer_norm":
+        return lambda x, r, w, b, **out: fn(x, x.shape[-1], w, b, backend=backend, **out)
+    if op == "rms_norm":
+        return lambda x, r, w, b, **out: fn(x, x.shape[-1], w, backend=backend, **out)
+    if op == "add_layer_norm":
+        return lambda x, r, w, b, **out: fn(x, r, x.shape[-1], w, b, backend=backend, **out)
+    return lambda x, r, w, b, **out: fn(x, r, x.shape[-1], w, backend=backend, **out)
 
 
 def _reference_norm(op: str) -> Callable:

@@ -79,7 +79,8 @@ def add_layer_norm(
     ``residual_dtype`` when given (e.g. ``torch.float32`` to keep the stream in fp32
     under bf16 activations), else in torch's promotion of the two dtypes.
     """
-    _check_float_tensor("residual", residual)
+    if type(residual) is not Tensor:  # None here would silently be a plain norm
+        _check_float_tensor("residual", residual)
     return add_norm(x, residual, normalized_shape, weight, bias, eps,
                     rms=False, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
                     out=out, residual_out=residual_out)
@@ -99,7 +100,8 @@ def add_rms_norm(
     residual_out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`."""
-    _check_float_tensor("residual", residual)
+    if type(residual) is not Tensor:  # None here would silently be a plain norm
+        _check_float_tensor("residual", residual)
     return add_norm(x, residual, normalized_shape, weight, None, eps,
                     rms=True, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
                     out=out, residual_out=residual_out)

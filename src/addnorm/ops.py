@@ -57,7 +57,7 @@ BACKEND_MODULES: dict[str, str] = {
 # "auto" 0.70-0.98x of torch eager at 8x768..256x768 (the rest is this module's argument checks),
 # but for one noisy row: add_rms_norm fp32 fwd+bwd at 256x768, 0.51x.
 TORCH_PATH_MAX_ELEMENTS = 1 << 20
-_F = torch.nn.functional
+_is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_exporting
 # RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype
 _RMS_DEFAULT_EPS = {dt: torch.finfo(reference.stats_dtype(dt)).eps
                     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
@@ -388,7 +388,10 @@ def add_norm(
     if backend == "auto" and out is None and residual_out is None:
         shape = _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm, residual_dtype)
         if shape is not None:
-            return _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm)
+            try:
+                return _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm)
+            except RuntimeError:  # torch rejected a shape: the full checks below say which, in addnorm's words
+                pass
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
         eps = _RMS_DEFAULT_EPS.get(x.dtype, 0.0) if isinstance(x, Tensor) else 0.0
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
@@ -419,34 +422,38 @@ def add_norm(
 
 
 def _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm, residual_dtype):
-    """``normalized_shape`` as a tuple when ``backend="auto"`` hands this call to
+    """``normalized_shape`` as a tuple when ``backend="auto"`` may hand this call to
     :func:`_torch_path`, else None: a small CPU input (TORCH_PATH_MAX_ELEMENTS) whose stream,
     weight and bias all have the dtype of ``x``, in eager mode (compiled graphs keep the custom
-    ops). Also a validation, lean on purpose (a microsecond here is 10 % of a small norm): an
-    argument this does not accept exactly goes to the full checks of :func:`add_norm`."""
-    if type(x) is not Tensor or x.dtype not in _RMS_DEFAULT_EPS or not _small_cpu_input(x):
-        return None
-    if type(normalized_shape) is int:  # the common case first, in few steps
-        if not x.dim() or x.shape[-1] != normalized_shape or normalized_shape <= 2:  # <= 2: the warning
-            return None
-        shape = x.shape[-1:]
-    elif type(normalized_shape) is tuple and all(type(d) is int for d in normalized_shape):
-        k = len(normalized_shape)
-        shape = x.shape[-k:]
-        if not 0 < k <= x.dim() or shape != normalized_shape or math.prod(shape) <= 2:
-            return None
-    else:
+    ops). Lean on purpose (a microsecond here is 10 % of a small norm): what torch's norm checks
+    itself (``x`` ends with ``normalized_shape``, the parameters have that shape) is left to it,
+    and :func:`add_norm` answers torch's error with its own full checks. What torch would accept
+    with another meaning (a residual that broadcasts, mixed dtypes, a negative or NaN ``eps``) or
+    that warns is checked here; an argument this does not accept exactly goes to the full checks."""
+    if type(x) is not Tensor or not x.is_cpu:
         return None
     dt = x.dtype
-    if residual is not None and (type(residual) is not Tensor or residual.dtype != dt or residual.shape != x.shape
-                                 or not residual.is_cpu or residual_dtype not in (None, dt)):
+    if dt not in _RMS_DEFAULT_EPS or x.numel() >= TORCH_PATH_MAX_ELEMENTS:
+        return None
+    if type(normalized_shape) is int:  # the common case first, in few steps
+        if normalized_shape <= 2:  # <= 2 (or < 1): the warning or the error of the full checks
+            return None
+        shape = (normalized_shape,)
+    elif type(normalized_shape) is tuple and all(type(d) is int and d > 0 for d in normalized_shape):
+        if math.prod(normalized_shape) <= 2:
+            return None
+        shape = normalized_shape
+    else:
+        return None
+    if residual is not None and (type(residual) is not Tensor or residual.dtype is not dt or not residual.is_cpu
+                                 or residual.shape != x.shape or residual_dtype not in (None, dt)):
         return None
     for p in (weight, bias):
-        if p is not None and (not isinstance(p, Tensor) or p.dtype != dt or p.shape != shape or not p.is_cpu):
+        if p is not None and (not isinstance(p, Tensor) or p.dtype is not dt or not p.is_cpu):
             return None
     if (eps is not None and (type(eps) is not float or not 0 <= eps < math.inf)) or type(prenorm) is not bool:
         return None
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if _is_compiling() or _is_exporting():
         return None
     return shape
 
@@ -454,12 +461,14 @@ def _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm,
 def _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm):
     """Add & Norm by torch's own ops: ``s = x + residual``, then torch's layer_norm (one fused
     kernel, forward and backward) or rms_norm, differentiated by torch. The formulas, statistics
-    dtype and default eps are the reference's (torch computes 16-bit inputs in float32 too)."""
-    s = x if residual is None else x + residual
+    dtype and default eps are the reference's (torch computes 16-bit inputs in float32 too).
+    ``torch.layer_norm``/``torch.rms_norm`` are what ``torch.nn.functional``'s wrappers call
+    (they still honour ``__torch_function__``), without the wrappers' ~0.7 µs."""
+    s = x if residual is None else torch.add(x, residual)
     if rms:
-        y = _F.rms_norm(s, shape, weight, _RMS_DEFAULT_EPS[x.dtype] if eps is None else eps)
+        y = torch.rms_norm(s, shape, weight, _RMS_DEFAULT_EPS[x.dtype] if eps is None else eps)
     else:
-        y = _F.layer_norm(s, shape, weight, bias, eps)
+        y = torch.layer_norm(s, shape, weight, bias, eps, False)
     return (y, s) if prenorm else y
 
 
