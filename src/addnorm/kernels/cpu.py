@@ -50,7 +50,7 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import types
+from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 from torch import Tensor
@@ -87,15 +87,6 @@ def unavailable_reason(x: Tensor | None) -> str | None:
     if x.dtype not in _SUPPORTED:
         return f"dtype {x.dtype} not supported (float32, float64, bfloat16, float16)"
     return None
-
-
-def _jit(fn):
-    try:
-        return numba.njit(nogil=True, cache=True, error_model="numpy")(fn)
-    except RuntimeError as err:  # no writable cache directory: compile per process instead
-        warnings.warn(f"addnorm: numba cache unavailable ({err}); kernels compile on first use",
-                      RuntimeWarning, stacklevel=2)
-        return numba.njit(nogil=True, error_model="numpy")(fn)
 
 
 # --------------------------------------------------------------------------- 16-bit floats
@@ -404,6 +395,7 @@ def _wait_all(sched, block_rows, m):
         pass
 
 
+@numba.njit(nogil=True, error_model="numpy")
 def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, sched, block_rows):
     m, n = x.shape
     buf = np.empty(n, w.dtype)
@@ -417,6 +409,7 @@ def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean,
     _wait_all(sched, block_rows, m)
 
 
+@numba.njit(nogil=True, error_model="numpy")
 def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sched, block_rows):
     """``dw``/``db``: one partial row per block (not per thread), so that the sums do not depend
     on which thread ran which block."""
@@ -432,25 +425,90 @@ def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw
     _wait_all(sched, block_rows, m)
 
 
-_forward_jit = _jit(_forward_kernel)
-_backward_jit = _jit(_backward_kernel)
 
 
-# --------------------------------------------------------------------------- launchers
+# --------------------------------------------------------------------------- C entry points
 
+# One call's arguments travel as a block of int64 slots (tensor addresses, sizes, flags, eps as
+# float64 bits; the last two slots are the block-claiming counters), read by a C entry point
+# compiled per combination of dtypes. Threads run it with no Python in between: no GIL to hand
+# from thread to thread and no unboxing of a dozen arguments by numba's dispatcher, which cost
+# tens of µs per call.
+_SLOTS = 16
+_SCHED = _SLOTS - 2  # [next block to claim, blocks done]
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.uint16,
                  torch.float16: np.int16}
 
 
-def _array(t: Tensor) -> np.ndarray:
-    """A numpy view of the contiguous CPU tensor ``t`` (16-bit floats as their bit patterns)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    if t.dtype == torch.float16:
-        return t.view(torch.int16).numpy()
-    return t.numpy()
+@intrinsic
+def _ptr(typingctx, address):
+    """The int64 ``address`` as a pointer, for ``carray``."""
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+    return types.voidptr(types.int64), codegen
 
+
+def _compile_entry(fn):
+    """``fn(block)`` compiled as a C function ``void fn(int64 *block)``, cached on disk."""
+    sig = types.void(types.voidptr)
+    try:
+        return numba.cfunc(sig, cache=True)(fn)
+    except RuntimeError as err:  # no writable cache directory: compile per process instead
+        warnings.warn(f"addnorm: numba cache unavailable ({err}); kernels compile on first use",
+                      RuntimeWarning, stacklevel=3)
+        return numba.cfunc(sig)(fn)
+
+
+def _forward_entry(sd, yd):
+    """Slots: x, residual, weight, bias, y, s, mean, rstd, rows, cols, block_rows,
+    flags (has_residual | write_s << 1 | rms << 2), eps; ``sd``: the dtype of x, residual and s,
+    ``yd`` that of y (numpy dtypes; 16-bit floats as uint16/int16)."""
+    cd = np.float64 if sd == np.float64 else np.float32
+
+    def entry(block):
+        a = carray(block, _SLOTS, np.int64)
+        m, n, flags = a[8], a[9], a[11]
+        _forward_kernel(carray(_ptr(a[0]), (m, n), sd), carray(_ptr(a[1]), (m, n), sd), carray(_ptr(a[2]), n, cd),
+                        carray(_ptr(a[3]), n, cd), cd(carray(block, _SLOTS, np.float64)[12]), cd(n),
+                        flags & 1 != 0, flags & 2 != 0, flags & 4 != 0, carray(_ptr(a[4]), (m, n), yd),
+                        carray(_ptr(a[5]), (m, n if flags & 2 else 0), sd), carray(_ptr(a[6]), m, cd),
+                        carray(_ptr(a[7]), m, cd), a[_SCHED:], a[10])
+    return _compile_entry(entry)
+
+
+def _backward_entry(sd, gd, td):
+    """Slots: dy, dstream, s, weight, mean, rstd, ds, dweight blocks, dbias blocks, rows, cols,
+    block_rows, flags (has_dstream | rms << 1), blocks; ``sd``: the dtype of s and ds, ``gd``
+    of dy, ``td`` of dstream."""
+    cd = np.float64 if sd == np.float64 else np.float32
+
+    def entry(block):
+        a = carray(block, _SLOTS, np.int64)
+        m, n, flags, blocks = a[9], a[10], a[12], a[13]
+        _backward_kernel(carray(_ptr(a[0]), (m, n), gd), carray(_ptr(a[1]), (m, n), td),
+                         carray(_ptr(a[2]), (m, n), sd), carray(_ptr(a[3]), n, cd), carray(_ptr(a[4]), m, cd),
+                         carray(_ptr(a[5]), m, cd), cd(n), flags & 1 != 0, flags & 2 != 0,
+                         carray(_ptr(a[6]), (m, n), sd), carray(_ptr(a[7]), (blocks, n), cd),
+                         carray(_ptr(a[8]), (blocks, n), cd), a[_SCHED:], a[11])
+    return _compile_entry(entry)
+
+
+_ENTRIES: dict[tuple, object] = {}  # (kind, *torch dtypes) -> compiled entry, made on first use
+
+
+def _entry(make, *dtypes: torch.dtype):
+    key = (make, *dtypes)
+    if key not in _ENTRIES:
+        _ENTRIES[key] = make(*(_NUMPY_DTYPES[d] for d in dtypes))
+    return _ENTRIES[key]
+
+
+def _block(*slots) -> ctypes.Array:
+    """The slots of one call: tensors by address, None as 0; the claiming counters start at 0."""
+    return (ctypes.c_int64 * _SLOTS)(*(s.data_ptr() if isinstance(s, Tensor) else (s or 0) for s in slots))
+
+
+# --------------------------------------------------------------------------- launchers
 
 def _plan(rows: int, cols: int, max_blocks: int | None = None) -> tuple[int, int]:
     """``(threads, block_rows)`` for one call: torch's thread count (one for small inputs), and
@@ -473,75 +531,39 @@ def _torch_gomp():
         fn = ctypes.CDLL(path).GOMP_parallel  # void GOMP_parallel(void (*)(void *), void *, unsigned, unsigned)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [_JOB_FN, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
     fn.restype = None
     return fn
-
-
-_JOB_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_JOBS: dict[int, list] = {}  # id -> [kernel, args, first error]; one entry per call in flight
-
-
-@_JOB_FN
-def _run_job(key):
-    job = _JOBS[key]
-    try:
-        job[0](*job[1])
-    except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread
-        job[2] = err
 
 
 _GOMP = _torch_gomp()
 _GOMP_PID = os.getpid()  # a forked child has no OpenMP team (its threads stayed behind): the pool then
 
 
-def _launch(kernel, threads: int, args: tuple) -> None:
-    """Run ``kernel(*args, sched, block_rows)`` (``args[-1]`` is ``block_rows``) on ``threads``
-    threads: each claims blocks of rows until none is left, and the call returns once all are
-    done, so a thread that starts late only takes fewer blocks. The threads are torch's own
-    OpenMP team when torch runs on libgomp, else this thread and a small pool."""
+def _launch(entry, threads: int, block: ctypes.Array) -> None:
+    """Run the C ``entry`` on ``block`` on ``threads`` threads: each claims blocks of rows until
+    none is left, and the call returns once all are done, so a thread that starts late only
+    takes fewer blocks. The threads are torch's own OpenMP team when torch runs on libgomp,
+    else this thread and a small pool. (A ctypes call releases the GIL.)"""
     global _POOL
-    sched = np.zeros(2, np.int64)  # [next block to claim, blocks done]; one per call
-    args = (*args[:-1], sched, args[-1])
     if threads == 1:
-        kernel(*args)
+        entry.ctypes(block)
     elif _GOMP is not None and _GOMP_PID == os.getpid():
-        job = [kernel, args, None]
-        _JOBS[id(job)] = job
-        try:
-            _GOMP(_run_job, id(job), threads, 0)
-        finally:
-            del _JOBS[id(job)]
-        if job[2] is not None:
-            raise job[2]
+        _GOMP(entry.address, ctypes.addressof(block), threads, 0)
     else:
         # a new pool when more threads are asked for, or in a forked child (its threads stayed behind)
         if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < threads - 1:
             _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="addnorm-cpu"))
-        for _ in range(threads - 1):
-            _POOL[1].submit(kernel, *args)
-        kernel(*args)
+        for _ in range(threads - 1):  # each task holds the block until it has run (it only claims then)
+            _POOL[1].submit(entry.ctypes, block)
+        entry.ctypes(block)
 
 
-class _Interface:
-    """Exposes memory to numpy through ``__array_interface__`` (no copy, no hold on the tensor)."""
-
-    __slots__ = ("__array_interface__",)
-
-    def __init__(self, t: Tensor, typestr: str):
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": tuple(t.shape),
-                                    "typestr": typestr, "version": 3}
-
-
-def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> np.ndarray:
-    npd = np.float64 if cd == torch.float64 else np.float32
+def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> Tensor:
+    """``p`` as a contiguous tensor of the statistics dtype (``fill`` when None)."""
     if p is None:
-        return np.full(n, fill, dtype=npd)
-    if p.dtype != cd or not p.is_contiguous():  # a new tensor, owned by the returned array
-        return p.detach().to(cd, memory_format=torch.contiguous_format).numpy()
-    # the tensor itself through the array interface, not .numpy(): .numpy() marks a storage
-    # non-resizable for good, and FSDP frees its unsharded parameters by resizing theirs
-    return np.asarray(_Interface(p, np.dtype(npd).str))
+        return torch.full((n,), fill, dtype=cd)
+    return p.detach().to(cd, memory_format=torch.contiguous_format)
 
 
 def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, residual_out=None, need_stream=True):
@@ -568,13 +590,12 @@ def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, re
     rstd = torch.empty(m, dtype=cd)
     if m:
         r = residual.contiguous() if residual is not None else x
-        npd = np.float64 if cd == torch.float64 else np.float32
-        xa, ra, ya, ma, rsa = _array(x), _array(r), _array(y), _array(mean), _array(rstd)
-        sa = _array(s) if s is not None else np.empty((m, 0), _NUMPY_DTYPES[sd])  # never touched
-        wa, ba = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)
+        w, b = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)
         threads, block_rows = _plan(m, n)
-        _launch(_forward_jit, threads, (xa, ra, wa, ba, npd(eps), npd(n), residual is not None, write_s, rms, ya, sa,
-                                        ma, rsa, block_rows))
+        flags = (residual is not None) | write_s << 1 | rms << 2
+        block = _block(x, r, w, b, y, s, mean, rstd, m, n, block_rows, flags)
+        ctypes.c_double.from_buffer(block, 12 * 8).value = eps
+        _launch(_entry(_forward_entry, sd, y.dtype), threads, block)
     if y.dtype != y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
     return y, s, (None if rms else mean), rstd
@@ -595,11 +616,11 @@ def backward(dy, dstream, s, weight, mean, rstd, has_bias):
     dw_part = torch.zeros((blocks, n), dtype=cd)  # two tensors: the custom op's outputs may not alias
     db_part = torch.zeros((blocks, n), dtype=cd)
     if m:
-        dst = dstream.contiguous() if dstream is not None else s
-        dya, dsta, sa, dsa = _array(dy.contiguous()), _array(dst), _array(s), _array(ds)
-        wa, ma, rsa = _param(weight, n, cd, 1.0), _array(mean if mean is not None else rstd), _array(rstd)
-        _launch(_backward_jit, threads, (dya, dsta, sa, wa, ma, rsa, rstd.numpy().dtype.type(n), dstream is not None,
-                                         mean is None, dsa, _array(dw_part), _array(db_part), block_rows))
+        dy, dst = dy.contiguous(), (dstream.contiguous() if dstream is not None else s)
+        w = _param(weight, n, cd, 1.0)
+        block = _block(dy, dst, s, w, rstd if mean is None else mean, rstd, ds, dw_part, db_part, m, n, block_rows,
+                       (dstream is not None) | (mean is None) << 1, blocks)
+        _launch(_entry(_backward_entry, s.dtype, dy.dtype, dst.dtype), threads, block)
     # the per-block partial rows summed by torch (no atomics, a fixed order for a given shape):
     # bit-identical from run to run for a given thread count
     dweight, dbias = (dw_part[0], db_part[0]) if blocks == 1 else (dw_part.sum(0), db_part.sum(0))
