@@ -44,18 +44,18 @@ BACKEND_MODULES: dict[str, str] = {
 # 128x768 0.237 vs 1.355; bf16 fwd+bwd 8x768 0.534 vs 0.828.
 #
 # Below TORCH_PATH_MAX_ELEMENTS, "auto" runs torch's own ops instead (``x + residual``, then
-# torch's layer_norm / rms_norm, differentiated by torch; see _torch_path): there the ~30-40 µs
-# of Python around a numba call (argument checks, array views, the numba dispatch, an
-# autograd.Function) and, from PARALLEL_MIN_ELEMENTS of kernels/cpu.py on, the wake-up of a
-# second thread cost more than the norm itself. On the 2-core development machine, `addnorm bench
-# --op add_layer_norm,layer_norm --shapes 512x768,1024x768,2048x768,128x4096,512x4096 --dtype
-# float32,bfloat16 --pass fwd,fwd+bwd --impl torch-eager,addnorm-cpu --rounds 15` gave (kernels
-# vs torch eager, fp32 add_layer_norm): fwd 512x768 0.49x, 1024x768 0.72x, 2048x768 1.08x;
-# fwd+bwd 512x768 0.44x, 2048x768 1.28x. With this path, `addnorm bench --op
-# add_layer_norm,add_rms_norm,layer_norm --shapes 8x768,64x768,256x768,512x768 --dtype
-# float32,bfloat16 --pass fwd,fwd+bwd --impl torch-eager,addnorm,addnorm-cpu --rounds 15` gave
-# "auto" 0.70-0.98x of torch eager at 8x768..256x768 (the rest is this module's argument checks),
-# but for one noisy row: add_rms_norm fp32 fwd+bwd at 256x768, 0.51x.
+# torch's layer_norm / rms_norm, differentiated by torch; see _torch_path): there the ~35 µs of
+# Python around a kernel call (argument checks, the custom op and its autograd, the kernel's
+# argument block) cost more than the fused pass saves. On the 2-core development machine,
+# `addnorm bench --op add_layer_norm,layer_norm --shapes 128x1024,256x1024,512x1024,1024x1024
+# --dtype float32,bfloat16 --pass fwd,fwd+bwd --impl torch-eager,addnorm-cpu --rounds 15` gave
+# (kernels vs torch eager, add_layer_norm fp32): fwd 128x1024 0.59x, 256x1024 0.83x, 512x1024
+# 0.96x, 1024x1024 3.06x; fwd+bwd 0.48x, 0.63x, 1.08x, 1.14x (bf16: fwd+bwd 0.65x, 0.72x, 1.20x,
+# 1.19x); layer_norm alone is behind torch up to 512x1024 (0.74-0.92x fwd+bwd). With this path,
+# `addnorm bench --op add_layer_norm,add_rms_norm,layer_norm --shapes 8x768,64x768,256x768,512x768
+# --dtype float32,bfloat16 --pass fwd,fwd+bwd --impl torch-eager,addnorm,addnorm-cpu --rounds 15`
+# gave "auto" 0.70-0.98x of torch eager at 8x768..256x768 (the rest is this module's argument
+# checks), but for one noisy row: add_rms_norm fp32 fwd+bwd at 256x768, 0.51x.
 TORCH_PATH_MAX_ELEMENTS = 1 << 20
 _is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_exporting
 # RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype

@@ -15,14 +15,16 @@ bit-identical from run to run for the same thread count.
 
 Threads. The blocks run on torch's own OpenMP team (``GOMP_parallel`` of the libgomp torch
 loaded), whose threads are awake and pinned after torch's previous op; elsewhere (another
-OpenMP, a forked child) on this thread plus a small Python pool. Claiming blocks instead of
+OpenMP, a forked child) on this thread plus a small Python pool. What the threads run is a C
+entry point (a numba ``cfunc`` per dtype combination) reading the call's arguments from one
+block of int64 slots: no Python, and no GIL, between the threads. Claiming blocks instead of
 fixing one per thread matters on shared machines: a thread that starts late (descheduled,
 still spinning down from torch's last op) takes fewer blocks instead of holding the others up.
 Why not ``@njit(parallel=True)``: its thread pool is a second pool beside torch's. With the
 OpenMP layer its spinning threads starved torch's (torch's own 64x256 add+layer_norm went from
 0.02 ms to 24 ms after one numba call); with the workqueue layer every call pays two thread
 wake-ups (48-62 µs at 8x768, against 5 µs for the serial kernel). A hand-off to other threads
-costs tens of µs, so inputs below PARALLEL_MIN_ELEMENTS stay on the calling thread;
+still costs several µs, so inputs below PARALLEL_MIN_ELEMENTS stay on the calling thread;
 ``parallel=True`` also compiled ~2x slower.
 
 Accuracy: no fastmath except reassociation inside the three row sums (so they vectorize; the
@@ -61,15 +63,10 @@ from .. import reference
 WRITES_OUT = True
 
 # Below this many elements one thread does the whole call: waking the other threads costs more
-# than they save. On the 2-core development machine (a VM, where waking a sleeping thread and
-# handing the GIL to it take tens of µs) the fp32 add+layer_norm forward at Mx768 took, 1 vs 2
-# threads (ms): M=256 0.089 vs 0.151, 512 0.159 vs 0.173, 1024 0.325 vs 0.281, 2048 0.986 vs
-# 0.655; backward 512 0.235 vs 0.233, 1024 0.593 vs 0.423 (a scratch timing, not kept:
-# cpu.forward/backward under addnorm.bench.measure with this constant set to 1 and to 2**40). In
-# `addnorm bench` (it interleaves torch's ops) two threads cost ~100 µs more at 128x4096 than
-# torch eager's whole call, hence the margin (the bench command beside TORCH_PATH_MAX_ELEMENTS
-# in ops.py).
-PARALLEL_MIN_ELEMENTS = 1 << 20
+# than they save. `python benchmarks/cpu_threads.py` on the 2-core development machine (fp32,
+# median µs, 1 thread vs 2): add+layer_norm forward 16x1024 21 vs 21, 32x1024 28 vs 24, 64x1024
+# 39 vs 31, 256x1024 118 vs 68; backward 32x1024 29 vs 29, 64x1024 38 vs 35, 256x1024 129 vs 86.
+PARALLEL_MIN_ELEMENTS = 1 << 16
 # Rows are split into this many blocks per thread, claimed one at a time: a late thread costs
 # at most its share of blocks, and dweight/dbias keep one partial row per block.
 BLOCKS_PER_THREAD = 8

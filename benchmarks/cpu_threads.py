@@ -1,0 +1,67 @@
+"""Where splitting a call over threads starts to pay in the CPU kernels (``PARALLEL_MIN_ELEMENTS``).
+
+    python benchmarks/cpu_threads.py [ROWSxCOLS ...]     (default: 16x1024 ... 1024x1024)
+
+fp32 add+layer_norm forward and layer_norm backward, ``addnorm.kernels.cpu`` called directly,
+on one thread and on torch's thread count, with torch's own ops beside them for scale
+(``layer_norm(x + r)`` and ``native_layer_norm_backward``). Interleaved rounds, median µs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from addnorm.kernels import cpu
+
+
+def threaded(min_elements: int, fn):
+    def run():
+        old, cpu.PARALLEL_MIN_ELEMENTS = cpu.PARALLEL_MIN_ELEMENTS, min_elements
+        try:
+            fn()
+        finally:
+            cpu.PARALLEL_MIN_ELEMENTS = old
+    return run
+
+
+def calls(m: int, n: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    x, r, dy = (torch.randn(m, n, generator=g) for _ in range(3))
+    w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    _, s, mean, rstd = cpu.forward(x, r, w, b, 1e-5, False, None)
+    _, tmean, trstd = torch.native_layer_norm(s, (n,), w, b, 1e-5)
+    fwd = lambda: cpu.forward(x, r, w, b, 1e-5, False, None)  # noqa: E731
+    bwd = lambda: cpu.backward(dy, None, s, w, mean, rstd, True)  # noqa: E731
+    return {
+        "fwd 1 thread": threaded(1 << 62, fwd), "fwd threads": threaded(1, fwd),
+        "fwd torch": lambda: torch.layer_norm(x + r, (n,), w, b, 1e-5),
+        "bwd 1 thread": threaded(1 << 62, bwd), "bwd threads": threaded(1, bwd),
+        "bwd torch": lambda: torch.ops.aten.native_layer_norm_backward(
+            dy, s, (n,), tmean, trstd, w, b, (True, True, True)),
+    }
+
+
+def main() -> None:
+    shapes = sys.argv[1:] or ["16x1024", "32x1024", "64x1024", "128x1024", "256x1024", "512x1024", "1024x1024"]
+    print(f"fp32, {torch.get_num_threads()} threads; median µs per call")
+    for shape in shapes:
+        m, n = map(int, shape.split("x"))
+        fns = calls(m, n)
+        times: dict[str, list[float]] = {k: [] for k in fns}
+        for fn in fns.values():
+            fn()
+        for _ in range(15):
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                times[name].append((time.perf_counter() - t) / 10 * 1e6)
+        print(f"{shape:>10s} " + "  ".join(f"{k} {statistics.median(v):6.0f}" for k, v in times.items()))
+
+
+if __name__ == "__main__":
+    main()
