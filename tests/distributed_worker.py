@@ -66,6 +66,8 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         results["fsdp"] = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
+        # this rank's work is complete; past the barrier, so is every other rank's
+        open(os.path.join(out_dir, f"rank{rank}.done"), "w").close()
         dist.barrier()
     finally:
         dist.destroy_process_group()

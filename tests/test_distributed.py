@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,11 +29,17 @@ def run_ranks(out_dir) -> None:
     ctx = mp.start_processes(worker.run_rank, args=(WORLD, free_port(), str(out_dir)), nprocs=WORLD,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=1):  # raises ProcessRaisedException if a rank failed
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"distributed ranks still running after {DEADLINE_S} s")
+    try:
+        while not ctx.join(timeout=1):  # raises ProcessRaisedException if a rank failed
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                pytest.fail(f"distributed ranks still running after {DEADLINE_S} s")
+    except mp.ProcessExitedException:
+        # gloo's threads can abort a rank at teardown ("terminate called without an active
+        # exception"), after all the work is done: only a rank that died before that fails
+        if not all((Path(out_dir) / f"rank{r}.done").exists() for r in range(WORLD)):
+            raise
 
 
 def test_ddp_and_fsdp2_match_single_process(tmp_path):
