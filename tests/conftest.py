@@ -18,6 +18,9 @@ if TEST_DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
     torch.set_default_device(TEST_DEVICE)
+    # torch modules that annotate ``torch.Generator | None`` at import (torch.compile's, via
+    # torch.distributed) must be imported before torch.Generator becomes a partial
+    import torch._inductor  # noqa: F401
     torch.Generator = functools.partial(torch.Generator, TEST_DEVICE)
 
 from addnorm import ops  # noqa: E402

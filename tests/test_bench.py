@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from addnorm import bench
 from addnorm.cli import main
@@ -31,6 +32,22 @@ def test_bench_writes_rows_in_the_documented_format(tmp_path, capsys):
     assert by["rms_norm", "fwd+bwd"] == ((2 * 4 * 64 + 64) + (3 * 4 * 64 + 2 * 64)) * 4
     assert main(args) == 0  # --save appends
     assert len(results.read_text().splitlines()) == 2 * len(rows)
+
+
+def test_an_impl_failing_on_its_first_call_is_reported_not_fatal(monkeypatch):
+    real = bench.make_impl
+
+    def make_impl(name, op, device):
+        if name == "liger":  # stands in for a third-party norm whose API changed
+            def broken(x, r, w, b):
+                raise TypeError("layer_norm_fn() got an unexpected keyword argument")
+            return broken
+        return real(name, op, device)
+    monkeypatch.setattr(bench, "make_impl", make_impl)
+    results, skipped = bench.run_config("add_layer_norm", 4, 64, torch.float32, "fwd",
+                                        ["torch-eager", "liger"], "cpu", 3, False)
+    assert [r["impl"] for r in results] == ["torch-eager"]
+    assert skipped == {"liger": "TypeError: layer_norm_fn() got an unexpected keyword argument"}
 
 
 @pytest.mark.parametrize("argv,message", [

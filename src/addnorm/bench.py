@@ -134,7 +134,7 @@ def _other_norm(name: str, op: str, device: str) -> Callable:
         from flash_attn.ops.triton.layer_norm import layer_norm_fn
 
         def f(x, r, w, b):
-            return layer_norm_fn(x, w, None if rms else b, residual=r, eps=EPS, rms_norm=rms)
+            return layer_norm_fn(x, w, None if rms else b, residual=r, eps=EPS, is_rms_norm=rms)
         norm = None
     if device != "cuda":
         raise RuntimeError("needs a CUDA device")
@@ -288,8 +288,9 @@ def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out) -
                 fn = _out_variant(name, op, fn, x, r, w, b)
                 if fn is None:
                     raise RuntimeError("no out= variant")
-            runs[name] = _runner(fn, pass_, x, r, w, b, dy)
-            runs[name]()  # fail here, not in the timing loop
+            run = _runner(fn, pass_, x, r, w, b, dy)
+            run()  # fail here, not in the timing loop
+            runs[name] = run
         except ImportError as err:
             skipped[name] = f"not installed ({err.name or err})"
         except Exception as err:  # noqa: BLE001 - any failure of a third-party impl is reported, not fatal
