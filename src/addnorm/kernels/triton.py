@@ -69,7 +69,9 @@ MAX_FUSED_N = 8192  # widest row held whole in registers; wider rows take the ch
 CHUNK_N = 4096  # columns per chunk on the chunked path (a power of two)
 TILE_ELEMS = 4096  # elements per program tile when short rows are stacked
 MAX_BLOCK_M = 32  # at most this many rows per tile
-ELEMS_PER_THREAD = 4  # num_warps = tile / (32 * this), clamped to 1..32
+FORWARD_BYTES_PER_THREAD = 64  # num_warps = tile bytes / (32 * this), clamped to 1..32
+BACKWARD_BYTES_PER_THREAD = 64
+BACKWARD_WARPS_PER_SM = 32  # backward launches SMs * max(1, this // num_warps) programs
 # The interpreter pays ~1 ms of Python per Triton op per program, whatever the tile size, so
 # on CPU tensors tiles stack more rows (same code, fewer programs); tests can set these back.
 INTERPRETER_TILE_ELEMS = 65536
@@ -370,33 +372,35 @@ def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, K, C1, C2, DS, DW, DB, M, N,
 
 
 @triton.jit
-def _sum_partials_kernel(P, OUT, programs, N, BLOCK_N: tl.constexpr):
-    """``OUT[j] = sum_p P[p, j]``, adding the programs' partials in order: deterministic."""
+def _sum_partials_kernel(P, OUT, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``OUT[j] = sum_p P[p, j]``: ``BLOCK_P`` partial rows at a time into a ``(BLOCK_P, BLOCK_N)``
+    accumulator, then one reduction over its rows, in the same order on every run: deterministic."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N], dtype=OUT.dtype.element_ty)
-    ptrs = P + cols  # advanced by whole rows: pointer arithmetic is 64-bit
-    for _ in range(0, programs):
-        acc += tl.load(ptrs, mask=cols < N, other=0.0)
-        ptrs += N
-    tl.store(OUT + cols, acc, mask=cols < N)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=OUT.dtype.element_ty)
+    for start in range(0, programs, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        mask = (p < programs)[:, None] & (cols < N)[None, :]
+        acc += tl.load(P + p.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + cols, tl.sum(acc, axis=0), mask=cols < N)
 
 
 # --------------------------------------------------------------------------- launchers
 
-def _config(n: int, device: torch.device) -> tuple[int, int, int, bool]:
-    """``(BLOCK_M, BLOCK_N, num_warps, chunked)`` for rows of ``n`` features (module docstring)."""
+def _config(n: int, device: torch.device, elem_size: int, bytes_per_thread: int) -> tuple[int, int, int, bool]:
+    """``(BLOCK_M, BLOCK_N, num_warps, chunked)`` for rows of ``n`` features of ``elem_size`` bytes,
+    each thread holding about ``bytes_per_thread`` of the tile (module docstring)."""
     chunked = n > MAX_FUSED_N
     block_n = CHUNK_N if chunked else triton.next_power_of_2(n)
     tile, max_m = (TILE_ELEMS, MAX_BLOCK_M) if device.type == "cuda" else (
         INTERPRETER_TILE_ELEMS, INTERPRETER_MAX_BLOCK_M)
     block_m = 1 if chunked else max(1, min(max_m, tile // block_n))
-    num_warps = max(1, min(32, block_m * block_n // (32 * ELEMS_PER_THREAD)))
+    num_warps = max(1, min(32, block_m * block_n * elem_size // (32 * bytes_per_thread)))
     return block_m, block_n, triton.next_power_of_2(num_warps), chunked
 
 
 def _backward_programs(m: int, num_warps: int, device: torch.device) -> int:
     if device.type == "cuda":
-        per_sm = max(1, 32 // num_warps)
+        per_sm = max(1, BACKWARD_WARPS_PER_SM // num_warps)
         return min(m, torch.cuda.get_device_properties(device).multi_processor_count * per_sm)
     return min(m, INTERPRETER_PROGRAMS)
 
@@ -439,7 +443,7 @@ def forward(
     rstd = torch.empty((m,), dtype=cd, device=x.device)
     if m == 0:
         return y, s, mean, rstd
-    block_m, block_n, num_warps, chunked = _config(n, x.device)
+    block_m, block_n, num_warps, chunked = _config(n, x.device, x.element_size(), FORWARD_BYTES_PER_THREAD)
     with _device(x):
         _forward_kernel[(triton.cdiv(m, block_m),)](
             x, residual, _rows(weight), _rows(bias), y, s, mean, rstd, m, n,
@@ -455,8 +459,9 @@ def _sum_partials(partials: Tensor) -> Tensor:
     if programs == 1:
         return partials[0]
     out = torch.empty((n,), dtype=partials.dtype, device=partials.device)
-    block_n = min(triton.next_power_of_2(n), 1024)
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](partials, out, programs, n, BLOCK_N=block_n, num_warps=4)
+    block_n = min(triton.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
+    _sum_partials_kernel[(triton.cdiv(n, block_n),)](partials, out, programs, n, BLOCK_P=64, BLOCK_N=block_n,
+                                                      num_warps=4)
     return out
 
 
@@ -481,7 +486,7 @@ def _backward(dy, dstream, s, weight, mean, rstd, has_bias):
     if m == 0:
         zeros = torch.zeros((n,), dtype=cd, device=s.device)
         return ds, (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
-    block_m, block_n, num_warps, chunked = _config(n, s.device)
+    block_m, block_n, num_warps, chunked = _config(n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD)
     k = c1 = c2 = None
     if chunked:
         k, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(3))

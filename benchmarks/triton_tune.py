@@ -1,0 +1,126 @@
+"""Time the Triton kernels' launch heuristics on a CUDA device: which settings of the module's
+constants (``FORWARD_BYTES_PER_THREAD``, ``BACKWARD_BYTES_PER_THREAD``,
+``BACKWARD_WARPS_PER_SM``, ``CHUNK_N``, ``MAX_FUSED_N``) are
+fastest, and what a call costs besides its kernels.
+
+    python benchmarks/triton_tune.py                    # the sweep below, bf16 and fp32
+    python benchmarks/triton_tune.py --shapes 32768x4096 --dtype bfloat16
+
+Kernel times are ``triton.testing.do_bench`` medians (CUDA events, L2 flushed between reps) of
+``kernels.triton.forward`` (add + LayerNorm with weight and bias) and ``backward``, as GB/s of
+the bytes they must move and as a fraction of a ``copy_`` measured the same way. Overhead is the
+wall time per call of tiny rows (8x768), kernels included, for addnorm and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+import addnorm
+from addnorm.kernels import triton as K
+
+SHAPES = ["65536x768", "16384x1024", "32768x4096", "8192x8192", "4096x16384", "4096x65536"]
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100)
+
+
+def _per_call_us(fn, calls: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def overhead() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(8, 768, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    w, b = torch.ones(768, device="cuda", dtype=x.dtype), torch.zeros(768, device="cuda", dtype=x.dtype)
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+    rstd = K.forward(x, r, w, b, 1e-5, True, None)[3]
+    partials = torch.randn(132, 768, device="cuda")
+    cases = {
+        "kernels.triton.forward": lambda: K.forward(x, r, w, b, 1e-5, False, None),
+        "kernels.triton.backward": lambda: K.backward(x, None, r, w, None, rstd, True),
+        "kernels.triton._sum_partials": lambda: K._sum_partials(partials),
+        "addnorm.add_layer_norm fwd": lambda: addnorm.add_layer_norm(x, r, 768, w, b, backend="triton"),
+        "torch add + layer_norm fwd": lambda: F.layer_norm(x + r, (768,), w, b),
+        "addnorm.add_layer_norm fwd+bwd": lambda: addnorm.add_layer_norm(
+            xg, r, 768, wg, bg, backend="triton").sum().backward(),
+        "torch add + layer_norm fwd+bwd": lambda: F.layer_norm(xg + r, (768,), wg, bg).sum().backward(),
+    }
+    for name, fn in cases.items():
+        print(f"overhead 8x768 bf16  {name:32s} {_per_call_us(fn):7.1f} us/call", flush=True)
+
+
+def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
+    m, n = map(int, shape.split("x"))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)
+    x, r, dy, w, b = mk(m, n), mk(m, n), mk(m, n), mk(n), mk(n)
+    size = x.element_size()
+    fwd_bytes, bwd_bytes = 4 * m * n * size, 3 * m * n * size
+    names = ("FORWARD_BYTES_PER_THREAD", "BACKWARD_BYTES_PER_THREAD", "BACKWARD_WARPS_PER_SM", "CHUNK_N")
+    base = {name: getattr(K, name) for name in names}
+    head = f"{shape:>11s} {str(dtype)[6:]:8s}"
+    try:
+        for chunk in ([2048, 4096, 8192] if n > K.MAX_FUSED_N else [K.CHUNK_N]):
+            K.CHUNK_N = chunk
+            label = f"{head} CHUNK_N={chunk:<5d}" if n > K.MAX_FUSED_N else head
+            line = label + " fwd"
+            for fb in (16, 32, 64, 128):
+                K.FORWARD_BYTES_PER_THREAD = fb
+                warps = K._config(n, x.device, size, fb)[2]
+                f = _ms(lambda: K.forward(x, r, w, b, 1e-5, False, None))
+                line += f" | {fb}B/{warps}w {f * 1e3:7.1f} us {fwd_bytes / f / 1e6 / copy_gbps:4.2f}"
+            print(line, flush=True)
+            K.FORWARD_BYTES_PER_THREAD = base["FORWARD_BYTES_PER_THREAD"]
+            y, s, mean, rstd = K.forward(x, r, w, b, 1e-5, False, None)
+            for bb in (16, 32, 64):
+                K.BACKWARD_BYTES_PER_THREAD = bb
+                warps = K._config(n, x.device, size, bb)[2]
+                line = f"{label} bwd {bb:3d}B/{warps:2d}w"
+                for per_sm in (32, 64, 128):
+                    K.BACKWARD_WARPS_PER_SM = per_sm
+                    t = _ms(lambda s=s, mean=mean, rstd=rstd: K.backward(dy, None, s, w, mean, rstd, True))
+                    line += f" | {per_sm:3d} warps/SM {t * 1e3:7.1f} us {bwd_bytes / t / 1e6 / copy_gbps:4.2f}"
+                print(line, flush=True)
+    finally:
+        for name, v in base.items():
+            setattr(K, name, v)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--dtype", default="bfloat16,float32")
+    p.add_argument("--max-fused-n", type=int, default=None, help="set MAX_FUSED_N first")
+    p.add_argument("--no-overhead", action="store_true")
+    args = p.parse_args()
+    if args.max_fused_n:
+        K.MAX_FUSED_N = args.max_fused_n
+    src = torch.empty(2**28, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * src.numel() / _ms(lambda: dst.copy_(src)) / 1e6
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"copy {copy_gbps:.0f} GB/s (do_bench, bytes read + written)", flush=True)
+    if not args.no_overhead:
+        overhead()
+    for shape in args.shapes.split(","):
+        for dtype in args.dtype.split(","):
+            sweep(shape, getattr(torch, dtype), copy_gbps)
+
+
+if __name__ == "__main__":
+    main()
