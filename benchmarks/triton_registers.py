@@ -2,7 +2,7 @@
 
 Prints, per kernel and launch configuration that ``_config`` picks, the registers per thread
 and the bytes spilled to the stack, read from the cubin with the ``cuobjdump`` bundled with
-Triton. A spill-free kernel at the widest fused row is the reason for ``MAX_FUSED_N``.
+Triton. A spill-free kernel at the widest fused row is the reason for ``BACKWARD_MAX_FUSED_N``.
 
     python benchmarks/triton_registers.py [--max-fused-n N] [--forward-bytes-per-thread B] [N ...]
         (default widths: 1024 4096 8192 16384 65536; the options override the kernel module's
@@ -50,7 +50,8 @@ def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
 
 def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool) -> str:
     cd = torch.float64 if stream == torch.float64 else torch.float32
-    block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"), dtype.itemsize, K.FORWARD_BYTES_PER_THREAD)
+    block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"), dtype.itemsize, K.FORWARD_BYTES_PER_THREAD,
+                                                 K.FORWARD_MAX_FUSED_N)
     sig = {"X": PTR[dtype], "R": PTR[dtype], "W": PTR[dtype], "B": "constexpr" if rms else PTR[dtype],
            "Y": PTR[dtype], "S": PTR[stream], "MEAN": "constexpr" if rms else PTR[cd], "RSTD": PTR[cd],
            "M": "i32", "N": "i32", "sx": "i64", "sr": "i64", "eps": "fp32"}
@@ -62,7 +63,7 @@ def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool) -> str:
 def backward(n: int, dtype: torch.dtype, rms: bool) -> str:
     cd = torch.float64 if dtype == torch.float64 else torch.float32
     block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"), dtype.itemsize,
-                                                 K.BACKWARD_BYTES_PER_THREAD)
+                                                 K.BACKWARD_BYTES_PER_THREAD, K.BACKWARD_MAX_FUSED_N)
     coef = PTR[cd] if chunked else "constexpr"
     sig = {"DY": PTR[dtype], "DSTREAM": PTR[dtype], "S": PTR[dtype], "W": PTR[dtype],
            "MEAN": "constexpr" if rms else PTR[cd], "RSTD": PTR[cd], "K": coef, "C1": coef, "C2": coef,
@@ -83,7 +84,7 @@ def backward(n: int, dtype: torch.dtype, rms: bool) -> str:
 def main(widths: list[int]) -> None:
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
     for n in widths:
-        print(f"N={n}: {'chunked' if n > K.MAX_FUSED_N else 'fused'}")
+        print(f"N={n}")
         for dtype in (torch.bfloat16, torch.float32):
             stream = torch.float32
             print(f"  {str(dtype)[6:]:8s} fwd add_layer_norm  {forward(n, dtype, stream, False)}")
@@ -95,11 +96,12 @@ def main(widths: list[int]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("widths", nargs="*", type=int, default=[1024, 4096, 8192, 16384, 65536])
-    parser.add_argument("--max-fused-n", type=int, default=K.MAX_FUSED_N)
+    parser.add_argument("--max-fused-n", type=int, default=None, help="both FORWARD_ and BACKWARD_MAX_FUSED_N")
     parser.add_argument("--forward-bytes-per-thread", type=int, default=K.FORWARD_BYTES_PER_THREAD)
     parser.add_argument("--backward-bytes-per-thread", type=int, default=K.BACKWARD_BYTES_PER_THREAD)
     args = parser.parse_args()
-    K.MAX_FUSED_N = args.max_fused_n
+    if args.max_fused_n:
+        K.FORWARD_MAX_FUSED_N = K.BACKWARD_MAX_FUSED_N = args.max_fused_n
     K.FORWARD_BYTES_PER_THREAD = args.forward_bytes_per_thread
     K.BACKWARD_BYTES_PER_THREAD = args.backward_bytes_per_thread
     main(args.widths)

@@ -1,6 +1,6 @@
 """Time the Triton kernels' launch heuristics on a CUDA device: which settings of the module's
 constants (``FORWARD_BYTES_PER_THREAD``, ``BACKWARD_BYTES_PER_THREAD``,
-``BACKWARD_WARPS_PER_SM``, ``CHUNK_N``, ``MAX_FUSED_N``) are
+``BACKWARD_WARPS_PER_SM``, ``CHUNK_N``, ``*_MAX_FUSED_N``) are
 fastest, and what a call costs besides its kernels.
 
     python benchmarks/triton_tune.py                    # the sweep below, bf16 and fp32
@@ -43,7 +43,7 @@ def _per_call_us(fn, calls: int = 2000) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def overhead() -> None:
+def overhead(profile: bool) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     x, r = (torch.randn(8, 768, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     w, b = torch.ones(768, device="cuda", dtype=x.dtype), torch.zeros(768, device="cuda", dtype=x.dtype)
@@ -62,6 +62,13 @@ def overhead() -> None:
     }
     for name, fn in cases.items():
         print(f"overhead 8x768 bf16  {name:32s} {_per_call_us(fn):7.1f} us/call", flush=True)
+    if profile:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            _per_call_us(cases["addnorm.add_layer_norm fwd+bwd"], calls=500)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
@@ -75,13 +82,14 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
     base = {name: getattr(K, name) for name in names}
     head = f"{shape:>11s} {str(dtype)[6:]:8s}"
     try:
-        for chunk in ([2048, 4096, 8192] if n > K.MAX_FUSED_N else [K.CHUNK_N]):
+        wide = n > K.BACKWARD_MAX_FUSED_N
+        for chunk in ([2048, 4096, 8192] if wide else [K.CHUNK_N]):
             K.CHUNK_N = chunk
-            label = f"{head} CHUNK_N={chunk:<5d}" if n > K.MAX_FUSED_N else head
+            label = f"{head} CHUNK_N={chunk:<5d}" if wide else head
             line = label + " fwd"
             for fb in (16, 32, 64, 128):
                 K.FORWARD_BYTES_PER_THREAD = fb
-                warps = K._config(n, x.device, size, fb)[2]
+                warps = K._config(n, x.device, size, fb, K.FORWARD_MAX_FUSED_N)[2]
                 f = _ms(lambda: K.forward(x, r, w, b, 1e-5, False, None))
                 line += f" | {fb}B/{warps}w {f * 1e3:7.1f} us {fwd_bytes / f / 1e6 / copy_gbps:4.2f}"
             print(line, flush=True)
@@ -89,7 +97,7 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
             y, s, mean, rstd = K.forward(x, r, w, b, 1e-5, False, None)
             for bb in (16, 32, 64):
                 K.BACKWARD_BYTES_PER_THREAD = bb
-                warps = K._config(n, x.device, size, bb)[2]
+                warps = K._config(n, x.device, size, bb, K.BACKWARD_MAX_FUSED_N)[2]
                 line = f"{label} bwd {bb:3d}B/{warps:2d}w"
                 for per_sm in (32, 64, 128):
                     K.BACKWARD_WARPS_PER_SM = per_sm
@@ -105,18 +113,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--dtype", default="bfloat16,float32")
-    p.add_argument("--max-fused-n", type=int, default=None, help="set MAX_FUSED_N first")
+    p.add_argument("--max-fused-n", type=int, default=None, help="set FORWARD_ and BACKWARD_MAX_FUSED_N first")
     p.add_argument("--no-overhead", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile the 8x768 fwd+bwd call")
     args = p.parse_args()
     if args.max_fused_n:
-        K.MAX_FUSED_N = args.max_fused_n
+        K.FORWARD_MAX_FUSED_N = K.BACKWARD_MAX_FUSED_N = args.max_fused_n
     src = torch.empty(2**28, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_gbps = 2 * src.numel() / _ms(lambda: dst.copy_(src)) / 1e6
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"copy {copy_gbps:.0f} GB/s (do_bench, bytes read + written)", flush=True)
     if not args.no_overhead:
-        overhead()
+        overhead(args.profile)
     for shape in args.shapes.split(","):
         for dtype in args.dtype.split(","):
             sweep(shape, getattr(torch, dtype), copy_gbps)

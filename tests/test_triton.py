@@ -28,7 +28,8 @@ from addnorm.kernels import triton as K  # noqa: E402
 @pytest.fixture
 def chunked(monkeypatch):
     """Rows wider than 256 features take the chunked path, in chunks of 256."""
-    monkeypatch.setattr(K, "MAX_FUSED_N", 256)
+    monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
+    monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
     monkeypatch.setattr(K, "CHUNK_N", 256)
 
 
@@ -141,7 +142,8 @@ def test_rows_whose_max_is_a_power_of_two(monkeypatch, path, rms, dtype):
     the same function (LayerNorm and RMSNorm are scale-invariant once eps is scaled too); the
     gradient of s is that oracle's gradient divided by 2**j. Compared after scaling by 2**j."""
     if path == "chunked":
-        monkeypatch.setattr(K, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
         monkeypatch.setattr(K, "CHUNK_N", 256)
     js, n, eps = POW2_MAX[dtype], 300, 1e-5
     scale = torch.tensor([2.0**j for j in js], dtype=torch.float64)[:, None]
@@ -176,7 +178,8 @@ def test_gpu_tile_shapes_match_torch(gpu_tiles, n):
 @pytest.mark.parametrize("path", ["fused", "chunked"])
 def test_one_row_writes_dweight_and_dbias(monkeypatch, path):
     if path == "chunked":
-        monkeypatch.setattr(K, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
         monkeypatch.setattr(K, "CHUNK_N", 256)
     s, dy = rows_of(1, 1000, torch.float32), rows_of(1, 1000, torch.float32, seed=1)
     w = rows_of(1, 1000, torch.float32, seed=2)[0]
@@ -191,7 +194,8 @@ def test_one_row_writes_dweight_and_dbias(monkeypatch, path):
 def test_dweight_is_bit_identical_across_runs(monkeypatch, path, m):
     """Several programs' partials (3 or 4 here) summed in a fixed order: same bits every run."""
     if path == "chunked":
-        monkeypatch.setattr(K, "MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
+        monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
         monkeypatch.setattr(K, "CHUNK_N", 256)
     s, dy = rows_of(m, 600, torch.float32), rows_of(m, 600, torch.float32, seed=1)
     w = rows_of(1, 600, torch.float32, seed=2)[0]

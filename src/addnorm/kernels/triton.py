@@ -56,6 +56,7 @@ Triton's interpreter (that is how CI tests them), otherwise they need CUDA tenso
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -65,7 +66,10 @@ from torch import Tensor
 
 from .. import reference
 
-MAX_FUSED_N = 8192  # widest row held whole in registers; wider rows take the chunked path
+# widest row held whole in registers (wider rows take the chunked path): the forward keeps
+# fewer values live than the backward (benchmarks/triton_tune.py measured both on an H100)
+FORWARD_MAX_FUSED_N = 16384
+BACKWARD_MAX_FUSED_N = 8192
 CHUNK_N = 4096  # columns per chunk on the chunked path (a power of two)
 TILE_ELEMS = 4096  # elements per program tile when short rows are stacked
 MAX_BLOCK_M = 32  # at most this many rows per tile
@@ -273,7 +277,13 @@ def _load_s(S, rows, row_ok, cols, ss, N, CD: tl.constexpr):
 
 
 @triton.jit
-def _grad_terms(s, mask, k, DY, W, MEAN, RSTD, rows, row_ok, cols, sdy, N,
+def _load_dy(DY, rows, cols, mask, sdy, CD: tl.constexpr):
+    """``dy`` of one tile, loaded with ``s`` before any reduction so both loads are in flight."""
+    return tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0).to(CD)
+
+
+@triton.jit
+def _grad_terms(s, dy, mask, k, W, MEAN, RSTD, rows, row_ok, cols, N,
                 CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr):
     """``(xhat, g = dy * weight, dy, rstd)`` of one tile; ``xhat`` is ``(s * k - mean * k) *
     (rstd / k)`` with the forward's row scale ``k``, which cannot overflow. ``g`` and ``dy`` are
@@ -285,7 +295,6 @@ def _grad_terms(s, mask, k, DY, W, MEAN, RSTD, rows, row_ok, cols, sdy, N,
     else:
         mean_k = tl.load(MEAN + rows, mask=row_ok, other=0.0) * k
         xhat = (s * k[:, None] - mean_k[:, None]) * rstd_k[:, None]
-    dy = tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0).to(CD)
     g = dy
     if HAS_WEIGHT:
         g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(CD)[None, :]
@@ -311,7 +320,8 @@ def _coef_kernel(DY, S, W, MEAN, RSTD, K, C1, C2, M, N, sdy, ss,
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
-        xhat, g, dy, rstd = _grad_terms(s, mask, k, DY, W, MEAN, RSTD, rows, row_ok, cols, sdy, N,
+        dy = _load_dy(DY, rows, cols, mask, sdy, CD)
+        xhat, g, dy, rstd = _grad_terms(s, dy, mask, k, W, MEAN, RSTD, rows, row_ok, cols, N,
                                         CD, HAS_WEIGHT, IS_RMS)
         c1 += tl.sum(g * xhat, axis=1)
         c2 += tl.sum(g, axis=1)
@@ -341,11 +351,12 @@ def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, K, C1, C2, DS, DW, DB, M, N,
         rows = first + offset + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
+        dy = _load_dy(DY, rows, cols, mask, sdy, CD)
         if CHUNKED:
             k = tl.load(K + rows, mask=row_ok, other=1.0)
         else:
             k = _row_scale(tl.max(tl.abs(s), axis=1))
-        xhat, g, dy, rstd = _grad_terms(s, mask, k, DY, W, MEAN, RSTD, rows, row_ok, cols, sdy, N,
+        xhat, g, dy, rstd = _grad_terms(s, dy, mask, k, W, MEAN, RSTD, rows, row_ok, cols, N,
                                         CD, HAS_WEIGHT, IS_RMS)
         if CHUNKED:
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)
@@ -386,10 +397,11 @@ def _sum_partials_kernel(P, OUT, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl
 
 # --------------------------------------------------------------------------- launchers
 
-def _config(n: int, device: torch.device, elem_size: int, bytes_per_thread: int) -> tuple[int, int, int, bool]:
+def _config(n: int, device: torch.device, elem_size: int, bytes_per_thread: int,
+            max_fused_n: int) -> tuple[int, int, int, bool]:
     """``(BLOCK_M, BLOCK_N, num_warps, chunked)`` for rows of ``n`` features of ``elem_size`` bytes,
     each thread holding about ``bytes_per_thread`` of the tile (module docstring)."""
-    chunked = n > MAX_FUSED_N
+    chunked = n > max_fused_n
     block_n = CHUNK_N if chunked else triton.next_power_of_2(n)
     tile, max_m = (TILE_ELEMS, MAX_BLOCK_M) if device.type == "cuda" else (
         INTERPRETER_TILE_ELEMS, INTERPRETER_MAX_BLOCK_M)
@@ -398,10 +410,14 @@ def _config(n: int, device: torch.device, elem_size: int, bytes_per_thread: int)
     return block_m, block_n, triton.next_power_of_2(num_warps), chunked
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _backward_programs(m: int, num_warps: int, device: torch.device) -> int:
     if device.type == "cuda":
-        per_sm = max(1, BACKWARD_WARPS_PER_SM // num_warps)
-        return min(m, torch.cuda.get_device_properties(device).multi_processor_count * per_sm)
+        return min(m, _sm_count(device) * max(1, BACKWARD_WARPS_PER_SM // num_warps))
     return min(m, INTERPRETER_PROGRAMS)
 
 
@@ -443,7 +459,8 @@ def forward(
     rstd = torch.empty((m,), dtype=cd, device=x.device)
     if m == 0:
         return y, s, mean, rstd
-    block_m, block_n, num_warps, chunked = _config(n, x.device, x.element_size(), FORWARD_BYTES_PER_THREAD)
+    block_m, block_n, num_warps, chunked = _config(n, x.device, x.element_size(), FORWARD_BYTES_PER_THREAD,
+                                                  FORWARD_MAX_FUSED_N)
     with _device(x):
         _forward_kernel[(triton.cdiv(m, block_m),)](
             x, residual, _rows(weight), _rows(bias), y, s, mean, rstd, m, n,
@@ -486,7 +503,8 @@ def _backward(dy, dstream, s, weight, mean, rstd, has_bias):
     if m == 0:
         zeros = torch.zeros((n,), dtype=cd, device=s.device)
         return ds, (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
-    block_m, block_n, num_warps, chunked = _config(n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD)
+    block_m, block_n, num_warps, chunked = _config(n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD,
+                                                  BACKWARD_MAX_FUSED_N)
     k = c1 = c2 = None
     if chunked:
         k, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(3))
