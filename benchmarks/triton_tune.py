@@ -78,7 +78,8 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
     x, r, dy, w, b = mk(m, n), mk(m, n), mk(m, n), mk(n), mk(n)
     size = x.element_size()
     fwd_bytes, bwd_bytes = 4 * m * n * size, 3 * m * n * size
-    names = ("FORWARD_BYTES_PER_THREAD", "BACKWARD_BYTES_PER_THREAD", "BACKWARD_WARPS_PER_SM", "CHUNK_N")
+    names = ("FORWARD_BYTES_PER_THREAD", "BACKWARD_BYTES_PER_THREAD", "CHUNKED_BYTES_PER_THREAD",
+             "BACKWARD_WARPS_PER_SM", "CHUNK_N")
     base = {name: getattr(K, name) for name in names}
     head = f"{shape:>11s} {str(dtype)[6:]:8s}"
     try:
@@ -88,15 +89,16 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
             label = f"{head} CHUNK_N={chunk:<5d}" if wide else head
             line = label + " fwd"
             for fb in (16, 32, 64, 128):
-                K.FORWARD_BYTES_PER_THREAD = fb
+                K.FORWARD_BYTES_PER_THREAD = K.CHUNKED_BYTES_PER_THREAD = fb  # whichever path applies
                 warps = K._config(n, x.device, size, fb, K.FORWARD_MAX_FUSED_N)[2]
                 f = _ms(lambda: K.forward(x, r, w, b, 1e-5, False, None))
                 line += f" | {fb}B/{warps}w {f * 1e3:7.1f} us {fwd_bytes / f / 1e6 / copy_gbps:4.2f}"
             print(line, flush=True)
             K.FORWARD_BYTES_PER_THREAD = base["FORWARD_BYTES_PER_THREAD"]
+            K.CHUNKED_BYTES_PER_THREAD = base["CHUNKED_BYTES_PER_THREAD"]
             y, s, mean, rstd = K.forward(x, r, w, b, 1e-5, False, None)
             for bb in (16, 32, 64):
-                K.BACKWARD_BYTES_PER_THREAD = bb
+                K.BACKWARD_BYTES_PER_THREAD = K.CHUNKED_BYTES_PER_THREAD = bb
                 warps = K._config(n, x.device, size, bb, K.BACKWARD_MAX_FUSED_N)[2]
                 line = f"{label} bwd {bb:3d}B/{warps:2d}w"
                 for per_sm in (32, 64, 128):

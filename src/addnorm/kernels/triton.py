@@ -1,7 +1,7 @@
 """Triton kernels for every addnorm op: the contract of :mod:`addnorm.reference` on GPU rows.
 
 Algorithm (forward). A program normalizes a tile of ``BLOCK_M`` rows by ``BLOCK_N`` columns.
-Rows up to ``MAX_FUSED_N`` features are held whole in registers: one read of ``x`` (and
+Rows up to ``FORWARD_MAX_FUSED_N`` features are held whole in registers: one read of ``x`` (and
 ``residual``), one write of the stream ``s`` and of ``y``, and in between four reductions over
 registers, as ``reference.forward_rows``: ``max|s|`` gives the row scale ``k`` (a power of two,
 so ``s * k`` is exact and its squares cannot overflow even near bf16's maximum); the mean of
@@ -18,35 +18,37 @@ reference.py), plus ``dstream``, with ``xhat = (s * k - mean * k) * (rstd / k)``
 forward's row scale ``k`` (one more max-reduction), so it cannot overflow either. Each program
 owns a contiguous block of rows and one column chunk, keeps fp32 (fp64 for fp64) sums of
 ``dy * xhat`` and ``dy`` for its columns in registers, and writes them as one row of a
-``(programs, N)`` partials buffer. A second kernel sums the partials column by column in
-program order: no atomics, no locks, so dweight/dbias are bit-identical from run to run on the
-same device (the Triton tutorial's lock-based reduction is not). Rows wider than
-``MAX_FUSED_N`` first get ``k`` and their two row coefficients (mean(g * xhat), mean(g)) from a
-chunked kernel (a pass for ``max|s|``, a pass for the sums), then every column chunk is a
-separate program.
+``(programs, N)`` partials buffer. A second kernel sums the partials of 64-column strips, 64
+partial rows at a time, always in the same order: no atomics, no locks, so dweight/dbias are
+bit-identical from run to run on the same device (the Triton tutorial's lock-based reduction is
+not). Rows wider than ``BACKWARD_MAX_FUSED_N`` first get ``k`` and their two row coefficients
+(mean(g * xhat), mean(g)) from a chunked kernel (a pass for ``max|s|``, a pass for the sums),
+then every column chunk is a separate program.
 
 Limits and why. Statistics and arithmetic are fp32 for fp16/bf16/fp32 and fp64 for fp64, as
 the reference. Row offsets are int64 (tensors over 2**31 elements are safe); rows may have any
 stride (a copy is made only when the last dim is not contiguous, as the kernels need unit
-column stride for coalesced loads). ``MAX_FUSED_N = 8192``: at the maximum of 32 warps a
-thread then holds 8 elements of the row; the backward keeps about six row-sized values live
-(s, dy, xhat, g and the dweight/dbias sums) and compiles to at most 64 registers without
-spilling, while 16384 features (16 per thread) spill up to 200 bytes per thread in ptxas for
-sm_90 (``python benchmarks/triton_registers.py --max-fused-n 16384 16384`` compiles every
-kernel for sm_90 without a GPU and prints registers and spills). bf16 is rounded to nearest
-even by hand (``_round``) because Triton's interpreter truncates; on GPU the same few integer
-ops cost nothing in a memory-bound kernel.
+column stride for coalesced loads). bf16 is rounded to nearest even by hand (``_round``)
+because Triton's interpreter truncates; on GPU the same few integer ops cost nothing in a
+memory-bound kernel.
 
-Launch heuristic (``_config``): ``BLOCK_N`` is the next power of two of ``N`` (or ``CHUNK_N``);
-short rows are stacked into ``BLOCK_M`` rows per program so that a tile holds about
-``TILE_ELEMS`` elements; ``num_warps`` gives each thread ``ELEMS_PER_THREAD`` = 4 elements of
-the tile (clamped to 1..32). The kernels are memory-bound, so what matters is warps resident
-per SM: at N=4096 four elements per thread compile to 26-44 registers (32 or more warps per
-SM for every kernel), where eight per thread took 49-128 registers and left 16 warps per SM
-(``benchmarks/triton_registers.py --elems-per-thread 8 4096``). Backward launches
-``SMs * max(1, 32 // num_warps)`` programs, each looping over its rows, which bounds the
-partials buffer to ``programs * N`` fp32 values. These are reasoned defaults, not yet timed on
-hardware (docs/gpu.md lists what a GPU run must check).
+Launch heuristic (``_config``), timed on an H100 with ``python benchmarks/triton_tune.py``
+(numbers in docs/benchmarks.md): ``BLOCK_N`` is the next power of two of ``N`` (or
+``CHUNK_N``); short rows are stacked into ``BLOCK_M`` rows per program so that a tile holds
+about ``TILE_ELEMS`` elements; ``num_warps`` gives each thread about 64 bytes of the tile
+(``FORWARD_/BACKWARD_BYTES_PER_THREAD``; 32 bf16 or 16 fp32 elements, clamped to 1..32 warps).
+Fewer, fuller warps won over more warps with 4 elements each: each row reduction crosses
+fewer warps, and a thread has more loads in flight (forward bf16 at 32768x4096: 0.68 of the
+copy bandwidth at 4 elements per thread, 1.01 at 32). Rows up to 16384 features are fused in
+the forward (0.90-1.00 of copy at 4096x16384, against 0.5-0.7 chunked); the backward keeps
+about six row-sized values live (s, dy, xhat, g and the dweight/dbias sums) and fuses up to
+8192 (at 16384 it spills and is no faster than chunked; ``python
+benchmarks/triton_registers.py`` compiles every kernel for sm_90 without a GPU and prints
+registers and spills). The chunked path, which streams its chunks rather than holding a row,
+is fastest with 16 bytes per thread (``CHUNKED_BYTES_PER_THREAD``; backward at 4096x65536
+bf16: 0.45 of copy against 0.37 at 64). Backward launches ``SMs * max(1, BACKWARD_WARPS_PER_SM // num_warps)``
+programs, each looping over its rows: 32 warps per SM beat 64 and 128 at every shape timed,
+and bound the partials buffer to ``programs * N`` fp32 values.
 
 The kernels are compiled by ``triton.jit``, which reads ``TRITON_INTERPRET`` when this module
 is imported: with ``TRITON_INTERPRET=1`` set before then, they run on CPU tensors through
@@ -75,6 +77,7 @@ TILE_ELEMS = 4096  # elements per program tile when short rows are stacked
 MAX_BLOCK_M = 32  # at most this many rows per tile
 FORWARD_BYTES_PER_THREAD = 64  # num_warps = tile bytes / (32 * this), clamped to 1..32
 BACKWARD_BYTES_PER_THREAD = 64
+CHUNKED_BYTES_PER_THREAD = 16  # the same on the chunked path, forward and backward
 BACKWARD_WARPS_PER_SM = 32  # backward launches SMs * max(1, this // num_warps) programs
 # The interpreter pays ~1 ms of Python per Triton op per program, whatever the tile size, so
 # on CPU tensors tiles stack more rows (same code, fewer programs); tests can set these back.
@@ -406,6 +409,7 @@ def _config(n: int, device: torch.device, elem_size: int, bytes_per_thread: int,
     tile, max_m = (TILE_ELEMS, MAX_BLOCK_M) if device.type == "cuda" else (
         INTERPRETER_TILE_ELEMS, INTERPRETER_MAX_BLOCK_M)
     block_m = 1 if chunked else max(1, min(max_m, tile // block_n))
+    bytes_per_thread = CHUNKED_BYTES_PER_THREAD if chunked else bytes_per_thread
     num_warps = max(1, min(32, block_m * block_n * elem_size // (32 * bytes_per_thread)))
     return block_m, block_n, triton.next_power_of_2(num_warps), chunked
 
