@@ -50,6 +50,24 @@ def test_an_impl_failing_on_its_first_call_is_reported_not_fatal(monkeypatch):
     assert skipped == {"liger": "TypeError: layer_norm_fn() got an unexpected keyword argument"}
 
 
+def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkeypatch):
+    import subprocess
+
+    repo = tmp_path / "repo"
+    (repo / "pkg").mkdir(parents=True)
+    run = lambda *args: subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+    run("init", "-q")
+    (repo / "pkg" / "f.py").write_text("a = 1\n")
+    run("add", ".")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                          text=True).stdout.strip()
+    monkeypatch.setattr(bench, "__file__", str(repo / "pkg" / "bench.py"))
+    assert bench.git_commit() == head
+    (repo / "pkg" / "f.py").write_text("a = 2\n")
+    assert bench.git_commit() == head + "-dirty"
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--shapes", "4096by768"], "expected ROWSxCOLS"),
     (["--shapes", "0x768"], "expected ROWSxCOLS"),

@@ -265,10 +265,17 @@ def machine_name(device: str) -> str:
 
 
 def git_commit() -> str:
+    """HEAD's short hash, with ``-dirty`` when tracked files differ from it (the rows then
+    describe code that no commit holds)."""
+    here = Path(__file__).parent
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or "unknown"
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
+                              capture_output=True, text=True, timeout=5).stdout.strip()
+        if not head:
+            return "unknown"
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                 capture_output=True, text=True, timeout=5).stdout.strip()
+        return f"{head}-dirty" if changed else head
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
