@@ -333,9 +333,9 @@ _SCALE_BELOW_RSTD = 1e-18
 def _backward_rows(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf):
     """Two passes over each row while it sits in cache: the row sums, then ``dweight``,
     ``dbias`` and ``ds`` in one loop. ``xhat`` and ``g`` are recomputed in each (a multiply-add
-    each) rather than stored to buffers by the first: fewer stores, and twice as fast as three
-    passes over buffers at 4096x1024, 1 thread (fp32 2.3 vs 4.5 ms, bf16 1.7 vs 2.7 ms; a
-    scratch timing of this function alone, not kept; the same results bit for bit)."""
+    each) rather than stored to buffers by the first: fewer stores. In cache, 1 thread, per
+    element (`python benchmarks/cpu_row_cost.py float32|bfloat16`, rows of 768): fp32 0.33 ns
+    against torch's backward 0.40, bf16 0.41 against 0.91."""
     zero = nf - nf
     one = nf / nf
     for i in range(s.shape[0]):
