@@ -1,6 +1,6 @@
 """The Triton kernels at the real row widths CI never reaches, on a CUDA device.
 
-    python benchmarks/gpu_widths.py            # fused widths, the MAX_FUSED_N limit, the chunked path
+    python benchmarks/gpu_widths.py            # fused widths, the fused limits, the chunked path
     python benchmarks/gpu_widths.py --huge     # also one tensor over 2**31 elements (~10 GB)
 
 For each width and dtype: add_layer_norm and add_rms_norm forward against an fp64 torch oracle

@@ -6,7 +6,7 @@ Triton. A spill-free kernel at the widest fused row is the reason for ``BACKWARD
 
     python benchmarks/triton_registers.py [--max-fused-n N] [--forward-bytes-per-thread B] [N ...]
         (default widths: 1024 4096 8192 16384 65536; the options override the kernel module's
-        MAX_FUSED_N and the bytes per thread, to see what another choice would compile to)
+        fused limits and bytes per thread, to see what another choice would compile to)
 """
 
 from __future__ import annotations

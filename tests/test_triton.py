@@ -25,12 +25,16 @@ pytest.importorskip("triton")  # the optional [gpu] extra; CI installs it
 from addnorm.kernels import triton as K  # noqa: E402
 
 
-@pytest.fixture
-def chunked(monkeypatch):
+def force_chunked(monkeypatch) -> None:
     """Rows wider than 256 features take the chunked path, in chunks of 256."""
     monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
     monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
     monkeypatch.setattr(K, "CHUNK_N", 256)
+
+
+@pytest.fixture
+def chunked(monkeypatch):
+    force_chunked(monkeypatch)
 
 
 @pytest.fixture
@@ -142,9 +146,7 @@ def test_rows_whose_max_is_a_power_of_two(monkeypatch, path, rms, dtype):
     the same function (LayerNorm and RMSNorm are scale-invariant once eps is scaled too); the
     gradient of s is that oracle's gradient divided by 2**j. Compared after scaling by 2**j."""
     if path == "chunked":
-        monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
-        monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
-        monkeypatch.setattr(K, "CHUNK_N", 256)
+        force_chunked(monkeypatch)
     js, n, eps = POW2_MAX[dtype], 300, 1e-5
     scale = torch.tensor([2.0**j for j in js], dtype=torch.float64)[:, None]
     unit = rows_of(len(js), n, torch.float64).clamp(-0.99, 0.99)
@@ -178,9 +180,7 @@ def test_gpu_tile_shapes_match_torch(gpu_tiles, n):
 @pytest.mark.parametrize("path", ["fused", "chunked"])
 def test_one_row_writes_dweight_and_dbias(monkeypatch, path):
     if path == "chunked":
-        monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
-        monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
-        monkeypatch.setattr(K, "CHUNK_N", 256)
+        force_chunked(monkeypatch)
     s, dy = rows_of(1, 1000, torch.float32), rows_of(1, 1000, torch.float32, seed=1)
     w = rows_of(1, 1000, torch.float32, seed=2)[0]
     _, _, mean, rstd = reference.forward(s, None, w, None, 1e-5, False, None)
@@ -194,9 +194,7 @@ def test_one_row_writes_dweight_and_dbias(monkeypatch, path):
 def test_dweight_is_bit_identical_across_runs(monkeypatch, path, m):
     """Several programs' partials (3 or 4 here) summed in a fixed order: same bits every run."""
     if path == "chunked":
-        monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
-        monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
-        monkeypatch.setattr(K, "CHUNK_N", 256)
+        force_chunked(monkeypatch)
     s, dy = rows_of(m, 600, torch.float32), rows_of(m, 600, torch.float32, seed=1)
     w = rows_of(1, 600, torch.float32, seed=2)[0]
     _, _, mean, rstd = reference.forward(s, None, w, None, 1e-5, False, None)

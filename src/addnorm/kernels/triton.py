@@ -46,9 +46,10 @@ about six row-sized values live (s, dy, xhat, g and the dweight/dbias sums) and 
 benchmarks/triton_registers.py`` compiles every kernel for sm_90 without a GPU and prints
 registers and spills). The chunked path, which streams its chunks rather than holding a row,
 is fastest with 16 bytes per thread (``CHUNKED_BYTES_PER_THREAD``; backward at 4096x65536
-bf16: 0.45 of copy against 0.37 at 64). Backward launches ``SMs * max(1, BACKWARD_WARPS_PER_SM // num_warps)``
-programs, each looping over its rows: 32 warps per SM beat 64 and 128 at every shape timed,
-and bound the partials buffer to ``programs * N`` fp32 values.
+bf16: 0.45 of copy against 0.37 at 64). Backward launches
+``SMs * max(1, BACKWARD_WARPS_PER_SM // num_warps)`` programs, each looping over its rows: 32
+warps per SM beat 64 and 128 at every shape timed, and bound the partials buffer to
+``programs * N`` fp32 values.
 
 The kernels are compiled by ``triton.jit``, which reads ``TRITON_INTERPRET`` when this module
 is imported: with ``TRITON_INTERPRET=1`` set before then, they run on CPU tensors through
@@ -286,11 +287,12 @@ def _load_dy(DY, rows, cols, mask, sdy, CD: tl.constexpr):
 
 
 @triton.jit
-def _grad_terms(s, dy, mask, k, W, MEAN, RSTD, rows, row_ok, cols, N,
+def _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N,
                 CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr):
-    """``(xhat, g = dy * weight, dy, rstd)`` of one tile; ``xhat`` is ``(s * k - mean * k) *
-    (rstd / k)`` with the forward's row scale ``k``, which cannot overflow. ``g`` and ``dy`` are
-    zero outside ``mask`` and ``xhat`` is finite there, so products with it vanish unmasked."""
+    """``(xhat, g = dy * weight, rstd)`` of one tile; ``xhat`` is ``(s * k - mean * k) *
+    (rstd / k)`` with the forward's row scale ``k``, which cannot overflow. ``dy`` (so ``g``) is
+    loaded as zero outside the tile's mask and ``xhat`` is finite there, so products with it
+    vanish unmasked."""
     rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
     rstd_k = rstd / k
     if IS_RMS:
@@ -301,7 +303,7 @@ def _grad_terms(s, dy, mask, k, W, MEAN, RSTD, rows, row_ok, cols, N,
     g = dy
     if HAS_WEIGHT:
         g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(CD)[None, :]
-    return xhat, g, dy, rstd
+    return xhat, g, rstd
 
 
 @triton.jit
@@ -324,7 +326,7 @@ def _coef_kernel(DY, S, W, MEAN, RSTD, K, C1, C2, M, N, sdy, ss,
         cols = start + tl.arange(0, BLOCK_N)
         s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         dy = _load_dy(DY, rows, cols, mask, sdy, CD)
-        xhat, g, dy, rstd = _grad_terms(s, dy, mask, k, W, MEAN, RSTD, rows, row_ok, cols, N,
+        xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N,
                                         CD, HAS_WEIGHT, IS_RMS)
         c1 += tl.sum(g * xhat, axis=1)
         c2 += tl.sum(g, axis=1)
@@ -359,7 +361,7 @@ def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, K, C1, C2, DS, DW, DB, M, N,
             k = tl.load(K + rows, mask=row_ok, other=1.0)
         else:
             k = _row_scale(tl.max(tl.abs(s), axis=1))
-        xhat, g, dy, rstd = _grad_terms(s, dy, mask, k, W, MEAN, RSTD, rows, row_ok, cols, N,
+        xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N,
                                         CD, HAS_WEIGHT, IS_RMS)
         if CHUNKED:
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)
