@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as TF
 
 import addnorm
+from addnorm import ops
 from conftest import DTYPES, assert_matches_oracle, interpreted
 
 ROWS = [0, 1, 37, 199]
@@ -101,6 +103,27 @@ def test_gradcheck_float64(backend, rms, affine, bias, residual, prenorm):
 
     # fast_mode (random projections of the Jacobian) keeps interpreted backends to seconds.
     assert torch.autograd.gradcheck(f, args, fast_mode=interpreted(backend))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_backward_from_x_and_residual_is_backward_from_the_stream(backend, dtype, rms):
+    """The backward contract's ``residual=``: from the saved ``x`` and ``residual`` the stream is
+    recomputed bit for bit, so every gradient is the one computed from the forward's ``s``."""
+    impl = importlib.import_module(ops.BACKEND_MODULES[backend])
+    x, r, w, b = make(37, 1023, dtype)
+    x = x * 64 + 1000  # rounding in the sum matters: a recomputed stream must round the same way
+    if rms:
+        b = None
+    _, s, mean, rstd = impl.forward(x, r, w, b, 1e-5, rms, None)
+    dy = make(37, 1023, dtype, seed=1)[0]
+    from_stream = impl.backward(dy, None, s, w, mean, rstd, b is not None)
+    from_inputs = impl.backward(dy, None, x, w, mean, rstd, b is not None, residual=r)
+    for a, c in zip(from_stream, from_inputs):
+        assert (a is None and c is None) or torch.equal(a, c)
+    with pytest.raises(ValueError, match="residual= in backward needs x's shape and dtype"):
+        impl.backward(dy, None, x, w, mean, rstd, b is not None, residual=r.double() if dtype != torch.float64
+                      else r.float())
 
 
 @pytest.mark.parametrize("rms", [False, True])

@@ -131,8 +131,12 @@ def _forward_impl(
     residual_dtype: torch.dtype | None,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    impl = resolve_backend(backend, x)
-    y, s, mean, rstd = impl.forward(x, residual, weight, bias, eps, rms, residual_dtype)
+    return _forward_with(resolve_backend(backend, x), x, residual, weight, bias, eps, rms, residual_dtype)
+
+
+def _forward_with(impl, x, residual, weight, bias, eps, rms, residual_dtype, need_stream=True):
+    """``impl.forward`` with the custom op's four outputs (empty tensors in place of None)."""
+    y, s, mean, rstd = impl.forward(x, residual, weight, bias, eps, rms, residual_dtype, need_stream=need_stream)
     cd = rstd.dtype
     return (
         y.contiguous(),
@@ -151,9 +155,10 @@ def _backward_impl(
     rstd: Tensor,
     has_bias: bool,
     backend: str,
+    residual: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     impl = resolve_backend(backend, s)
-    ds, dweight, dbias = impl.backward(dy, dstream, s, weight, mean, rstd, has_bias)
+    ds, dweight, dbias = impl.backward(dy, dstream, s, weight, mean, rstd, has_bias, residual=residual)
     cd = rstd.dtype
     return (
         ds.contiguous(),
@@ -177,7 +182,7 @@ def _forward_fake(x, residual, weight, bias, eps, rms, residual_dtype, backend):
 
 
 @_backward_op.register_fake
-def _backward_fake(dy, dstream, s, weight, mean, rstd, has_bias, backend):
+def _backward_fake(dy, dstream, s, weight, mean, rstd, has_bias, backend, residual=None):
     n = s.shape[1]
     cd = rstd.dtype
     dweight = s.new_empty((n,), dtype=cd) if weight is not None else _empty(s, cd)
@@ -185,10 +190,24 @@ def _backward_fake(dy, dstream, s, weight, mean, rstd, has_bias, backend):
     return s.new_empty(s.shape), dweight, dbias
 
 
-def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, rms, residual_dtype, backend = inputs
+def _recomputes_stream(impl: ModuleType, x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype | None,
+                       prenorm: bool) -> bool:
+    """Whether a post-norm training call saves ``x`` and ``residual`` and has the backend's
+    backward recompute ``s = x + residual`` from them, so that the forward never writes ``s``
+    (a backend's ``RECOMPUTE_STREAM``: where writing a tensor costs more than reading two again).
+    The memory kept is the same in a Transformer: ``s`` is not kept, ``x`` is, and ``residual``
+    is kept anyway as the input of the next sublayer. Only when ``x`` and ``residual`` already
+    have the stream dtype, so that the sum is bit for bit the forward's."""
+    return (residual is not None and not prenorm and getattr(impl, "RECOMPUTE_STREAM", False)
+            and x.dtype == residual.dtype and residual_dtype in (None, x.dtype))
+
+
+def _setup_context(ctx, inputs, output, recompute=False):
+    x, residual, weight, bias, eps, rms, residual_dtype, backend = inputs[:8]
     y, s, mean, rstd = output
-    ctx.save_for_backward(x if residual is None else s, weight, None if rms else mean, rstd)
+    saved = (x, residual) if recompute else (x if residual is None else s, None)
+    ctx.save_for_backward(*saved, weight, None if rms else mean, rstd)
+    ctx.num_inputs = len(inputs)
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
     ctx.x_dtype = x.dtype
@@ -203,18 +222,19 @@ def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _make_backward(backward_fn):
     def backward(ctx, dy, dstream, _dmean, _drstd):
-        saved, weight, mean, rstd = ctx.saved_tensors
+        saved, saved_residual, weight, mean, rstd = ctx.saved_tensors
         if dy is None:  # only the stream output was used
             dy = torch.zeros(saved.shape, dtype=ctx.x_dtype, device=saved.device)
         if ctx.residual_dtype is None:
             dstream = None
         has_bias = ctx.bias_dtype is not None
-        ds, dweight, dbias = backward_fn(dy, dstream, saved, weight, mean, rstd, has_bias, ctx.backend)
+        ds, dweight, dbias = backward_fn(dy, dstream, saved, weight, mean, rstd, has_bias, ctx.backend,
+                                         saved_residual)
         dx = _to(ds, ctx.x_dtype)
         dresidual = _to(ds, ctx.residual_dtype) if ctx.residual_dtype is not None else None
         dweight = _to(dweight, weight.dtype) if weight is not None else None
         dbias = _to(dbias, ctx.bias_dtype) if has_bias else None
-        return dx, dresidual, dweight, dbias, None, None, None, None
+        return (dx, dresidual, dweight, dbias) + (None,) * (ctx.num_inputs - 4)
 
     return backward
 
@@ -230,9 +250,11 @@ class _EagerAddNorm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm):
+        impl = resolve_backend(backend, x)
+        recompute = _recomputes_stream(impl, x, residual, residual_dtype, prenorm)
+        output = _forward_with(impl, x, residual, weight, bias, eps, rms, residual_dtype, need_stream=not recompute)
+        _setup_context(ctx, (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm), output, recompute)
         return output
 
     backward = staticmethod(_make_backward(_backward_impl))
@@ -412,7 +434,7 @@ def add_norm(
     if (torch.compiler.is_compiling() or torch.compiler.is_exporting()) and not buffers:
         y, s, _, _ = _forward_op(x2, r2, w, b, eps, rms, residual_dtype, backend)
     elif needs_grad:
-        y, s, _, _ = _EagerAddNorm.apply(x2, r2, w, b, eps, rms, residual_dtype, backend)
+        y, s, _, _ = _EagerAddNorm.apply(x2, r2, w, b, eps, rms, residual_dtype, backend, prenorm)
     else:  # inference: no autograd, nothing saved, the stream only when it is returned
         y, s = _infer(x2, r2, w, b, eps, rms, residual_dtype, backend, prenorm, out, residual_out)
     y = out if out is not None else y.view(x.shape)

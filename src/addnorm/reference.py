@@ -206,6 +206,15 @@ def forward(
     return y, (s if residual is not None else None), mean, rstd
 
 
+def check_recompute_dtypes(x: Tensor, residual: Tensor) -> None:
+    """The stream can be recomputed in backward from ``x`` and ``residual`` (instead of being
+    saved) only when both already have the stream's dtype: then ``x + residual`` is exactly the
+    forward's ``s``."""
+    if residual.dtype != x.dtype or residual.shape != x.shape:
+        raise ValueError(f"residual= in backward needs x's shape and dtype {tuple(x.shape)} {x.dtype}, "
+                         f"got {tuple(residual.shape)} {residual.dtype}")
+
+
 def backward(
     dy: Tensor,
     dstream: Tensor | None,
@@ -214,6 +223,8 @@ def backward(
     mean: Tensor | None,
     rstd: Tensor,
     has_bias: bool,
+    *,
+    residual: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Gradients of :func:`forward` from the saved ``s`` (or ``x``), ``mean`` and ``rstd``.
 
@@ -221,7 +232,13 @@ def backward(
     or ``None``. RMSNorm is selected by ``mean is None``. Returns ``(ds, dweight, dbias)``:
     ``ds`` in ``s.dtype`` (it is the gradient of both ``x`` and ``residual``), ``dweight``
     and ``dbias`` in the statistics dtype (``None`` where there is no such parameter).
+
+    ``residual``: when given, ``s`` is ``x`` and the stream is recomputed as ``x + residual``
+    (both in the stream dtype: bit for bit the forward's ``s``), so that the forward need not
+    write ``s`` at all (post-norm, where ``s`` is not an output).
     """
+    if residual is not None:
+        check_recompute_dtypes(s, residual)
     cd = rstd.dtype
     m, n = s.shape
     ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
@@ -232,7 +249,7 @@ def backward(
         st = backward_rows(
             dy[rows].to(cd),
             dstream[rows].to(cd) if dstream is not None else None,
-            s[rows].to(cd),
+            (s[rows] if residual is None else s[rows] + residual[rows]).to(cd),
             w,
             mean[rows] if mean is not None else None,
             rstd[rows],

@@ -61,6 +61,11 @@ from .. import reference
 
 # forward() accepts out=/residual_out= buffers and writes the results straight into them.
 WRITES_OUT = True
+# Post-norm training saves x and residual, and backward recomputes s = x + residual as it reads
+# them (see addnorm.ops._recomputes_stream): the forward writes y alone, not s and y. Same bytes
+# over forward + backward, one fresh output fewer, and fresh outputs are what cost most here
+# (see docs/benchmarks.md, "Fresh outputs").
+RECOMPUTE_STREAM = True
 
 # Below this many elements one thread does the whole call: waking the other threads costs more
 # than they save. `python benchmarks/cpu_threads.py` on the 2-core development machine (fp32,
@@ -312,12 +317,37 @@ def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, r
         rstd[i] = rs * k
 
 
+def _stream_at(si, ri, j):
+    """Element ``j`` of the stream: ``si[j]`` when the saved row ``si`` is the stream itself
+    (``ri`` None), else recomputed from the saved ``x`` (``si``) and residual (``ri``) as the
+    forward's ``x + residual``, rounded as the forward rounded it: bit for bit its ``s``. (A
+    choice by type, made when compiling: each case gets its own vectorized loops.)"""
+
+
+def _part(a, index):
+    """``a[index]``, or None when ``a`` is None."""
+
+
+@overload(_stream_at)
+def _stream_at_impl(si, ri, j):
+    if isinstance(ri, types.NoneType):
+        return lambda si, ri, j: _load(si, j)
+    return lambda si, ri, j: _round(si, _load(si, j) + _load(ri, j))
+
+
+@overload(_part)
+def _part_impl(a, index):
+    if isinstance(a, types.NoneType):
+        return lambda a, index: None
+    return lambda a, index: a[index]
+
+
 @numba.njit(fastmath=_SUM_MATH)
-def _backward_sums(si, dyi, w, k, mu, rs_k):
+def _backward_sums(si, ri, dyi, w, k, mu, rs_k):
     """The row sums of ``g = dy * weight`` and of ``g * xhat``, ``xhat = (s * k - mu) * rs_k``."""
     sum_g = sum_gx = mu - mu
     for j in range(w.shape[0]):
-        xh = (_load(si, j) * k - mu) * rs_k
+        xh = (_stream_at(si, ri, j) * k - mu) * rs_k
         gj = _round(w, _load(dyi, j)) * w[j]
         sum_g += gj
         sum_gx += gj * xh
@@ -330,25 +360,26 @@ _SCALE_BELOW_RSTD = 1e-18
 
 
 @numba.njit
-def _backward_rows(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf):
+def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf):
     """Two passes over each row while it sits in cache: the row sums, then ``dweight``,
     ``dbias`` and ``ds`` in one loop. ``xhat`` and ``g`` are recomputed in each (a multiply-add
     each) rather than stored to buffers by the first: fewer stores. In cache, 1 thread, per
     element (`python benchmarks/cpu_row_cost.py float32|bfloat16`, rows of 768): fp32 0.33 ns
-    against torch's backward 0.40, bf16 0.41 against 0.91."""
+    against torch's backward 0.40, bf16 0.41 against 0.91. ``r``: None (``s`` is the stream), or
+    the residual, ``s`` then being ``x`` (see _stream_at)."""
     zero = nf - nf
     one = nf / nf
     for i in range(s.shape[0]):
-        si, dyi, dsi = s[i], dy[i], ds[i]
+        si, ri, dyi, dsi = s[i], _part(r, i), dy[i], ds[i]
         rs = rstd[i]
         k = one
         if rs < _SCALE_BELOW_RSTD:
             for j in range(sbuf.shape[0]):
-                sbuf[j] = _load(si, j)
+                sbuf[j] = _stream_at(si, ri, j)
             k = _row_scale(sbuf, kbuf)
         mu = zero if rms else mean[i] * k
         rs_k = rs / k
-        sum_g, sum_gx = _backward_sums(si, dyi, w, k, mu, rs_k)
+        sum_g, sum_gx = _backward_sums(si, ri, dyi, w, k, mu, rs_k)
         mgx = sum_gx / nf
         mg = zero if rms else sum_g / nf
         # the same loop twice, so that each compiles to one vectorized loop
@@ -356,14 +387,14 @@ def _backward_rows(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, 
             dsti = dstream[i]
             for j in range(w.shape[0]):
                 dj = _round(w, _load(dyi, j))
-                xh = (_load(si, j) * k - mu) * rs_k
+                xh = (_stream_at(si, ri, j) * k - mu) * rs_k
                 dw[j] += dj * xh
                 db[j] += dj
                 _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs + _load(dsti, j))
         else:
             for j in range(w.shape[0]):
                 dj = _round(w, _load(dyi, j))
-                xh = (_load(si, j) * k - mu) * rs_k
+                xh = (_stream_at(si, ri, j) * k - mu) * rs_k
                 dw[j] += dj * xh
                 db[j] += dj
                 _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs)
@@ -407,7 +438,7 @@ def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean,
 
 
 @numba.njit(nogil=True, error_model="numpy")
-def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sched, block_rows):
+def _backward_kernel(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sched, block_rows):
     """``dw``/``db``: one partial row per block (not per thread), so that the sums do not depend
     on which thread ran which block."""
     m, n = s.shape
@@ -415,8 +446,8 @@ def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw
     kbuf = np.empty(1, w.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
-        _backward_rows(dy[lo:hi], dstream[lo:hi], s[lo:hi], w, mean[lo:hi], rstd[lo:hi], nf, has_dstream, rms,
-                       ds[lo:hi], dw[blk], db[blk], sbuf, kbuf)
+        _backward_rows(dy[lo:hi], dstream[lo:hi], s[lo:hi], _part(r, slice(lo, hi)), w, mean[lo:hi], rstd[lo:hi], nf,
+                       has_dstream, rms, ds[lo:hi], dw[blk], db[blk], sbuf, kbuf)
         _claim(sched, 1)
         blk, lo, hi = _claim_rows(sched, block_rows, m)
     _wait_all(sched, block_rows, m)
@@ -431,7 +462,7 @@ def _backward_kernel(dy, dstream, s, w, mean, rstd, nf, has_dstream, rms, ds, dw
 # compiled per combination of dtypes. Threads run it with no Python in between: no GIL to hand
 # from thread to thread and no unboxing of a dozen arguments by numba's dispatcher, which cost
 # tens of µs per call.
-_SLOTS = 16
+_SLOTS = 17
 _SCHED = _SLOTS - 2  # [next block to claim, blocks done]
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.uint16,
                  torch.float16: np.int16}
@@ -473,30 +504,32 @@ def _forward_entry(sd, yd):
     return _compile_entry(entry)
 
 
-def _backward_entry(sd, gd, td):
-    """Slots: dy, dstream, s, weight, mean, rstd, ds, dweight blocks, dbias blocks, rows, cols,
-    block_rows, flags (has_dstream | rms << 1), blocks; ``sd``: the dtype of s and ds, ``gd``
-    of dy, ``td`` of dstream."""
+def _backward_entry(sd, gd, td, summed):
+    """Slots: dy, dstream, s (or x), weight, mean, rstd, ds, dweight blocks, dbias blocks, rows,
+    cols, block_rows, flags (has_dstream | rms << 1), blocks, residual; ``sd``: the dtype of s
+    and ds, ``gd`` of dy, ``td`` of dstream; ``summed``: the stream is recomputed as x + residual."""
     cd = np.float64 if sd == np.float64 else np.float32
 
     def entry(block):
         a = carray(block, _SLOTS, np.int64)
         m, n, flags, blocks = a[9], a[10], a[12], a[13]
+        r = carray(_ptr(a[14]), (m, n), sd) if summed else None  # pruned when compiling: a constant
         _backward_kernel(carray(_ptr(a[0]), (m, n), gd), carray(_ptr(a[1]), (m, n), td),
-                         carray(_ptr(a[2]), (m, n), sd), carray(_ptr(a[3]), n, cd), carray(_ptr(a[4]), m, cd),
-                         carray(_ptr(a[5]), m, cd), cd(n), flags & 1 != 0, flags & 2 != 0,
-                         carray(_ptr(a[6]), (m, n), sd), carray(_ptr(a[7]), (blocks, n), cd),
-                         carray(_ptr(a[8]), (blocks, n), cd), a[_SCHED:], a[11])
+                         carray(_ptr(a[2]), (m, n), sd), r,
+                         carray(_ptr(a[3]), n, cd), carray(_ptr(a[4]), m, cd), carray(_ptr(a[5]), m, cd), cd(n),
+                         flags & 1 != 0, flags & 2 != 0, carray(_ptr(a[6]), (m, n), sd),
+                         carray(_ptr(a[7]), (blocks, n), cd), carray(_ptr(a[8]), (blocks, n), cd), a[_SCHED:],
+                         a[11])
     return _compile_entry(entry)
 
 
 _ENTRIES: dict[tuple, object] = {}  # (kind, *torch dtypes) -> compiled entry, made on first use
 
 
-def _entry(make, *dtypes: torch.dtype):
-    key = (make, *dtypes)
+def _entry(make, *dtypes: torch.dtype, **flags: bool):
+    key = (make, *dtypes, *flags.items())
     if key not in _ENTRIES:
-        _ENTRIES[key] = make(*(_NUMPY_DTYPES[d] for d in dtypes))
+        _ENTRIES[key] = make(*(_NUMPY_DTYPES[d] for d in dtypes), **flags)
     return _ENTRIES[key]
 
 
@@ -598,13 +631,17 @@ def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, re
     return y, s, (None if rms else mean), rstd
 
 
-def backward(dy, dstream, s, weight, mean, rstd, has_bias):
-    """:func:`addnorm.reference.backward` in one fused pass over the rows."""
+def backward(dy, dstream, s, weight, mean, rstd, has_bias, *, residual=None):
+    """:func:`addnorm.reference.backward` in one fused pass over the rows; with ``residual``,
+    ``s`` is ``x`` and the stream is recomputed row by row as it is read (see RECOMPUTE_STREAM)."""
     m, n = s.shape
     cd = rstd.dtype
     # a gradient of another dtype than s is cast to the statistics dtype first (as the reference)
     dy, dstream = (t if t is None or t.dtype == s.dtype else t.to(cd) for t in (dy, dstream))
     s = s.contiguous()
+    if residual is not None:
+        reference.check_recompute_dtypes(s, residual)
+        residual = residual.contiguous()
     ds = torch.empty((m, n), dtype=s.dtype)
     # one fp32 partial row of dweight and of dbias per block: at most 1/16 of ds's rows, so that
     # the scratch stays small beside the (m, n) tensors for few, wide rows
@@ -616,8 +653,9 @@ def backward(dy, dstream, s, weight, mean, rstd, has_bias):
         dy, dst = dy.contiguous(), (dstream.contiguous() if dstream is not None else s)
         w = _param(weight, n, cd, 1.0)
         block = _block(dy, dst, s, w, rstd if mean is None else mean, rstd, ds, dw_part, db_part, m, n, block_rows,
-                       (dstream is not None) | (mean is None) << 1, blocks)
-        _launch(_entry(_backward_entry, s.dtype, dy.dtype, dst.dtype), threads, block)
+                       (dstream is not None) | (mean is None) << 1, blocks, residual)
+        entry = _entry(_backward_entry, s.dtype, dy.dtype, dst.dtype, summed=residual is not None)
+        _launch(entry, threads, block)
     # the per-block partial rows summed by torch (no atomics, a fixed order for a given shape):
     # bit-identical from run to run for a given thread count
     dweight, dbias = (dw_part[0], db_part[0]) if blocks == 1 else (dw_part.sum(0), db_part.sum(0))

@@ -496,8 +496,16 @@ def backward(
     mean: Tensor | None,
     rstd: Tensor,
     has_bias: bool,
+    *,
+    residual: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias."""
+    """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias. (With
+    ``residual`` the stream is summed first: on a GPU writing ``s`` in the forward costs what
+    reading ``x`` and ``residual`` again would, so ``RECOMPUTE_STREAM`` is off and autograd
+    never asks for this.)"""
+    if residual is not None:
+        reference.check_recompute_dtypes(s, residual)
+        s = s + residual
     with _device(s):
         return _backward(_rows(dy), _rows(dstream), _rows(s), _rows(weight), mean, rstd, has_bias)
 
