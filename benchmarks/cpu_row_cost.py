@@ -27,8 +27,12 @@ def calls(m: int, dtype: torch.dtype) -> dict:
     _, tmean, trstd = torch.native_layer_norm(x, (N,), w, b, 1e-5)
     return {
         "addnorm add+layer_norm forward": lambda: cpu.forward(x, r, w, b, 1e-5, False, None, out=y, residual_out=s),
+        "addnorm add+layer_norm fwd, no s": lambda: cpu.forward(x, r, w, b, 1e-5, False, None, out=y,
+                                                                need_stream=False),
+        "addnorm layer_norm forward": lambda: cpu.forward(x, None, w, b, 1e-5, False, None, out=y),
         "torch layer_norm forward": lambda: torch.native_layer_norm(x, (N,), w, b, 1e-5),
         "addnorm layer_norm backward": lambda: cpu.backward(dy, None, x, w, mean, rstd, True),
+        "addnorm add+layer_norm bwd, x+r": lambda: cpu.backward(dy, None, x, w, mean, rstd, True, residual=r),
         "torch layer_norm backward": lambda: torch.ops.aten.native_layer_norm_backward(
             dy, x, (N,), tmean, trstd, w, b, (True, True, True)),
     }

@@ -181,3 +181,27 @@ def test_post_norm_inference_never_writes_the_stream(dtype, rms):
         out = addnorm.add_layer_norm(x, r, 300, w, b, backend="cpu") if not rms else \
             addnorm.add_rms_norm(x, r, 300, w, eps=1e-5, backend="cpu")
     assert torch.equal(out, y_full if not rms else cpu.forward(x, r, w, None, 1e-5, True, None)[0])
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_large_fresh_outputs_ask_for_huge_pages_where_linux_wants_asking():
+    """Outputs of HUGE_PAGES_MIN_BYTES and more carry MADV_HUGEPAGE ("hg") when transparent
+    huge pages are in madvise mode, and only then."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        madvise_mode = "[madvise]" in f.read()
+    assert (cpu._MADVISE is not None) == madvise_mode
+    big = cpu._empty((cpu.HUGE_PAGES_MIN_BYTES // 4 // 1024, 1024), torch.float32)
+    assert ("hg" in _vm_flags(big.data_ptr() + big.nbytes // 2)) == madvise_mode

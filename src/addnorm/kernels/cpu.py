@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -257,6 +258,13 @@ def _load_row(xi, ri, si, buf, has_residual, write_s, rms):
 
 
 @numba.njit
+def _add_rows(xi, ri, si):
+    """``si = xi + ri``, all three in the statistics dtype."""
+    for j in range(si.shape[0]):
+        si[j] = xi[j] + ri[j]
+
+
+@numba.njit
 def _row_scale(a, k):
     """:func:`addnorm.reference.row_scale`: the power of two ``k <= 1`` with ``max|a * k| < 1``
     (statistics on ``a * k`` cannot overflow; the scaling is exact, so rows that need no
@@ -288,30 +296,56 @@ def _stats(buf, nf, rms):
 
 
 @numba.njit
-def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, buf, kbuf):
+def _write_row(yi, row, mu, c, rs, w, b):
+    """``y = ((s - mu) - c) * rstd * weight + bias`` for one row (its own loop, so that it
+    compiles to one vectorized loop whatever the caller's control flow)."""
+    for j in range(row.shape[0]):
+        _put(yi, j, ((row[j] - mu) - c) * rs * w[j] + b[j])
+
+
+@numba.njit
+def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, buf, kbuf, direct):
+    """``direct``: None for 16-bit rows, whose x and s are never in the statistics dtype (a type:
+    the branches below that use x or s directly are then pruned when compiling; left in, they
+    kept the widening loop from vectorizing)."""
     n = buf.shape[0]
     one = nf / nf
     for i in range(x.shape[0]):
-        total = _load_row(x[i], r[i], s[i], buf, has_residual, write_s, rms)
+        # the row in the statistics dtype and its sum (of squares for RMSNorm): 16-bit rows are
+        # widened into buf, summed as they are; others are x or s itself (nothing copied: a store
+        # per element fewer), or buf = x + residual, summed after, so that every path (plain,
+        # pre-norm, post-norm) sums its row the same way
+        if direct is None:
+            row = buf
+            total = _load_row(x[i], r[i], s[i], buf, has_residual, write_s, rms)
+        else:
+            if not has_residual:
+                row = x[i]
+            elif write_s:
+                row = s[i]
+                _add_rows(x[i], r[i], row)
+            else:
+                row = buf
+                _add_rows(x[i], r[i], row)
+            total = _dot(row, row) if rms else _sum(row)
         k = one
         if rms:
             mu = c = nf - nf
             var = total / nf
         else:  # the corrected mean and the variance around it, as _stats
             mu = total / nf
-            dev, sq = _sums_dev(buf, mu)
+            dev, sq = _sums_dev(row, mu)
             c = dev / nf
             var = max(sq / nf - c * c, nf - nf)
         if not np.isfinite(var):  # overflow (bf16 beyond ~1e19): again on the row times k <= 1
-            k = _row_scale(buf, kbuf)
+            k = _row_scale(row, kbuf)
             if k != one:
                 for j in range(n):
-                    buf[j] *= k
-                mu, c, var = _stats(buf, nf, rms)
+                    buf[j] = row[j] * k
+                row = buf
+                mu, c, var = _stats(row, nf, rms)
         rs = one / np.sqrt(var + eps * k * k)  # rstd / k
-        yi = y[i]
-        for j in range(n):
-            _put(yi, j, ((buf[j] - mu) - c) * rs * w[j] + b[j])
+        _write_row(y[i], row, mu, c, rs, w, b)
         if not rms:
             mean[i] = (mu + c) / k
         rstd[i] = rs * k
@@ -424,14 +458,14 @@ def _wait_all(sched, block_rows, m):
 
 
 @numba.njit(nogil=True, error_model="numpy")
-def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, sched, block_rows):
+def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, sched, block_rows, direct):
     m, n = x.shape
     buf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
         _forward_rows(x[lo:hi], r[lo:hi], w, b, eps, nf, has_residual, write_s, rms, y[lo:hi], s[lo:hi],
-                      mean[lo:hi], rstd[lo:hi], buf, kbuf)
+                      mean[lo:hi], rstd[lo:hi], buf, kbuf, direct)
         _claim(sched, 1)
         blk, lo, hi = _claim_rows(sched, block_rows, m)
     _wait_all(sched, block_rows, m)
@@ -492,6 +526,7 @@ def _forward_entry(sd, yd):
     flags (has_residual | write_s << 1 | rms << 2), eps; ``sd``: the dtype of x, residual and s,
     ``yd`` that of y (numpy dtypes; 16-bit floats as uint16/int16)."""
     cd = np.float64 if sd == np.float64 else np.float32
+    direct = True if sd == cd else None  # see _forward_rows
 
     def entry(block):
         a = carray(block, _SLOTS, np.int64)
@@ -500,7 +535,7 @@ def _forward_entry(sd, yd):
                         carray(_ptr(a[3]), n, cd), cd(carray(block, _SLOTS, np.float64)[12]), cd(n),
                         flags & 1 != 0, flags & 2 != 0, flags & 4 != 0, carray(_ptr(a[4]), (m, n), yd),
                         carray(_ptr(a[5]), (m, n if flags & 2 else 0), sd), carray(_ptr(a[6]), m, cd),
-                        carray(_ptr(a[7]), m, cd), a[_SCHED:], a[10])
+                        carray(_ptr(a[7]), m, cd), a[_SCHED:], a[10], direct)
     return _compile_entry(entry)
 
 
@@ -589,6 +624,43 @@ def _launch(entry, threads: int, block: ctypes.Array) -> None:
         entry.ctypes(block)
 
 
+def _transparent_huge_pages():
+    """``madvise`` of libc when Linux hands out transparent huge pages only to memory that asks
+    for them (``/sys/kernel/mm/transparent_hugepage/enabled`` reads ``[madvise]``), else None."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[madvise]" not in f.read():
+                return None
+        fn = ctypes.CDLL(None, use_errno=True).madvise  # int madvise(void *, size_t, int)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# Fresh outputs of at least this many bytes ask for transparent huge pages, as numpy does for its
+# own arrays. glibc serves requests of 32 MiB and more with a fresh mmap on every call (32 MiB is
+# its largest mmap threshold), and every 4 KiB page of those faults when first written: ~1.2 µs
+# each on a virtual machine, so a fresh 2048x4096 fp32 tensor took 10-15 ms to fill against
+# 3.3-4.4 ms with huge pages (1 and 2 threads, medians of 11-15 calls; torch asks for them
+# itself only under THP_MEM_ALLOC_ENABLE=1). Smaller outputs come from glibc's heap, reused
+# without faults once warm: there the advice (numpy's threshold, 4 MiB) made add_layer_norm
+# slower, 4096x768 fp32 forward 0.91x torch against 1.3-1.5x without. See docs/benchmarks.md.
+HUGE_PAGES_MIN_BYTES = 32 << 20
+_MADVISE = _transparent_huge_pages() if hasattr(mmap, "MADV_HUGEPAGE") else None
+
+
+def _empty(shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """``torch.empty``; a large one asks for huge pages over the whole pages it spans."""
+    t = torch.empty(shape, dtype=dtype)
+    if _MADVISE is not None and t.nbytes >= HUGE_PAGES_MIN_BYTES:
+        start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (t.data_ptr() + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        _MADVISE(start, end - start, mmap.MADV_HUGEPAGE)  # advice only: a failure changes nothing
+    return t
+
+
 def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> Tensor:
     """``p`` as a contiguous tensor of the statistics dtype (``fill`` when None)."""
     if p is None:
@@ -611,11 +683,11 @@ def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, re
         x, residual = x.to(sd), residual.to(sd)
     x = x.contiguous()
     direct = x.dtype == y_dtype  # else y is computed in the statistics dtype, then cast once
-    y = out if out is not None and direct else torch.empty((m, n), dtype=y_dtype if direct else cd)
+    y = out if out is not None and direct else _empty((m, n), y_dtype if direct else cd)
     write_s = residual is not None and (need_stream or residual_out is not None)
     s = None
     if write_s:
-        s = residual_out if residual_out is not None else torch.empty((m, n), dtype=sd)
+        s = residual_out if residual_out is not None else _empty((m, n), sd)
     mean = torch.empty(m, dtype=cd)
     rstd = torch.empty(m, dtype=cd)
     if m:
@@ -642,7 +714,7 @@ def backward(dy, dstream, s, weight, mean, rstd, has_bias, *, residual=None):
     if residual is not None:
         reference.check_recompute_dtypes(s, residual)
         residual = residual.contiguous()
-    ds = torch.empty((m, n), dtype=s.dtype)
+    ds = _empty((m, n), s.dtype)
     # one fp32 partial row of dweight and of dbias per block: at most 1/16 of ds's rows, so that
     # the scratch stays small beside the (m, n) tensors for few, wide rows
     threads, block_rows = _plan(m, n, max_blocks=m // 16)
