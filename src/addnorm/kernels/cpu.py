@@ -2,13 +2,15 @@
 
 Algorithm. Rows are split into contiguous blocks (BLOCKS_PER_THREAD per thread); the threads
 claim blocks from an atomic counter and run a compiled, GIL-free row loop on each. Forward, per
-row: add the residual and round it to the stream dtype (written out as ``s``), widen it into a
-buffer of the statistics dtype while summing it, then passes over that buffer while it sits in
-L1/L2 (the mean, corrected by the mean of the centered row, then the mean of squared
+row: add the residual and round it to the stream dtype (written out as ``s``, unless post-norm
+needs no ``s``), the row in the statistics dtype (``x`` or ``s`` itself
+when already in it, else widened into a buffer), then passes over it while it sits in L1/L2
+(the mean, corrected by the mean of the centered row, then the mean of squared
 deviations: never E[s^2]-E[s]^2; a row whose sum of squares overflows is scaled by a power of
 two and done again), then the output. Backward, per row: the two row sums (of ``g = dy * weight``
 and ``g * xhat``), then ``ds`` (plus the stream's own gradient) and the row's share of
-``dweight``/``dbias`` in one pass, ``xhat`` and ``g`` recomputed rather than stored.
+``dweight``/``dbias`` in one pass, ``xhat`` and ``g`` recomputed rather than stored (and ``s``
+itself recomputed from ``x`` and ``residual`` for post-norm: see RECOMPUTE_STREAM).
 ``dweight``/``dbias`` accumulate into one partial row per block (not per thread, so the result
 does not depend on which thread ran which block), summed in block order afterwards:
 bit-identical from run to run for the same thread count.
@@ -296,14 +298,6 @@ def _stats(buf, nf, rms):
 
 
 @numba.njit
-def _write_row(yi, row, mu, c, rs, w, b):
-    """``y = ((s - mu) - c) * rstd * weight + bias`` for one row (its own loop, so that it
-    compiles to one vectorized loop whatever the caller's control flow)."""
-    for j in range(row.shape[0]):
-        _put(yi, j, ((row[j] - mu) - c) * rs * w[j] + b[j])
-
-
-@numba.njit
 def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, buf, kbuf, direct):
     """``direct``: None for 16-bit rows, whose x and s are never in the statistics dtype (a type:
     the branches below that use x or s directly are then pruned when compiling; left in, they
@@ -345,7 +339,9 @@ def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, r
                 row = buf
                 mu, c, var = _stats(row, nf, rms)
         rs = one / np.sqrt(var + eps * k * k)  # rstd / k
-        _write_row(y[i], row, mu, c, rs, w, b)
+        yi = y[i]
+        for j in range(n):
+            _put(yi, j, ((row[j] - mu) - c) * rs * w[j] + b[j])
         if not rms:
             mean[i] = (mu + c) / k
         rstd[i] = rs * k
@@ -641,12 +637,14 @@ def _transparent_huge_pages():
 
 # Fresh outputs of at least this many bytes ask for transparent huge pages, as numpy does for its
 # own arrays. glibc serves requests of 32 MiB and more with a fresh mmap on every call (32 MiB is
-# its largest mmap threshold), and every 4 KiB page of those faults when first written: ~1.2 µs
-# each on a virtual machine, so a fresh 2048x4096 fp32 tensor took 10-15 ms to fill against
-# 3.3-4.4 ms with huge pages (1 and 2 threads, medians of 11-15 calls; torch asks for them
-# itself only under THP_MEM_ALLOC_ENABLE=1). Smaller outputs come from glibc's heap, reused
-# without faults once warm: there the advice (numpy's threshold, 4 MiB) made add_layer_norm
-# slower, 4096x768 fp32 forward 0.91x torch against 1.3-1.5x without. See docs/benchmarks.md.
+# its largest mmap threshold), and every 4 KiB page of those faults when first written.
+# `python benchmarks/fresh_outputs.py [threads]` on the 2-core development machine (a VM),
+# fresh 2048x4096 fp32, median ms to fill (faults per call): 8.9-15.3 (8193) with torch's
+# allocation, 3.7-7.2 (528) with this advice, 0.9-1.6 to refill a kept tensor (1 and 2
+# threads, three runs; torch asks for huge pages itself only under THP_MEM_ALLOC_ENABLE=1).
+# Smaller outputs come from glibc's heap and do not fault once warm (0 faults at 12-16 MiB in
+# the same runs): there the advice, given from numpy's 4 MiB in a first try, made add_layer_norm
+# slower (`addnorm bench --op add_layer_norm --shapes 4096x768 --pass fwd`: 0.91x torch).
 HUGE_PAGES_MIN_BYTES = 32 << 20
 _MADVISE = _transparent_huge_pages() if hasattr(mmap, "MADV_HUGEPAGE") else None
 
