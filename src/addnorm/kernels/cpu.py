@@ -639,9 +639,11 @@ def _transparent_huge_pages():
 # own arrays. glibc serves requests of 32 MiB and more with a fresh mmap on every call (32 MiB is
 # its largest mmap threshold), and every 4 KiB page of those faults when first written.
 # `python benchmarks/fresh_outputs.py [threads]` on the 2-core development machine (a VM),
-# fresh 2048x4096 fp32, median ms to fill (faults per call): 8.9-15.3 (8193) with torch's
-# allocation, 3.7-7.2 (528) with this advice, 0.9-1.6 to refill a kept tensor (1 and 2
-# threads, three runs; torch asks for huge pages itself only under THP_MEM_ALLOC_ENABLE=1).
+# fresh 2048x4096 fp32, median ms to fill (faults per call), eight runs at 1 and 2 threads:
+# 8.9-15.3 (8193) with torch's allocation, 3.4-22.3 (528) with this advice (faster in five
+# runs, slower in three: when Linux must compact memory to find free 2 MiB pages, a fault
+# waits for it), 0.9-1.6 to refill a kept tensor. torch asks for huge pages itself only under
+# THP_MEM_ALLOC_ENABLE=1.
 # Smaller outputs come from glibc's heap and do not fault once warm (0 faults at 12-16 MiB in
 # the same runs): there the advice, given from numpy's 4 MiB in a first try, made add_layer_norm
 # slower (`addnorm bench --op add_layer_norm --shapes 4096x768 --pass fwd`: 0.91x torch).
