@@ -49,16 +49,37 @@ def test_output_rounding_is_torchs_round_to_nearest_even(dtype):
     assert bool(same.all()), f"{int((~same).sum())} values rounded differently from torch"
 
 
+def _ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` at ``|t|`` (fp64 values), its subnormal spacing below the normal range."""
+    fi = torch.finfo(dtype)
+    exponent = torch.floor(torch.log2(t.abs().clamp_min(fi.tiny)))
+    return torch.exp2(exponent) * fi.eps
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_stream_and_output_within_one_ulp_of_torch(dtype):
+def test_stream_is_torchs_add_and_output_is_rounded_fp32(dtype):
+    """The stream is torch's own rounded add, bit for bit. The output is the fp32 result rounded
+    once: within half a 16-bit ulp of the exact value, plus the fp32 error of ``w*x̂ + b``
+    (a few fp32 ulps of ``|w*x̂| + |b|``: where the two cancel, near zero, that is many 16-bit ulps
+    of the output, and which neighbour comes out depends on the CPU's FMA use). torch's own
+    layer_norm in the same dtype must meet the same bound, which keeps it honest."""
     g = torch.Generator().manual_seed(1)
     x, r = (torch.randn(64, 1000, generator=g) * 3).to(dtype), torch.randn(64, 1000, generator=g).to(dtype)
     w, b = torch.randn(1000, generator=g).to(dtype), torch.randn(1000, generator=g).to(dtype)
     y, s = addnorm.add_layer_norm(x, r, 1000, w, b, prenorm=True, backend="cpu")
     assert torch.equal(s.view(torch.int16), (x + r).view(torch.int16))  # torch's own rounded add
+    s64, w64, b64 = s.double(), w.double(), b.double()
+    xhat = (s64 - s64.mean(-1, keepdim=True)) * torch.rsqrt(s64.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    exact = xhat * w64 + b64
+    fp32_error = 8 * torch.finfo(torch.float32).eps * ((xhat * w64).abs() + b64.abs())
+    for name, got in (("addnorm", y), ("torch", TF.layer_norm(s, (1000,), w, b))):
+        bound = 0.5 * _ulp(torch.maximum(exact.abs(), got.double().abs()), dtype) + fp32_error
+        excess = ((got.double() - exact).abs() - bound).max()
+        assert excess <= 0, f"{name}: {float(excess):.3g} beyond the bound"
     y_ref, _ = addnorm.add_layer_norm(x, r, 1000, w, b, prenorm=True, backend="reference")
-    ulps = (y.view(torch.int16).int() - y_ref.view(torch.int16).int()).abs()
-    assert int(ulps.max()) <= 1
+    far = (y.view(torch.int16).int() - y_ref.view(torch.int16).int()).abs() > 1
+    cancelled = exact.abs() < 64 * fp32_error
+    assert bool(cancelled[far].all()), "more than 1 ulp from the reference away from a cancellation"
 
 
 def _grads(backend, rows=199, n=1023):
