@@ -117,3 +117,24 @@ def test_bad_input_is_still_reported_by_addnorm():
         addnorm.layer_norm(x, (0, 64))
     with pytest.raises(TypeError, match="prenorm must be True or False"):
         addnorm.add_layer_norm(x, r, 64, prenorm="yes")
+
+
+def test_what_torch_rejects_or_would_read_otherwise_gets_addnorms_errors():
+    """Arguments the lean path leaves to torch (the parameters' type and device, x's dtype) or
+    checks itself (eps) still get addnorm's messages, on every function."""
+    x, r, w, b = (t.detach() for t in _inputs(8, 64, torch.float32))
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        addnorm.layer_norm(x, 64, [1.0] * 64)
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        addnorm.add_layer_norm(x, r, 64, w, b.numpy())
+    with pytest.raises(ValueError, match="weight is on meta but x is on cpu"):
+        addnorm.rms_norm(x, 64, w.to("meta"))
+    with pytest.raises(ValueError, match="residual is on meta but x is on cpu"):
+        addnorm.add_rms_norm(x, r.to("meta"), 64)
+    for dtype in (torch.complex64, torch.int32):
+        with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+            addnorm.layer_norm(x.to(dtype), 64)
+    with pytest.raises(ValueError, match="eps must be a non-negative finite number"):
+        addnorm.add_layer_norm(x, r, 64, eps=-1e-5)
+    with pytest.raises(TypeError, match="eps must be a non-negative finite number"):
+        addnorm.rms_norm(x, 64, eps=True)

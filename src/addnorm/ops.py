@@ -44,7 +44,7 @@ BACKEND_MODULES: dict[str, str] = {
 # 128x768 0.237 vs 1.355; bf16 fwd+bwd 8x768 0.534 vs 0.828.
 #
 # Below TORCH_PATH_MAX_ELEMENTS, "auto" runs torch's own ops instead (``x + residual``, then
-# torch's layer_norm / rms_norm, differentiated by torch; see _torch_path): there the ~35 µs of
+# torch's layer_norm / rms_norm, differentiated by torch; see torch_path): there the ~35 µs of
 # Python around a kernel call (argument checks, the custom op and its autograd, the kernel's
 # argument block) cost more than the fused pass saves. On the 2-core development machine,
 # `addnorm bench --op add_layer_norm,layer_norm --shapes 128x1024,256x1024,512x1024,1024x1024
@@ -58,6 +58,7 @@ BACKEND_MODULES: dict[str, str] = {
 # checks), but for one noisy row: add_rms_norm fp32 fwd+bwd at 256x768, 0.51x.
 TORCH_PATH_MAX_ELEMENTS = 1 << 20
 _is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_exporting
+_INF = math.inf
 # RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype
 _RMS_DEFAULT_EPS = {dt: torch.finfo(reference.stats_dtype(dt)).eps
                     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
@@ -88,7 +89,7 @@ def auto_backend(x: Tensor) -> str:
 
 def auto_choice(x: Tensor) -> str:
     """What ``backend="auto"`` runs for the rows ``x`` when stream, weight and bias share its
-    dtype: ``"torch"`` (torch's own ops, see _torch_path) for small CPU inputs, else the backend
+    dtype: ``"torch"`` (torch's own ops, see torch_path) for small CPU inputs, else the backend
     :func:`auto_backend` picks."""
     return "torch" if _small_cpu_input(x) else auto_backend(x)
 
@@ -406,14 +407,33 @@ def add_norm(
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The one entry point behind every function of :mod:`addnorm.functional`."""
+    """The one entry point behind every norm: torch's own ops for small CPU inputs under
+    ``backend="auto"`` (:func:`torch_path`), else :func:`backend_add_norm`."""
     if backend == "auto" and out is None and residual_out is None:
-        shape = _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm, residual_dtype)
-        if shape is not None:
-            try:
-                return _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm)
-            except RuntimeError:  # torch rejected a shape: the full checks below say which, in addnorm's words
-                pass
+        result = torch_path(x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype)
+        if result is not None:
+            return result
+    return backend_add_norm(x, residual, normalized_shape, weight, bias, eps, rms=rms, prenorm=prenorm,
+                            residual_dtype=residual_dtype, backend=backend, out=out, residual_out=residual_out)
+
+
+def backend_add_norm(
+    x: Tensor,
+    residual: Tensor | None,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float | None,
+    *,
+    rms: bool,
+    prenorm: bool,
+    residual_dtype: torch.dtype | None,
+    backend: str,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`add_norm` on addnorm's backends: the full argument checks, then the custom op (compiled
+    graphs), its autograd twin (training) or the backend's forward alone (inference)."""
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
         eps = _RMS_DEFAULT_EPS.get(x.dtype, 0.0) if isinstance(x, Tensor) else 0.0
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
@@ -443,54 +463,53 @@ def add_norm(
     return y, (residual_out if residual_out is not None else s.view(x.shape))
 
 
-def _torch_path_shape(x, residual, normalized_shape, weight, bias, eps, prenorm, residual_dtype):
-    """``normalized_shape`` as a tuple when ``backend="auto"`` may hand this call to
-    :func:`_torch_path`, else None: a small CPU input (TORCH_PATH_MAX_ELEMENTS) whose stream,
-    weight and bias all have the dtype of ``x``, in eager mode (compiled graphs keep the custom
-    ops). Lean on purpose (a microsecond here is 10 % of a small norm): what torch's norm checks
-    itself (``x`` ends with ``normalized_shape``, the parameters have that shape) is left to it,
-    and :func:`add_norm` answers torch's error with its own full checks. What torch would accept
-    with another meaning (a residual that broadcasts, mixed dtypes, a negative or NaN ``eps``) or
-    that warns is checked here; an argument this does not accept exactly goes to the full checks."""
-    if type(x) is not Tensor or not x.is_cpu:
+def torch_path(x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype):
+    """Add & Norm by torch's own ops, or None when ``backend="auto"`` does not hand this call to
+    them: ``s = x + residual``, then torch's layer_norm (one fused kernel, forward and backward)
+    or rms_norm, differentiated by torch. For a small CPU input (TORCH_PATH_MAX_ELEMENTS) whose
+    stream, weight and bias all have the dtype of ``x``, in eager mode (compiled graphs keep the
+    custom ops). The formulas, statistics dtype and default eps are the reference's (torch
+    computes 16-bit inputs in float32 too).
+
+    Lean on purpose: at 8x768 a norm takes ~4 µs, and each attribute read here ~50 ns. What
+    torch checks itself (``x`` ends with ``normalized_shape``, the parameters have that shape
+    and ``x``'s device) is left to it: its error sends the call to :func:`backend_add_norm`'s full checks,
+    which say what is wrong in addnorm's words. What torch would accept with another meaning (a
+    residual that broadcasts, mixed dtypes, a negative or NaN ``eps``, complex ``x``) or that
+    warns (two features or fewer) is checked here. ``torch.layer_norm``/``torch.rms_norm`` are
+    what ``torch.nn.functional``'s wrappers call (they still honour ``__torch_function__``),
+    without the wrappers' ~0.5 µs."""
+    if type(x) is not Tensor or not x.is_cpu or x.numel() >= TORCH_PATH_MAX_ELEMENTS:
         return None
     dt = x.dtype
-    if dt not in _RMS_DEFAULT_EPS or x.numel() >= TORCH_PATH_MAX_ELEMENTS:
-        return None
+    default_eps = _RMS_DEFAULT_EPS.get(dt)  # None: not a supported dtype
     if type(normalized_shape) is int:  # the common case first, in few steps
-        if normalized_shape <= 2:  # <= 2 (or < 1): the warning or the error of the full checks
-            return None
         shape = (normalized_shape,)
+        few = normalized_shape <= 2  # <= 2 (or < 1): the warning or the error of the full checks
     elif type(normalized_shape) is tuple and all(type(d) is int and d > 0 for d in normalized_shape):
-        if math.prod(normalized_shape) <= 2:
-            return None
-        shape = normalized_shape
+        shape, few = normalized_shape, math.prod(normalized_shape) <= 2
     else:
         return None
-    if residual is not None and (type(residual) is not Tensor or residual.dtype is not dt or not residual.is_cpu
+    if few or default_eps is None or type(prenorm) is not bool:
+        return None
+    if residual is not None and (type(residual) is not Tensor or residual.dtype is not dt
                                  or residual.shape != x.shape or residual_dtype not in (None, dt)):
         return None
-    for p in (weight, bias):
-        if p is not None and (not isinstance(p, Tensor) or p.dtype is not dt or not p.is_cpu):
+    if getattr(weight, "dtype", dt) is not dt or getattr(bias, "dtype", dt) is not dt:  # None passes
+        return None
+    if eps is None:
+        if not rms:
             return None
-    if (eps is not None and (type(eps) is not float or not 0 <= eps < math.inf)) or type(prenorm) is not bool:
+        eps = default_eps
+    elif type(eps) is not float or not 0.0 <= eps < _INF:
         return None
     if _is_compiling() or _is_exporting():
         return None
-    return shape
-
-
-def _torch_path(x, residual, shape, weight, bias, eps, rms, prenorm):
-    """Add & Norm by torch's own ops: ``s = x + residual``, then torch's layer_norm (one fused
-    kernel, forward and backward) or rms_norm, differentiated by torch. The formulas, statistics
-    dtype and default eps are the reference's (torch computes 16-bit inputs in float32 too).
-    ``torch.layer_norm``/``torch.rms_norm`` are what ``torch.nn.functional``'s wrappers call
-    (they still honour ``__torch_function__``), without the wrappers' ~0.7 µs."""
-    s = x if residual is None else torch.add(x, residual)
-    if rms:
-        y = torch.rms_norm(s, shape, weight, _RMS_DEFAULT_EPS[x.dtype] if eps is None else eps)
-    else:
-        y = torch.layer_norm(s, shape, weight, bias, eps, False)
+    try:
+        s = x if residual is None else torch.add(x, residual)
+        y = torch.rms_norm(s, shape, weight, eps) if rms else torch.layer_norm(s, shape, weight, bias, eps, False)
+    except (RuntimeError, TypeError):  # torch rejected a shape, device or type: the full checks say which
+        return None
     return (y, s) if prenorm else y
 
 
