@@ -347,15 +347,36 @@ def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, r
         rstd[i] = rs * k
 
 
+def _stream_row(si, ri, sbuf):
+    """``(row, residual)`` with ``_stream_at(row, residual, j)`` element ``j`` of the stream. When
+    the saved row ``si`` is ``x`` (``ri`` the residual, see RECOMPUTE_STREAM), the stream is the
+    forward's ``x + residual``, rounded as the forward rounded it: bit for bit its ``s``. For
+    16-bit rows it is recomputed once into ``sbuf`` (statistics dtype) rather than in each of the
+    backward's two passes, where the add and its rounding cost more instructions than the rest of
+    a pass (`python benchmarks/cpu_row_cost.py bfloat16`: 0.79 -> 0.57 ns per element); float32
+    and float64 rows add in place, in each pass (a buffer measured ~5 % slower there)."""
+
+
 def _stream_at(si, ri, j):
-    """Element ``j`` of the stream: ``si[j]`` when the saved row ``si`` is the stream itself
-    (``ri`` None), else recomputed from the saved ``x`` (``si``) and residual (``ri``) as the
-    forward's ``x + residual``, rounded as the forward rounded it: bit for bit its ``s``. (A
-    choice by type, made when compiling: each case gets its own vectorized loops.)"""
+    """Element ``j`` of the stream: ``si[j]`` (``ri`` None), else ``si[j] + ri[j]`` rounded to the
+    dtype of ``si``. (Choices by type, made when compiling: each case gets its own vectorized
+    loops.)"""
 
 
 def _part(a, index):
     """``a[index]``, or None when ``a`` is None."""
+
+
+@overload(_stream_row)
+def _stream_row_impl(si, ri, sbuf):
+    if isinstance(ri, types.NoneType) or si.dtype == sbuf.dtype:
+        return lambda si, ri, sbuf: (si, ri)
+
+    def recompute(si, ri, sbuf):
+        for j in range(sbuf.shape[0]):
+            sbuf[j] = _round(si, _load(si, j) + _load(ri, j))
+        return sbuf, None
+    return recompute
 
 
 @overload(_stream_at)
@@ -396,11 +417,11 @@ def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, d
     each) rather than stored to buffers by the first: fewer stores. In cache, 1 thread, per
     element (`python benchmarks/cpu_row_cost.py float32|bfloat16`, rows of 768): fp32 0.33 ns
     against torch's backward 0.40, bf16 0.41 against 0.91. ``r``: None (``s`` is the stream), or
-    the residual, ``s`` then being ``x`` (see _stream_at)."""
+    the residual, ``s`` then being ``x`` (see _stream_row)."""
     zero = nf - nf
     one = nf / nf
     for i in range(s.shape[0]):
-        si, ri, dyi, dsi = s[i], _part(r, i), dy[i], ds[i]
+        (si, ri), dyi, dsi = _stream_row(s[i], _part(r, i), sbuf), dy[i], ds[i]
         rs = rstd[i]
         k = one
         if rs < _SCALE_BELOW_RSTD:
