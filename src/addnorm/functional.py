@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .ops import _check_float_tensor, backend_add_norm, torch_path
+from .ops import _check_float_tensor, add_norm
 
 Shape = int | Sequence[int]
 
@@ -37,12 +37,8 @@ def layer_norm(
 ) -> Tensor:
     """``weight * (x - mean) / sqrt(var + eps) + bias`` over the trailing ``normalized_shape``
     dims, with the biased variance; as :func:`torch.nn.functional.layer_norm`."""
-    if backend == "auto" and out is None:  # small CPU inputs: torch's own ops (see ops.torch_path)
-        y = torch_path(x, None, normalized_shape, weight, bias, eps, False, False, None)
-        if y is not None:
-            return y
-    return backend_add_norm(x, None, normalized_shape, weight, bias, eps,
-                            rms=False, prenorm=False, residual_dtype=None, backend=backend, out=out)
+    return add_norm(x, None, normalized_shape, weight, bias, eps,
+                    rms=False, prenorm=False, residual_dtype=None, backend=backend, out=out)
 
 
 def rms_norm(
@@ -57,12 +53,8 @@ def rms_norm(
     """``weight * x / sqrt(mean(x**2) + eps)`` over the trailing ``normalized_shape`` dims;
     ``eps=None`` means the machine epsilon of the compute dtype (float32's for float16,
     bfloat16 and float32 input; float64's for float64), as :func:`torch.nn.functional.rms_norm`."""
-    if backend == "auto" and out is None:
-        y = torch_path(x, None, normalized_shape, weight, None, eps, True, False, None)
-        if y is not None:
-            return y
-    return backend_add_norm(x, None, normalized_shape, weight, None, eps,
-                            rms=True, prenorm=False, residual_dtype=None, backend=backend, out=out)
+    return add_norm(x, None, normalized_shape, weight, None, eps,
+                    rms=True, prenorm=False, residual_dtype=None, backend=backend, out=out)
 
 
 def add_layer_norm(
@@ -89,13 +81,9 @@ def add_layer_norm(
     """
     if type(residual) is not Tensor:  # None here would silently be a plain norm
         _check_float_tensor("residual", residual)
-    if backend == "auto" and out is None and residual_out is None:
-        result = torch_path(x, residual, normalized_shape, weight, bias, eps, False, prenorm, residual_dtype)
-        if result is not None:
-            return result
-    return backend_add_norm(x, residual, normalized_shape, weight, bias, eps,
-                            rms=False, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
-                            out=out, residual_out=residual_out)
+    return add_norm(x, residual, normalized_shape, weight, bias, eps,
+                    rms=False, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
+                    out=out, residual_out=residual_out)
 
 
 def add_rms_norm(
@@ -114,10 +102,6 @@ def add_rms_norm(
     """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`."""
     if type(residual) is not Tensor:  # None here would silently be a plain norm
         _check_float_tensor("residual", residual)
-    if backend == "auto" and out is None and residual_out is None:
-        result = torch_path(x, residual, normalized_shape, weight, None, eps, True, prenorm, residual_dtype)
-        if result is not None:
-            return result
-    return backend_add_norm(x, residual, normalized_shape, weight, None, eps,
-                            rms=True, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
-                            out=out, residual_out=residual_out)
+    return add_norm(x, residual, normalized_shape, weight, None, eps,
+                    rms=True, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
+                    out=out, residual_out=residual_out)

@@ -44,7 +44,7 @@ BACKEND_MODULES: dict[str, str] = {
 # 128x768 0.237 vs 1.355; bf16 fwd+bwd 8x768 0.534 vs 0.828.
 #
 # Below TORCH_PATH_MAX_ELEMENTS, "auto" runs torch's own ops instead (``x + residual``, then
-# torch's layer_norm / rms_norm, differentiated by torch; see torch_path): there the ~35 µs of
+# torch's layer_norm / rms_norm, differentiated by torch; see _torch_path): there the ~35 µs of
 # Python around a kernel call (argument checks, the custom op and its autograd, the kernel's
 # argument block) cost more than the fused pass saves. On the 2-core development machine,
 # `addnorm bench --op add_layer_norm,layer_norm --shapes 128x1024,256x1024,512x1024,1024x1024
@@ -89,7 +89,7 @@ def auto_backend(x: Tensor) -> str:
 
 def auto_choice(x: Tensor) -> str:
     """What ``backend="auto"`` runs for the rows ``x`` when stream, weight and bias share its
-    dtype: ``"torch"`` (torch's own ops, see torch_path) for small CPU inputs, else the backend
+    dtype: ``"torch"`` (torch's own ops, see _torch_path) for small CPU inputs, else the backend
     :func:`auto_backend` picks."""
     return "torch" if _small_cpu_input(x) else auto_backend(x)
 
@@ -407,33 +407,14 @@ def add_norm(
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The one entry point behind every norm: torch's own ops for small CPU inputs under
-    ``backend="auto"`` (:func:`torch_path`), else :func:`backend_add_norm`."""
+    """The one entry point behind every function of :mod:`addnorm.functional`: torch's own ops
+    for small CPU inputs under ``backend="auto"`` (:func:`_torch_path`), else the full argument
+    checks, then the custom op (compiled graphs), its autograd twin (training) or the backend's
+    forward alone (inference)."""
     if backend == "auto" and out is None and residual_out is None:
-        result = torch_path(x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype)
+        result = _torch_path(x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype)
         if result is not None:
             return result
-    return backend_add_norm(x, residual, normalized_shape, weight, bias, eps, rms=rms, prenorm=prenorm,
-                            residual_dtype=residual_dtype, backend=backend, out=out, residual_out=residual_out)
-
-
-def backend_add_norm(
-    x: Tensor,
-    residual: Tensor | None,
-    normalized_shape: int | Sequence[int],
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float | None,
-    *,
-    rms: bool,
-    prenorm: bool,
-    residual_dtype: torch.dtype | None,
-    backend: str,
-    out: Tensor | None = None,
-    residual_out: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """:func:`add_norm` on addnorm's backends: the full argument checks, then the custom op (compiled
-    graphs), its autograd twin (training) or the backend's forward alone (inference)."""
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
         eps = _RMS_DEFAULT_EPS.get(x.dtype, 0.0) if isinstance(x, Tensor) else 0.0
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
@@ -463,7 +444,7 @@ def backend_add_norm(
     return y, (residual_out if residual_out is not None else s.view(x.shape))
 
 
-def torch_path(x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype):
+def _torch_path(x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype):
     """Add & Norm by torch's own ops, or None when ``backend="auto"`` does not hand this call to
     them: ``s = x + residual``, then torch's layer_norm (one fused kernel, forward and backward)
     or rms_norm, differentiated by torch. For a small CPU input (TORCH_PATH_MAX_ELEMENTS) whose
@@ -473,7 +454,7 @@ def torch_path(x, residual, normalized_shape, weight, bias, eps, rms, prenorm, r
 
     Lean on purpose: at 8x768 a norm takes ~4 µs, and each attribute read here ~50 ns. What
     torch checks itself (``x`` ends with ``normalized_shape``, the parameters have that shape
-    and ``x``'s device) is left to it: its error sends the call to :func:`backend_add_norm`'s full checks,
+    and ``x``'s device) is left to it: its error sends the call to :func:`add_norm`'s full checks,
     which say what is wrong in addnorm's words. What torch would accept with another meaning (a
     residual that broadcasts, mixed dtypes, a negative or NaN ``eps``, complex ``x``) or that
     warns (two features or fewer) is checked here. ``torch.layer_norm``/``torch.rms_norm`` are
