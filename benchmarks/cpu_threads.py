@@ -32,10 +32,10 @@ def calls(m: int, n: int) -> dict:
     g = torch.Generator().manual_seed(0)
     x, r, dy = (torch.randn(m, n, generator=g) for _ in range(3))
     w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    _, s, mean, rstd = cpu.forward(x, r, w, b, 1e-5, False, None)
+    _, s, mean, rstd = cpu.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
     _, tmean, trstd = torch.native_layer_norm(s, (n,), w, b, 1e-5)
-    fwd = lambda: cpu.forward(x, r, w, b, 1e-5, False, None)  # noqa: E731
-    bwd = lambda: cpu.backward(dy, None, s, w, mean, rstd, True)  # noqa: E731
+    fwd = lambda: cpu.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)  # noqa: E731
+    bwd = lambda: cpu.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True)  # noqa: E731
     return {
         "fwd 1 thread": threaded(1 << 62, fwd), "fwd threads": threaded(1, fwd),
         "fwd torch": lambda: torch.layer_norm(x + r, (n,), w, b, 1e-5),

@@ -48,11 +48,11 @@ def overhead(profile: bool) -> None:
     x, r = (torch.randn(8, 768, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
     w, b = torch.ones(768, device="cuda", dtype=x.dtype), torch.zeros(768, device="cuda", dtype=x.dtype)
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
-    rstd = K.forward(x, r, w, b, 1e-5, True, None)[3]
+    rstd = K.forward(x, r, w, b, eps=1e-5, rms=True, residual_dtype=None)[3]
     partials = torch.randn(132, 768, device="cuda")
     cases = {
-        "kernels.triton.forward": lambda: K.forward(x, r, w, b, 1e-5, False, None),
-        "kernels.triton.backward": lambda: K.backward(x, None, r, w, None, rstd, True),
+        "kernels.triton.forward": lambda: K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None),
+        "kernels.triton.backward": lambda: K.backward(x, None, (r,), w, None, rstd, rms=True, has_bias=True),
         "kernels.triton._sum_partials": lambda: K._sum_partials(partials),
         "addnorm.add_layer_norm fwd": lambda: addnorm.add_layer_norm(x, r, 768, w, b, backend="triton"),
         "torch add + layer_norm fwd": lambda: F.layer_norm(x + r, (768,), w, b),
@@ -91,19 +91,19 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
             for fb in (16, 32, 64, 128):
                 K.FORWARD_BYTES_PER_THREAD = K.CHUNKED_BYTES_PER_THREAD = fb  # whichever path applies
                 warps = K._config(n, x.device, size, fb, K.FORWARD_MAX_FUSED_N)[2]
-                f = _ms(lambda: K.forward(x, r, w, b, 1e-5, False, None))
+                f = _ms(lambda: K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None))
                 line += f" | {fb}B/{warps}w {f * 1e3:7.1f} us {fwd_bytes / f / 1e6 / copy_gbps:4.2f}"
             print(line, flush=True)
             K.FORWARD_BYTES_PER_THREAD = base["FORWARD_BYTES_PER_THREAD"]
             K.CHUNKED_BYTES_PER_THREAD = base["CHUNKED_BYTES_PER_THREAD"]
-            y, s, mean, rstd = K.forward(x, r, w, b, 1e-5, False, None)
+            y, s, mean, rstd = K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
             for bb in (16, 32, 64):
                 K.BACKWARD_BYTES_PER_THREAD = K.CHUNKED_BYTES_PER_THREAD = bb
                 warps = K._config(n, x.device, size, bb, K.BACKWARD_MAX_FUSED_N)[2]
                 line = f"{label} bwd {bb:3d}B/{warps:2d}w"
                 for per_sm in (32, 64, 128):
                     K.BACKWARD_WARPS_PER_SM = per_sm
-                    t = _ms(lambda s=s, mean=mean, rstd=rstd: K.backward(dy, None, s, w, mean, rstd, True))
+                    t = _ms(lambda s=s, mean=mean, rstd=rstd: K.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True))
                     line += f" | {per_sm:3d} warps/SM {t * 1e3:7.1f} us {bwd_bytes / t / 1e6 / copy_gbps:4.2f}"
                 print(line, flush=True)
     finally:

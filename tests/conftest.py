@@ -23,7 +23,7 @@ else:
     import torch._inductor  # noqa: F401
     torch.Generator = functools.partial(torch.Generator, TEST_DEVICE)
 
-from addnorm import ops  # noqa: E402
+from addnorm import backend as backends  # noqa: E402
 
 # (rtol, atol) per dtype, seeded from torch.testing.assert_close's defaults. fp16/bf16 use
 # flash-attn's rule instead (see assert_matches_oracle): the error against the fp64 oracle
@@ -49,10 +49,11 @@ DTYPES = list(TOLERANCES)
 def usable_backends() -> list[str]:
     """Every registered backend that can run on the test device here (CI installs them all)."""
     probe = torch.empty(1, 4, device=TEST_DEVICE)
-    return [name for name in ops.BACKEND_MODULES if ops.backend_unavailable_reason(name, probe) is None]
+    return [name for name in backends.REGISTRY if backends.unavailable_reason(name, probe) is None]
 
 
-@pytest.fixture(params=usable_backends())
+# "auto" too: what most users call goes through its own dispatch (on the CPU, to the numba kernels)
+@pytest.fixture(params=["auto", *usable_backends()])
 def backend(request) -> str:
     return request.param
 

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from addnorm import ops
+from addnorm import backend as backends
 from addnorm.cli import main
 
 
 def test_info_lists_backends_and_passes_self_test(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out
-    for name in ops.BACKEND_MODULES:
+    for name in backends.REGISTRY:
         assert name in out
     assert "torch" in out and "threads" in out
     assert "ok [[0.0, -1.2238, 1.2238], [1.414, -0.707, -0.707]]" in out

@@ -7,8 +7,6 @@ autograd keeps for backward goes through its pack hook). Peak memory is measured
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as TF
@@ -16,7 +14,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.profiler import ProfilerActivity, profile
 
 import addnorm
-from addnorm import ops
+from addnorm import backend as backends
 
 
 def peak_bytes(fn) -> int:
@@ -82,7 +80,7 @@ class SavedTensors:
 
 
 def recomputes_stream(backend: str) -> bool:
-    return getattr(importlib.import_module(ops.BACKEND_MODULES[backend]), "RECOMPUTE_STREAM", False)
+    return backends.resolve(backend, torch.empty(1, 4)).CAPABILITIES.recomputes_stream
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])

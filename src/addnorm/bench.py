@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import ops, reference
+from . import backend as backends
+from . import reference
 from .cli import UsageError
 
 OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
@@ -43,7 +44,7 @@ EPS = 1e-5
 
 
 def all_impls() -> list[str]:
-    return ["torch-eager", "torch-compile", "addnorm", *(f"addnorm-{b}" for b in ops.BACKEND_MODULES), *OTHER_IMPLS]
+    return ["torch-eager", "torch-compile", "addnorm", *(f"addnorm-{b}" for b in backends.REGISTRY), *OTHER_IMPLS]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -157,7 +158,7 @@ def make_impl(name: str, op: str, device: str) -> Callable:
     if name.startswith("addnorm-"):
         backend = name.removeprefix("addnorm-")
         probe = torch.empty(1, 4, device=device)
-        reason = ops.backend_unavailable_reason(backend, probe)
+        reason = backends.unavailable_reason(backend, probe)
         if reason is not None:
             raise RuntimeError(reason)
         return _addnorm_norm(op, backend)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as TF
 from torch import Tensor
 
-from . import functional, ops, reference
+from . import backend, functional, reference
 from .cli import UsageError
 from .info import WORKED_INPUT
 
@@ -233,14 +233,14 @@ def explain(x: Tensor, normalized_shape: tuple[int, ...], *, eps: float, gamma: 
     y_torch = (TF.rms_norm(s64, normalized_shape, w64, eps) if rms
                else TF.layer_norm(s64, normalized_shape, w64, b64, eps))
     out["op_name"] = (f"addnorm.{'add_' if residual is not None else ''}{'rms' if rms else 'layer'}_norm"
-                      f" ({str(dt).removeprefix('torch.')}, backend auto: {ops.auto_choice(x2)})")
+                      f" ({str(dt).removeprefix('torch.')}, backend auto: {backend.auto_name(x2)})")
     out["torch_name"] = f"torch.nn.functional.{'rms' if rms else 'layer'}_norm (float64)"
     out["op_maxdiff"] = _maxdiff(y_op.reshape(-1, n), st["y"])
     out["torch_maxdiff"] = _maxdiff(y_torch.reshape(-1, n), st["y"])
 
     if backward:
         dy = _rows(grad, n) if grad is not None else torch.ones_like(x2)
-        bs = reference.backward_steps(dy, None, st["s"], w, st["mean"], st["rstd"], beta is not None)
+        bs = reference.backward_steps(dy, None, st["s"], w, st["mean"], st["rstd"], rms=rms, has_bias=beta is not None)
         out["backward"] = dict(bs, dy=dy)
         y_torch.backward(dy.reshape(x.shape))
         y_op.backward(dy.reshape(x.shape).to(dt))

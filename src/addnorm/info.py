@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from . import ops
+from . import backend as backends
 from .functional import layer_norm
 
 # The seeds' worked example: LayerNorm over the last dim with eps 1e-5 (hand-checked values).
@@ -51,13 +51,12 @@ def run(args) -> int:
     console.print(table)
 
     probe = torch.empty(1, 3)
-    checks = Table(title=f"backends (auto on CPU: torch's own ops below {ops.TORCH_PATH_MAX_ELEMENTS} elements, "
-                         f"then {ops.auto_backend(probe)!r})")
+    checks = Table(title=f"backends (auto on CPU: {backends.auto_name(probe)!r}, at every size)")
     for col in ("backend", "usable", "self-test: worked example, eps 1e-5"):
         checks.add_column(col)
     failed = False
-    for name in ops.BACKEND_MODULES:
-        reason = ops.backend_unavailable_reason(name, probe)
+    for name in backends.REGISTRY:
+        reason = backends.unavailable_reason(name, probe)
         if reason is not None:
             checks.add_row(name, f"no: {reason}", "-")
             continue

@@ -20,7 +20,17 @@ from . import ops
 Shape = int | Sequence[int]
 
 
-class LayerNorm(nn.LayerNorm):
+class _NotScriptable:
+    """``torch.jit.script`` asks every module to prepare itself first: addnorm's say why they
+    cannot be scripted (TorchScript cannot compile the Python that dispatches to the kernels)."""
+
+    def __prepare_scriptable__(self):
+        raise TypeError(f"torch.jit.script cannot compile addnorm.{type(self).__name__}: its forward dispatches "
+                        "to kernels in Python. Use torch.compile(model) (addnorm's ops trace into the graph with "
+                        "no break) or torch.jit.trace(model, example_inputs)")
+
+
+class LayerNorm(_NotScriptable, nn.LayerNorm):
     r"""Layer Normalization over the trailing ``normalized_shape`` dims.
 
     .. math::
@@ -62,7 +72,7 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend)
 
 
-class RMSNorm(nn.RMSNorm):
+class RMSNorm(_NotScriptable, nn.RMSNorm):
     r"""Root Mean Square Normalization over the trailing ``normalized_shape`` dims.
 
     .. math::
@@ -92,7 +102,7 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)
 
 
-class AddNorm(nn.Module):
+class AddNorm(_NotScriptable, nn.Module):
     r"""The residual add fused with the norm: one "Add & Norm" step of a Transformer.
 
     ``forward(x, residual)`` computes ``s = x + residual`` and

@@ -47,6 +47,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .backend import Capabilities, check_s_parts
+
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the statistics and of all arithmetic: float64 for float64, else float32."""
@@ -97,6 +99,23 @@ def row_scale(sf: Tensor) -> Tensor:
     return torch.ldexp(torch.ones_like(exponent, dtype=sf.dtype), -exponent.clamp(min=0, max=top))
 
 
+# torch reduces a single row of at least 32768 elements (its grain) in per-thread pieces, and
+# rows of several-row calls whole: the bits would depend on the batch and the thread count. Wide
+# rows are therefore summed in fixed chunks of this many elements, then the chunk sums.
+ROW_CHUNK = 1 << 14
+
+
+def row_mean(t: Tensor) -> Tensor:
+    """The mean of each row of ``t`` (keepdim), summed in the same order whatever the number of
+    rows, their position or the thread count (see ROW_CHUNK)."""
+    n = t.shape[-1]
+    if n < 2 * ROW_CHUNK:
+        return t.sum(dim=-1, keepdim=True) / n
+    chunks = -(-n // ROW_CHUNK)
+    padded = torch.nn.functional.pad(t, (0, chunks * ROW_CHUNK - n))  # zeros: exact
+    return padded.unflatten(-1, (chunks, ROW_CHUNK)).sum(dim=-1).sum(dim=-1, keepdim=True) / n
+
+
 def forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms: bool) -> dict[str, Tensor | None]:
     """The forward formulas on rows ``sf`` already in the statistics dtype, every step kept.
 
@@ -112,12 +131,12 @@ def forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms
         # The first mean is off by its rounding error (about ulp(mean) for rows far from
         # zero, and nonzero even for a constant row); the mean of the centered row measures
         # that error and removes it, so the centered values come out exact to rounding.
-        mean = sk.mean(dim=-1, keepdim=True)
+        mean = row_mean(sk)
         centered = sk - mean
-        correction = centered.mean(dim=-1, keepdim=True)
+        correction = row_mean(centered)
         centered = centered - correction
         mean = ((mean + correction) / k)[:, 0]
-    var_k = (centered * centered).mean(dim=-1, keepdim=True)  # the variance of s, times k**2
+    var_k = row_mean(centered * centered)  # the variance of s, times k**2
     rstd_k = torch.rsqrt(var_k + eps * k * k)  # = rstd / k
     xhat = centered * rstd_k
     y = xhat
@@ -129,21 +148,21 @@ def forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms
 
 
 def backward_rows(dyf: Tensor, dstreamf: Tensor | None, sf: Tensor, w: Tensor | None,
-                  mean: Tensor | None, rstd: Tensor) -> dict[str, Tensor | None]:
-    """The backward formulas on rows already in the statistics dtype, every step kept.
+                  mean: Tensor | None, rstd: Tensor, rms: bool) -> dict[str, Tensor | None]:
+    """The backward formulas on rows already in the statistics dtype, every step kept (``mean``
+    is not read for RMSNorm).
 
     Returns ``xhat``, ``g = dy * weight``, the per-row ``mean_g`` (``None`` for RMSNorm) and
     ``mean_gxhat``, ``ds``, and this block's partial sums ``dweight`` and ``dbias``.
     """
     k = row_scale(sf)  # as in the forward: (s - mean) * rstd may not overflow on the way
-    xhat = (sf * k if mean is None else sf * k - mean[:, None] * k) * (rstd[:, None] / k)
+    xhat = (sf * k if rms else sf * k - mean[:, None] * k) * (rstd[:, None] / k)
     g = dyf * w if w is not None else dyf
-    n = sf.shape[-1]
-    mean_gxhat = (g * xhat).sum(dim=-1) / n
+    mean_gxhat = row_mean(g * xhat)[:, 0]
     inner = g - xhat * mean_gxhat[:, None]
     mean_g = None
-    if mean is not None:
-        mean_g = g.sum(dim=-1) / n
+    if not rms:
+        mean_g = row_mean(g)[:, 0]
         inner = inner - mean_g[:, None]
     ds = inner * rstd[:, None]
     if dstreamf is not None:
@@ -162,13 +181,22 @@ def forward_steps(x: Tensor, residual: Tensor | None, weight: Tensor | None, bia
 
 
 def backward_steps(dy: Tensor, dstream: Tensor | None, s: Tensor, weight: Tensor | None,
-                   mean: Tensor | None, rstd: Tensor, has_bias: bool) -> dict[str, Tensor | None]:
+                   mean: Tensor | None, rstd: Tensor, *, rms: bool, has_bias: bool) -> dict[str, Tensor | None]:
     """:func:`backward` on all rows at once, keeping every step, for ``addnorm explain``."""
     cd = rstd.dtype
     st = backward_rows(dy.to(cd), None if dstream is None else dstream.to(cd), s.to(cd),
-                       None if weight is None else weight.to(cd), mean, rstd)
+                       None if weight is None else weight.to(cd), mean, rstd, rms)
     return dict(st, dweight=st["dweight"] if weight is not None else None,
                 dbias=st["dbias"] if has_bias else None)
+
+
+# The reference as a backend (addnorm.backend): any device, and post-norm saves ``s`` (its backward
+# would recompute the sum in torch ops, one more pass over memory, so nothing is gained)
+CAPABILITIES = Capabilities(device_types=None)
+
+
+def unavailable_reason(x: Tensor | None) -> str | None:
+    return None
 
 
 def forward(
@@ -176,71 +204,71 @@ def forward(
     residual: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
+    *,
     eps: float,
     rms: bool,
     residual_dtype: torch.dtype | None,
-    *,
-    need_stream: bool = True,
+    write_stream: bool = True,
+    write_stats: bool = True,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """Normalize each row of the 2-D ``x`` (after adding ``residual`` if given).
 
     Returns ``(y, s, mean, rstd)``: ``y`` in ``x.dtype``; ``s`` the residual stream
     ``x + residual`` (``None`` without a residual); ``mean`` (``None`` for RMSNorm) and
-    ``rstd`` of shape ``(M,)`` in :func:`stats_dtype`. ``need_stream=False`` says the caller will
-    not use ``s`` (inference post-norm): a fused kernel may then skip writing it and return
-    ``None`` (here ``s`` is the input of the norm, so it is returned anyway).
+    ``rstd`` of shape ``(M,)`` in :func:`stats_dtype`. (``write_stream``/``write_stats`` let a
+    fused kernel skip writing what the caller will not use; here ``s`` is the norm's input and
+    the statistics cost nothing extra, so they are returned anyway.) ``out``/``residual_out``
+    receive ``y`` and ``s``.
     """
     s = stream(x, residual, residual_dtype)
+    if residual_out is not None:
+        s = residual_out.copy_(s)
     cd = stats_dtype(s.dtype)
-    m, n = s.shape
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    n = s.shape[-1]
+    s2 = s.reshape(-1, n)
+    m = s2.shape[0]
+    y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = y.view(m, n)
     mean = None if rms else torch.empty(m, dtype=cd, device=x.device)
     rstd = torch.empty(m, dtype=cd, device=x.device)
     w = weight.to(cd) if weight is not None else None
     b = bias.to(cd) if bias is not None else None
     for rows in row_blocks(m, n):
-        st = forward_rows(s[rows].to(cd), w, b, eps, rms)
-        y[rows], rstd[rows] = st["y"], st["rstd"]
+        st = forward_rows(s2[rows].to(cd), w, b, eps, rms)
+        y2[rows], rstd[rows] = st["y"], st["rstd"]
         if mean is not None:
             mean[rows] = st["mean"]
     return y, (s if residual is not None else None), mean, rstd
 
 
-def check_recompute_dtypes(x: Tensor, residual: Tensor) -> None:
-    """The stream can be recomputed in backward from ``x`` and ``residual`` (instead of being
-    saved) only when both already have the stream's dtype: then ``x + residual`` is exactly the
-    forward's ``s``."""
-    if residual.dtype != x.dtype or residual.shape != x.shape:
-        raise ValueError(f"residual= in backward needs x's shape and dtype {tuple(x.shape)} {x.dtype}, "
-                         f"got {tuple(residual.shape)} {residual.dtype}")
-
-
 def backward(
     dy: Tensor,
     dstream: Tensor | None,
-    s: Tensor,
+    s_parts: tuple[Tensor, ...],
     weight: Tensor | None,
     mean: Tensor | None,
     rstd: Tensor,
-    has_bias: bool,
     *,
-    residual: Tensor | None = None,
+    rms: bool,
+    has_bias: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Gradients of :func:`forward` from the saved ``s`` (or ``x``), ``mean`` and ``rstd``.
+    """Gradients of :func:`forward` from the saved ``s`` (``s_parts = (s,)``, or ``(x, residual)``
+    whose sum is ``s``), ``mean`` and ``rstd``.
 
     ``dy`` is the gradient of ``y``; ``dstream`` that of the returned stream ``s`` (pre-norm)
-    or ``None``. RMSNorm is selected by ``mean is None``. Returns ``(ds, dweight, dbias)``:
-    ``ds`` in ``s.dtype`` (it is the gradient of both ``x`` and ``residual``), ``dweight``
-    and ``dbias`` in the statistics dtype (``None`` where there is no such parameter).
-
-    ``residual``: when given, ``s`` is ``x`` and the stream is recomputed as ``x + residual``
-    (both in the stream dtype: bit for bit the forward's ``s``), so that the forward need not
-    write ``s`` at all (post-norm, where ``s`` is not an output).
+    or ``None``. Returns ``(ds, dweight, dbias)``: ``ds`` in the dtype of ``s`` (it is the
+    gradient of both ``x`` and ``residual``), ``dweight`` and ``dbias`` in the statistics dtype
+    (``None`` where there is no such parameter).
     """
-    if residual is not None:
-        check_recompute_dtypes(s, residual)
+    check_s_parts(s_parts)
+    n = s_parts[0].shape[-1]
+    s, *r = (part.reshape(-1, n) for part in s_parts)
+    dy = dy.reshape(-1, n)
+    dstream = dstream.reshape(-1, n) if dstream is not None else None
     cd = rstd.dtype
-    m, n = s.shape
+    m = s.shape[0]
     ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
     dweight = torch.zeros(n, dtype=cd, device=s.device) if weight is not None else None
     dbias = torch.zeros(n, dtype=cd, device=s.device) if has_bias else None
@@ -249,14 +277,40 @@ def backward(
         st = backward_rows(
             dy[rows].to(cd),
             dstream[rows].to(cd) if dstream is not None else None,
-            (s[rows] if residual is None else s[rows] + residual[rows]).to(cd),
+            (s[rows] + r[0][rows] if r else s[rows]).to(cd),
             w,
-            mean[rows] if mean is not None else None,
+            None if rms else mean[rows],
             rstd[rows],
+            rms,
         )
         ds[rows] = st["ds"]
         if dweight is not None:
             dweight += st["dweight"]
         if dbias is not None:
             dbias += st["dbias"]
-    return ds, dweight, dbias
+    return ds.view(s_parts[0].shape), dweight, dbias
+
+
+def composite(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
+              rms: bool, residual_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """``(y, s)`` by :func:`forward_rows` on all rows at once, as differentiable torch ops (no
+    in-place writes): what runs under ``torch.func`` transforms and forward-mode AD, where
+    torch's autograd differentiates these formulas (to any order)."""
+    s = stream(x, residual, residual_dtype)
+    cd = stats_dtype(s.dtype)
+    st = forward_rows(s.to(cd), *(None if t is None else t.to(cd) for t in (weight, bias)), eps, rms)
+    return st["y"].to(x.dtype), s
+
+
+def differentiable_backward(dy: Tensor, dstream: Tensor | None, s: Tensor, weight: Tensor | None, eps: float,
+                            rms: bool, has_bias: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """:func:`backward` on all rows at once as differentiable torch ops, for a second derivative
+    (``create_graph=True``): the statistics are recomputed from ``s`` by the forward formulas, so
+    that the gradient's dependence on ``s`` through ``mean`` and ``rstd`` is part of the graph."""
+    cd = stats_dtype(s.dtype)
+    sf = s.to(cd)
+    w = weight.to(cd) if weight is not None else None
+    st = forward_rows(sf, w, None, eps, rms)
+    bt = backward_rows(dy.to(cd), None if dstream is None else dstream.to(cd), sf, w, st["mean"], st["rstd"], rms)
+    return (bt["ds"].to(s.dtype), bt["dweight"] if weight is not None else None,
+            bt["dbias"] if has_bias else None)

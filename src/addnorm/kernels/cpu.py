@@ -10,7 +10,7 @@ deviations: never E[s^2]-E[s]^2; a row whose sum of squares overflows is scaled 
 two and done again), then the output. Backward, per row: the two row sums (of ``g = dy * weight``
 and ``g * xhat``), then ``ds`` (plus the stream's own gradient) and the row's share of
 ``dweight``/``dbias`` in one pass, ``xhat`` and ``g`` recomputed rather than stored (and ``s``
-itself recomputed from ``x`` and ``residual`` for post-norm: see RECOMPUTE_STREAM).
+itself recomputed from ``x`` and ``residual`` for post-norm: see CAPABILITIES).
 ``dweight``/``dbias`` accumulate into one partial row per block (not per thread, so the result
 does not depend on which thread ran which block), summed in block order afterwards:
 bit-identical from run to run for the same thread count.
@@ -22,12 +22,10 @@ entry point (a numba ``cfunc`` per dtype combination) reading the call's argumen
 block of int64 slots: no Python, and no GIL, between the threads. Claiming blocks instead of
 fixing one per thread matters on shared machines: a thread that starts late (descheduled,
 still spinning down from torch's last op) takes fewer blocks instead of holding the others up.
-Why not ``@njit(parallel=True)``: its thread pool is a second pool beside torch's. With the
-OpenMP layer its spinning threads starved torch's (torch's own 64x256 add+layer_norm went from
-0.02 ms to 24 ms after one numba call); with the workqueue layer every call pays two thread
-wake-ups (48-62 µs at 8x768, against 5 µs for the serial kernel). A hand-off to other threads
-still costs several µs, so inputs below PARALLEL_MIN_ELEMENTS stay on the calling thread;
-``parallel=True`` also compiled ~2x slower.
+Why not ``@njit(parallel=True)``: its thread pool is a second pool beside torch's, whose
+spinning threads starved torch's own ops, or (workqueue layer) woke two threads per call
+(docs/benchmarks.md, "Dispatch, threads, compile time, warm start"). A hand-off to other threads
+still costs several µs, so inputs below PARALLEL_MIN_ELEMENTS stay on the calling thread.
 
 Accuracy: no fastmath except reassociation inside the three row sums (so they vectorize; the
 partial sums are then shorter, and a 65536-wide fp32 row keeps torch's accuracy). The order is
@@ -45,9 +43,11 @@ directory the kernels still work, compiled once per process.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import os
+import struct
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,37 +61,27 @@ from numba.extending import intrinsic, overload
 from torch import Tensor
 
 from .. import reference
+from ..backend import Capabilities, check_s_parts
 
-# forward() accepts out=/residual_out= buffers and writes the results straight into them.
-WRITES_OUT = True
 # Post-norm training saves x and residual, and backward recomputes s = x + residual as it reads
-# them (see addnorm.ops._recomputes_stream): the forward writes y alone, not s and y. Same bytes
-# over forward + backward, one fresh output fewer, and fresh outputs are what cost most here
-# (see docs/benchmarks.md, "Fresh outputs").
-RECOMPUTE_STREAM = True
+# them (addnorm.ops.plan): the forward writes y alone, not s and y. Same bytes over forward +
+# backward, one fresh output fewer, and fresh outputs are what cost most here (see
+# docs/benchmarks.md, "Fresh outputs").
+CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True)
 
 # Below this many elements one thread does the whole call: waking the other threads costs more
-# than they save. `python benchmarks/cpu_threads.py` on the 2-core development machine (fp32,
-# median µs, 1 thread vs 2): add+layer_norm forward 16x1024 21 vs 21, 32x1024 28 vs 24, 64x1024
-# 39 vs 31, 256x1024 118 vs 68; backward 32x1024 29 vs 29, 64x1024 38 vs 35, 256x1024 129 vs 86.
+# than they save (`python benchmarks/cpu_threads.py`; docs/benchmarks.md, "Dispatch, threads").
+# Results never depend on it: each row is computed the same way on any thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
 # Rows are split into this many blocks per thread, claimed one at a time: a late thread costs
 # at most its share of blocks, and dweight/dbias keep one partial row per block.
 BLOCKS_PER_THREAD = 8
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
 
-_SUPPORTED = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def unavailable_reason(x: Tensor | None) -> str | None:
-    """Why these kernels cannot run on ``x`` (None: they can)."""
-    if x is None:
-        return None
-    if x.device.type != "cpu":
-        return f"tensor on {x.device}, the numba kernels run on CPU only"
-    if x.dtype not in _SUPPORTED:
-        return f"dtype {x.dtype} not supported (float32, float64, bfloat16, float16)"
-    return None
+    return None  # numba is a dependency of addnorm; the device is checked against CAPABILITIES
 
 
 # --------------------------------------------------------------------------- 16-bit floats
@@ -210,8 +200,8 @@ def _round_impl(a, v):
 
 # --------------------------------------------------------------------------- row sums
 
-# Only these row sums may be reassociated (so that they vectorize: ~4x faster than a
-# sequential sum, and no less accurate, as the partial sums are shorter); no other fastmath flag.
+# Only these row sums may be reassociated (so that they vectorize, and no less accurate, as the
+# partial sums are shorter); no other fastmath flag.
 _SUM_MATH = {"reassoc"}
 
 
@@ -298,7 +288,7 @@ def _stats(buf, nf, rms):
 
 
 @numba.njit
-def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, buf, kbuf, direct):
+def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, direct):
     """``direct``: None for 16-bit rows, whose x and s are never in the statistics dtype (a type:
     the branches below that use x or s directly are then pruned when compiling; left in, they
     kept the widening loop from vectorizing)."""
@@ -342,19 +332,20 @@ def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, r
         yi = y[i]
         for j in range(n):
             _put(yi, j, ((row[j] - mu) - c) * rs * w[j] + b[j])
-        if not rms:
-            mean[i] = (mu + c) / k
-        rstd[i] = rs * k
+        if write_stats:
+            if not rms:
+                mean[i] = (mu + c) / k
+            rstd[i] = rs * k
 
 
 def _stream_row(si, ri, sbuf):
     """``(row, residual)`` with ``_stream_at(row, residual, j)`` element ``j`` of the stream. When
-    the saved row ``si`` is ``x`` (``ri`` the residual, see RECOMPUTE_STREAM), the stream is the
+    the saved row ``si`` is ``x`` (``ri`` the residual, see CAPABILITIES), the stream is the
     forward's ``x + residual``, rounded as the forward rounded it: bit for bit its ``s``. For
     16-bit rows it is recomputed once into ``sbuf`` (statistics dtype) rather than in each of the
     backward's two passes, where the add and its rounding cost more instructions than the rest of
-    a pass (`python benchmarks/cpu_row_cost.py bfloat16`: 0.79 -> 0.57 ns per element); float32
-    and float64 rows add in place, in each pass (a buffer measured ~5 % slower there)."""
+    a pass; float32 and float64 rows add in place, in each pass, where the buffer measured slower
+    (`python benchmarks/cpu_row_cost.py`; docs/benchmarks.md, "Row cost in cache")."""
 
 
 def _stream_at(si, ri, j):
@@ -414,10 +405,9 @@ _SCALE_BELOW_RSTD = 1e-18
 def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf):
     """Two passes over each row while it sits in cache: the row sums, then ``dweight``,
     ``dbias`` and ``ds`` in one loop. ``xhat`` and ``g`` are recomputed in each (a multiply-add
-    each) rather than stored to buffers by the first: fewer stores. In cache, 1 thread, per
-    element (`python benchmarks/cpu_row_cost.py float32|bfloat16`, rows of 768): fp32 0.33 ns
-    against torch's backward 0.40, bf16 0.41 against 0.91. ``r``: None (``s`` is the stream), or
-    the residual, ``s`` then being ``x`` (see _stream_row)."""
+    each) rather than stored to buffers by the first: fewer stores (docs/benchmarks.md, "Row cost
+    in cache"). ``r``: None (``s`` is the stream), or the residual, ``s`` then being ``x`` (see
+    _stream_row)."""
     zero = nf - nf
     one = nf / nf
     for i in range(s.shape[0]):
@@ -475,14 +465,15 @@ def _wait_all(sched, block_rows, m):
 
 
 @numba.njit(nogil=True, error_model="numpy")
-def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, rms, y, s, mean, rstd, sched, block_rows, direct):
+def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, sched, block_rows,
+                    direct):
     m, n = x.shape
     buf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
-        _forward_rows(x[lo:hi], r[lo:hi], w, b, eps, nf, has_residual, write_s, rms, y[lo:hi], s[lo:hi],
-                      mean[lo:hi], rstd[lo:hi], buf, kbuf, direct)
+        _forward_rows(x[lo:hi], r[lo:hi], w, b, eps, nf, has_residual, write_s, write_stats, rms, y[lo:hi],
+                      s[lo:hi], mean[lo:hi], rstd[lo:hi], buf, kbuf, direct)
         _claim(sched, 1)
         blk, lo, hi = _claim_rows(sched, block_rows, m)
     _wait_all(sched, block_rows, m)
@@ -539,20 +530,22 @@ def _compile_entry(fn):
 
 
 def _forward_entry(sd, yd):
-    """Slots: x, residual, weight, bias, y, s, mean, rstd, rows, cols, block_rows,
-    flags (has_residual | write_s << 1 | rms << 2), eps; ``sd``: the dtype of x, residual and s,
-    ``yd`` that of y (numpy dtypes; 16-bit floats as uint16/int16)."""
+    """Slots: x, residual, weight, bias, y, s, mean, rstd, rows, cols, block_rows, flags (has_residual
+    | write_s << 1 | rms << 2 | write_stats << 3), eps (float64 bits); ``sd``: the dtype of x,
+    residual and s, ``yd`` that of y (numpy dtypes; 16-bit floats as uint16/int16)."""
     cd = np.float64 if sd == np.float64 else np.float32
     direct = True if sd == cd else None  # see _forward_rows
 
     def entry(block):
         a = carray(block, _SLOTS, np.int64)
         m, n, flags = a[8], a[9], a[11]
+        stats_rows = m if flags & 8 else 0
         _forward_kernel(carray(_ptr(a[0]), (m, n), sd), carray(_ptr(a[1]), (m, n), sd), carray(_ptr(a[2]), n, cd),
                         carray(_ptr(a[3]), n, cd), cd(carray(block, _SLOTS, np.float64)[12]), cd(n),
-                        flags & 1 != 0, flags & 2 != 0, flags & 4 != 0, carray(_ptr(a[4]), (m, n), yd),
-                        carray(_ptr(a[5]), (m, n if flags & 2 else 0), sd), carray(_ptr(a[6]), m, cd),
-                        carray(_ptr(a[7]), m, cd), a[_SCHED:], a[10], direct)
+                        flags & 1 != 0, flags & 2 != 0, flags & 8 != 0, flags & 4 != 0,
+                        carray(_ptr(a[4]), (m, n), yd), carray(_ptr(a[5]), (m, n if flags & 2 else 0), sd),
+                        carray(_ptr(a[6]), stats_rows, cd), carray(_ptr(a[7]), stats_rows, cd), a[_SCHED:], a[10],
+                        direct)
     return _compile_entry(entry)
 
 
@@ -575,19 +568,35 @@ def _backward_entry(sd, gd, td, summed):
     return _compile_entry(entry)
 
 
-_ENTRIES: dict[tuple, object] = {}  # (kind, *torch dtypes) -> compiled entry, made on first use
+# compiled entries, made on first use: (stream dtype, y dtype) and (s, dy, dstream dtypes, summed)
+_FORWARD_ENTRIES: dict[tuple, object] = {}
+_BACKWARD_ENTRIES: dict[tuple, object] = {}
 
 
-def _entry(make, *dtypes: torch.dtype, **flags: bool):
-    key = (make, *dtypes, *flags.items())
-    if key not in _ENTRIES:
-        _ENTRIES[key] = make(*(_NUMPY_DTYPES[d] for d in dtypes), **flags)
-    return _ENTRIES[key]
+def _forward_entry_for(sd: torch.dtype, yd: torch.dtype):
+    entry = _FORWARD_ENTRIES.get((sd, yd))
+    if entry is None:
+        entry = _FORWARD_ENTRIES[sd, yd] = _forward_entry(_NUMPY_DTYPES[sd], _NUMPY_DTYPES[yd])
+    return entry
 
 
-def _block(*slots) -> ctypes.Array:
-    """The slots of one call: tensors by address, None as 0; the claiming counters start at 0."""
-    return (ctypes.c_int64 * _SLOTS)(*(s.data_ptr() if isinstance(s, Tensor) else (s or 0) for s in slots))
+def _backward_entry_for(sd: torch.dtype, gd: torch.dtype, td: torch.dtype, summed: bool):
+    key = (sd, gd, td, summed)
+    entry = _BACKWARD_ENTRIES.get(key)
+    if entry is None:
+        entry = _BACKWARD_ENTRIES[key] = _backward_entry(*(_NUMPY_DTYPES[d] for d in (sd, gd, td)), summed)
+    return entry
+
+
+_BLOCK = ctypes.c_int64 * _SLOTS
+_EPS_BITS: dict[float, int] = {}  # eps -> its float64 bits, for the argument block
+
+
+def _eps_bits(eps: float) -> int:
+    bits = _EPS_BITS.get(eps)
+    if bits is None:
+        bits = _EPS_BITS[eps] = int.from_bytes(struct.pack("<d", eps), "little", signed=True)
+    return bits
 
 
 # --------------------------------------------------------------------------- launchers
@@ -657,24 +666,16 @@ def _transparent_huge_pages():
 
 
 # Fresh outputs of at least this many bytes ask for transparent huge pages, as numpy does for its
-# own arrays. glibc serves requests of 32 MiB and more with a fresh mmap on every call (32 MiB is
-# its largest mmap threshold), and every 4 KiB page of those faults when first written.
-# `python benchmarks/fresh_outputs.py [threads]` on the 2-core development machine (a VM),
-# fresh 2048x4096 fp32, median ms to fill (faults per call), eight runs at 1 and 2 threads:
-# 8.9-15.3 (8193) with torch's allocation, 3.4-22.3 (528) with this advice (faster in five
-# runs, slower in three: when Linux must compact memory to find free 2 MiB pages, a fault
-# waits for it), 0.9-1.6 to refill a kept tensor. torch asks for huge pages itself only under
-# THP_MEM_ALLOC_ENABLE=1.
-# Smaller outputs come from glibc's heap and do not fault once warm (0 faults at 12-16 MiB in
-# the same runs): there the advice, given from numpy's 4 MiB in a first try, made add_layer_norm
-# slower (`addnorm bench --op add_layer_norm --shapes 4096x768 --pass fwd`: 0.91x torch).
+# own arrays: glibc serves requests of 32 MiB and more with a fresh mmap on every call, every 4 KiB
+# page of which faults when first written; smaller ones come from its heap and do not fault once
+# warm (`python benchmarks/fresh_outputs.py`; docs/benchmarks.md, "Fresh outputs page-fault").
 HUGE_PAGES_MIN_BYTES = 32 << 20
 _MADVISE = _transparent_huge_pages() if hasattr(mmap, "MADV_HUGEPAGE") else None
 
 
-def _empty(shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
-    """``torch.empty``; a large one asks for huge pages over the whole pages it spans."""
-    t = torch.empty(shape, dtype=dtype)
+def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A contiguous ``torch.empty_like``; a large one asks for huge pages over the pages it spans."""
+    t = torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
     if _MADVISE is not None and t.nbytes >= HUGE_PAGES_MIN_BYTES:
         start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (t.data_ptr() + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -682,74 +683,94 @@ def _empty(shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
     return t
 
 
+@functools.lru_cache(maxsize=64)
+def _constant(n: int, dtype: torch.dtype, value: float) -> Tensor:
+    """A weight of ones or a bias of zeros, made once per width (never written)."""
+    return torch.full((n,), value, dtype=dtype)
+
+
 def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> Tensor:
-    """``p`` as a contiguous tensor of the statistics dtype (``fill`` when None)."""
+    """``p`` as ``n`` contiguous values of the statistics dtype (``fill`` when None)."""
     if p is None:
-        return torch.full((n,), fill, dtype=cd)
+        return _constant(n, cd, fill)
+    if p.dtype is cd and p.is_contiguous():
+        return p
     return p.detach().to(cd, memory_format=torch.contiguous_format)
 
 
-def forward(x, residual, weight, bias, eps, rms, residual_dtype, *, out=None, residual_out=None, need_stream=True):
-    """:func:`addnorm.reference.forward`; ``y`` and ``s`` are written into the contiguous
-    ``out``/``residual_out`` when given (no allocation: see ``docs/benchmarks.md``).
-    ``need_stream=False``: ``s`` is not needed (inference post-norm), so it is neither allocated
-    nor written, and ``None`` is returned in its place."""
-    m, n = x.shape
-    sd = reference.stream_dtype(x, residual, residual_dtype)
-    cd = reference.stats_dtype(sd)
+def _rows(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def forward(x, residual, weight, bias, *, eps, rms, residual_dtype, write_stream=True, write_stats=True, out=None,
+            residual_out=None):
+    """:func:`addnorm.reference.forward` in one pass over the rows; ``y`` and ``s`` are written
+    straight into ``out``/``residual_out`` when given."""
+    n = x.shape[-1]
+    sd = x.dtype if residual is None else reference.stream_dtype(x, residual, residual_dtype)
+    cd = torch.float64 if sd is torch.float64 else torch.float32
     y_dtype = x.dtype
-    if residual is not None and (x.dtype != sd or residual.dtype != sd):
+    if residual is not None and (x.dtype is not sd or residual.dtype is not sd):
         # mixed dtypes (e.g. bf16 x, fp32 stream): cast first, as the reference does, so that one
         # compiled kernel per dtype serves; y then goes through the statistics dtype
         x, residual = x.to(sd), residual.to(sd)
-    x = x.contiguous()
-    direct = x.dtype == y_dtype  # else y is computed in the statistics dtype, then cast once
-    y = out if out is not None and direct else _empty((m, n), y_dtype if direct else cd)
-    write_s = residual is not None and (need_stream or residual_out is not None)
+    x = _rows(x)
+    m = x.numel() // n if n else 0
+    direct = x.dtype is y_dtype  # else y is computed in the statistics dtype, then cast once
+    y = out if out is not None and direct else _empty(x, y_dtype if direct else cd)
+    write_s = residual is not None and (write_stream or residual_out is not None)
     s = None
     if write_s:
-        s = residual_out if residual_out is not None else _empty((m, n), sd)
-    mean = torch.empty(m, dtype=cd)
-    rstd = torch.empty(m, dtype=cd)
+        s = residual_out if residual_out is not None else _empty(x, sd)
+    mean = rstd = None
+    if write_stats:
+        mean = None if rms else torch.empty(m, dtype=cd)
+        rstd = torch.empty(m, dtype=cd)
     if m:
-        r = residual.contiguous() if residual is not None else x
-        w, b = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)
+        r = _rows(residual) if residual is not None else x
         threads, block_rows = _plan(m, n)
-        flags = (residual is not None) | write_s << 1 | rms << 2
-        block = _block(x, r, w, b, y, s, mean, rstd, m, n, block_rows, flags)
-        ctypes.c_double.from_buffer(block, 12 * 8).value = eps
-        _launch(_entry(_forward_entry, sd, y.dtype), threads, block)
-    if y.dtype != y_dtype:
+        flags = (residual is not None) | write_s << 1 | rms << 2 | write_stats << 3
+        w, b = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)  # held: the kernel reads them
+        block = _BLOCK(x.data_ptr(), r.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(),
+                       s.data_ptr() if write_s else 0,
+                       0 if mean is None else mean.data_ptr(), 0 if rstd is None else rstd.data_ptr(), m, n,
+                       block_rows, flags, _eps_bits(eps))
+        _launch(_forward_entry_for(sd, y.dtype), threads, block)
+    if y.dtype is not y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
-    return y, s, (None if rms else mean), rstd
+    return y, s, mean, rstd
 
 
-def backward(dy, dstream, s, weight, mean, rstd, has_bias, *, residual=None):
-    """:func:`addnorm.reference.backward` in one fused pass over the rows; with ``residual``,
-    ``s`` is ``x`` and the stream is recomputed row by row as it is read (see RECOMPUTE_STREAM)."""
-    m, n = s.shape
+def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias):
+    """:func:`addnorm.reference.backward` in two passes over each row; from ``s_parts = (x,
+    residual)`` the stream is recomputed as it is read."""
+    check_s_parts(s_parts)
+    n = s_parts[0].shape[-1]
+    s = _rows(s_parts[0])
+    residual = _rows(s_parts[1]) if len(s_parts) == 2 else None
+    m = s.numel() // n if n else 0
     cd = rstd.dtype
     # a gradient of another dtype than s is cast to the statistics dtype first (as the reference)
-    dy, dstream = (t if t is None or t.dtype == s.dtype else t.to(cd) for t in (dy, dstream))
-    s = s.contiguous()
-    if residual is not None:
-        reference.check_recompute_dtypes(s, residual)
-        residual = residual.contiguous()
-    ds = _empty((m, n), s.dtype)
+    dy = _rows(dy if dy.dtype is s.dtype else dy.to(cd))
+    if dstream is not None:
+        dstream = _rows(dstream if dstream.dtype is s.dtype else dstream.to(cd))
+    ds = _empty(s, s.dtype)
     # one fp32 partial row of dweight and of dbias per block: at most 1/16 of ds's rows, so that
     # the scratch stays small beside the (m, n) tensors for few, wide rows
     threads, block_rows = _plan(m, n, max_blocks=m // 16)
     blocks = -(-m // block_rows) if m else 1
-    dw_part = torch.zeros((blocks, n), dtype=cd)  # two tensors: the custom op's outputs may not alias
-    db_part = torch.zeros((blocks, n), dtype=cd)
+    # two tensors: the custom op's outputs may not alias; one block's partial row is the sum itself
+    dw_part = torch.zeros((blocks, n) if blocks > 1 else n, dtype=cd)
+    db_part = torch.zeros((blocks, n) if blocks > 1 else n, dtype=cd)
     if m:
-        dy, dst = dy.contiguous(), (dstream.contiguous() if dstream is not None else s)
-        w = _param(weight, n, cd, 1.0)
-        block = _block(dy, dst, s, w, rstd if mean is None else mean, rstd, ds, dw_part, db_part, m, n, block_rows,
-                       (dstream is not None) | (mean is None) << 1, blocks, residual)
-        entry = _entry(_backward_entry, s.dtype, dy.dtype, dst.dtype, summed=residual is not None)
-        _launch(entry, threads, block)
+        dst = dstream if dstream is not None else s
+        w = _param(weight, n, cd, 1.0)  # held: the kernel reads it
+        block = _BLOCK(dy.data_ptr(), dst.data_ptr(), s.data_ptr(), w.data_ptr(),
+                       (rstd if rms else mean).data_ptr(), rstd.data_ptr(), ds.data_ptr(), dw_part.data_ptr(),
+                       db_part.data_ptr(), m, n, block_rows, (dstream is not None) | rms << 1, blocks,
+                       0 if residual is None else residual.data_ptr())
+        _launch(_backward_entry_for(s.dtype, dy.dtype, dst.dtype, residual is not None), threads, block)
     # the per-block partial rows summed by torch (no atomics, a fixed order for a given shape):
     # bit-identical from run to run for a given thread count
-    dweight, dbias = (dw_part[0], db_part[0]) if blocks == 1 else (dw_part.sum(0), db_part.sum(0))
+    dweight, dbias = (dw_part, db_part) if blocks == 1 else (dw_part.sum(0), db_part.sum(0))
     return ds, (dweight if weight is not None else None), (dbias if has_bias else None)

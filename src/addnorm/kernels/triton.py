@@ -33,23 +33,19 @@ because Triton's interpreter truncates; on GPU the same few integer ops cost not
 memory-bound kernel.
 
 Launch heuristic (``_config``), timed on an H100 with ``python benchmarks/triton_tune.py``
-(numbers in docs/benchmarks.md): ``BLOCK_N`` is the next power of two of ``N`` (or
+(docs/benchmarks.md, "On an NVIDIA H100"): ``BLOCK_N`` is the next power of two of ``N`` (or
 ``CHUNK_N``); short rows are stacked into ``BLOCK_M`` rows per program so that a tile holds
 about ``TILE_ELEMS`` elements; ``num_warps`` gives each thread about 64 bytes of the tile
-(``FORWARD_/BACKWARD_BYTES_PER_THREAD``; 32 bf16 or 16 fp32 elements, clamped to 1..32 warps).
-Fewer, fuller warps won over more warps with 4 elements each: each row reduction crosses
-fewer warps, and a thread has more loads in flight (forward bf16 at 32768x4096: 0.68 of the
-copy bandwidth at 4 elements per thread, 1.01 at 32). Rows up to 16384 features are fused in
-the forward (0.90-1.00 of copy at 4096x16384, against 0.5-0.7 chunked); the backward keeps
-about six row-sized values live (s, dy, xhat, g and the dweight/dbias sums) and fuses up to
-8192 (at 16384 it spills and is no faster than chunked; ``python
-benchmarks/triton_registers.py`` compiles every kernel for sm_90 without a GPU and prints
-registers and spills). The chunked path, which streams its chunks rather than holding a row,
-is fastest with 16 bytes per thread (``CHUNKED_BYTES_PER_THREAD``; backward at 4096x65536
-bf16: 0.45 of copy against 0.37 at 64). Backward launches
-``SMs * max(1, BACKWARD_WARPS_PER_SM // num_warps)`` programs, each looping over its rows: 32
-warps per SM beat 64 and 128 at every shape timed, and bound the partials buffer to
-``programs * N`` fp32 values.
+(``FORWARD_/BACKWARD_BYTES_PER_THREAD``), clamped to 1..32 warps: fewer, fuller warps let each
+row reduction cross fewer warps and keep more loads in flight per thread. The forward fuses
+rows up to 16384 features, the backward, which keeps about six row-sized values live, up to
+8192 (beyond, it spills: ``python benchmarks/triton_registers.py`` prints registers and spills
+for sm_90 without a GPU). The chunked path streams its chunks and takes 16 bytes per thread
+(``CHUNKED_BYTES_PER_THREAD``). Backward launches ``SMs * max(1, BACKWARD_WARPS_PER_SM //
+num_warps)`` programs, each looping over its rows, which bounds the partials buffer to
+``programs * N`` values. The tile shape and warps depend on ``N``, the dtype and the device
+alone, so a row's results never depend on the batch (the number of programs does: it sets only
+how the dweight/dbias partials are grouped).
 
 The kernels are compiled by ``triton.jit``, which reads ``TRITON_INTERPRET`` when this module
 is imported: with ``TRITON_INTERPRET=1`` set before then, they run on CPU tensors through
@@ -68,6 +64,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import reference
+from ..backend import Capabilities, check_s_parts
 
 # widest row held whole in registers (wider rows take the chunked path): the forward keeps
 # fewer values live than the backward (benchmarks/triton_tune.py measured both on an H100)
@@ -86,7 +83,6 @@ INTERPRETER_TILE_ELEMS = 65536
 INTERPRETER_MAX_BLOCK_M = 256
 INTERPRETER_PROGRAMS = 4  # backward programs under the interpreter (no SM count on CPU)
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _interpreted() -> bool:
@@ -95,16 +91,14 @@ def _interpreted() -> bool:
     return isinstance(_forward_kernel, InterpretedFunction)
 
 
+# CUDA tensors; CPU tensors only through Triton's interpreter (how CI runs these kernels)
+CAPABILITIES = Capabilities(device_types=("cuda", "cpu"))
+
+
 def unavailable_reason(x: Tensor | None) -> str | None:
     """Why these kernels cannot run on ``x`` (``None`` if they can)."""
-    if x is None:
-        return None
-    if x.device.type == "cpu" and not _interpreted():
+    if x is not None and x.device.type == "cpu" and not _interpreted():
         return "CPU tensors need TRITON_INTERPRET=1 (set before addnorm's triton kernels are imported)"
-    if x.device.type not in ("cpu", "cuda"):
-        return f"Triton kernels run on CUDA tensors, got a tensor on {x.device}"
-    if x.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {x.dtype} is not supported (float16, bfloat16, float32, float64)"
     return None
 
 
@@ -448,19 +442,26 @@ def forward(
     residual: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
+    *,
     eps: float,
     rms: bool,
     residual_dtype: torch.dtype | None,
-    *,
-    need_stream: bool = True,  # s is always written here
+    write_stream: bool = True,  # s and the statistics are always written here
+    write_stats: bool = True,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """:func:`addnorm.reference.forward`, fused: one read of the inputs, one write of the outputs."""
-    x, residual = _rows(x), _rows(residual)
-    m, n = x.shape
+    shape, n = x.shape, x.shape[-1]
+    x = _rows(x.reshape(-1, n))
+    residual = _rows(residual.reshape(-1, n)) if residual is not None else None
+    m = x.shape[0]
     sd = reference.stream_dtype(x, residual, residual_dtype)
     cd = reference.stats_dtype(sd)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    s = torch.empty((m, n), dtype=sd, device=x.device) if residual is not None else None
+    y = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    s = None
+    if residual is not None:
+        s = residual_out if residual_out is not None else torch.empty(shape, dtype=sd, device=x.device)
     mean = None if rms else torch.empty((m,), dtype=cd, device=x.device)
     rstd = torch.empty((m,), dtype=cd, device=x.device)
     if m == 0:
@@ -491,26 +492,28 @@ def _sum_partials(partials: Tensor) -> Tensor:
 def backward(
     dy: Tensor,
     dstream: Tensor | None,
-    s: Tensor,
+    s_parts: tuple[Tensor, ...],
     weight: Tensor | None,
     mean: Tensor | None,
     rstd: Tensor,
-    has_bias: bool,
     *,
-    residual: Tensor | None = None,
+    rms: bool,
+    has_bias: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias. (With
-    ``residual`` the stream is summed first: on a GPU writing ``s`` in the forward costs what
-    reading ``x`` and ``residual`` again would, so ``RECOMPUTE_STREAM`` is off and autograd
-    never asks for this.)"""
-    if residual is not None:
-        reference.check_recompute_dtypes(s, residual)
-        s = s + residual
+    """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias. (From
+    ``s_parts = (x, residual)`` the stream is summed first: on a GPU writing ``s`` in the forward
+    costs what reading ``x`` and ``residual`` again would, so ``recomputes_stream`` is off and
+    autograd never asks for this.)"""
+    check_s_parts(s_parts)
+    s = s_parts[0] if len(s_parts) == 1 else s_parts[0] + s_parts[1]
+    shape, n = s.shape, s.shape[-1]
+    rows = [None if t is None else _rows(t.reshape(-1, n)) for t in (dy, dstream, s)]
     with _device(s):
-        return _backward(_rows(dy), _rows(dstream), _rows(s), _rows(weight), mean, rstd, has_bias)
+        ds, dweight, dbias = _backward(*rows, _rows(weight), mean, rstd, rms, has_bias)
+    return ds.view(shape), dweight, dbias
 
 
-def _backward(dy, dstream, s, weight, mean, rstd, has_bias):
+def _backward(dy, dstream, s, weight, mean, rstd, rms, has_bias):
     m, n = s.shape
     cd = rstd.dtype
     ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
@@ -524,7 +527,7 @@ def _backward(dy, dstream, s, weight, mean, rstd, has_bias):
         k, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(3))
         _coef_kernel[(triton.cdiv(m, block_m),)](
             dy, s, weight, mean, rstd, k, c1, c2, m, n, dy.stride(0), s.stride(0),
-            HAS_WEIGHT=weight is not None, IS_RMS=mean is None, BLOCK_M=block_m, BLOCK_N=block_n,
+            HAS_WEIGHT=weight is not None, IS_RMS=rms, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps,
         )
     programs = _backward_programs(m, num_warps, s.device)
@@ -536,7 +539,7 @@ def _backward(dy, dstream, s, weight, mean, rstd, has_bias):
         dy, dstream, s, weight, mean, rstd, k, c1, c2, ds, dw, db, m, n, rows_per_program,
         dy.stride(0), dstream.stride(0) if dstream is not None else 0, s.stride(0),
         HAS_DSTREAM=dstream is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
-        IS_RMS=mean is None, CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        IS_RMS=rms, CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     dweight = _sum_partials(dw) if dw is not None else None
     return ds, dweight, (_sum_partials(db) if db is not None else None)

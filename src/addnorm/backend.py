@@ -1,0 +1,154 @@
+"""The backend contract: what a backend implements, what it declares, and the registry.
+
+A backend is a module that provides the three functions of :class:`Backend` and a
+:class:`Capabilities` declaration. The registry names each backend and imports it on first
+use; a module that lacks one of the functions or the declaration is rejected with the name
+of what is missing. Nothing else is read from a backend module.
+
+Every backend computes :mod:`addnorm.reference`'s formulas on rows of a 2-D ``(M, N)`` view,
+with the same statistics dtype, the same corrected mean and the same row scaling, and each
+row's results depend on that row alone: never on how many rows are in the call, where the
+row sits, or how many threads run (batch invariance; ``tests/test_batch_invariance.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares about itself.
+
+    ``device_types``: the tensor device types it runs on (``None``: any device).
+    ``recomputes_stream``: post-norm training is cheaper when the forward writes ``y`` alone
+    and the backward recomputes ``s = x + residual`` from the saved inputs (see
+    ``addnorm.ops.plan``); else the forward writes ``s`` and it is saved.
+    """
+
+    device_types: tuple[str, ...] | None
+    recomputes_stream: bool = False
+
+
+class Backend(Protocol):
+    """The functions every backend module provides (besides ``CAPABILITIES``)."""
+
+    CAPABILITIES: Capabilities
+
+    def unavailable_reason(self, x: Tensor | None) -> str | None:
+        """Why this backend cannot run (on ``x``, if given): a missing dependency, another
+        device, a dtype it lacks; ``None`` if it can."""
+
+    def forward(
+        self, x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, *,
+        eps: float, rms: bool, residual_dtype: torch.dtype | None, write_stream: bool = True,
+        write_stats: bool = True, out: Tensor | None = None, residual_out: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+        """``(y, s, mean, rstd)`` for the 2-D rows ``x`` (plus ``residual``): ``y`` in ``x.dtype``,
+        ``s = x + residual`` in the stream dtype (``None`` without a residual, and may be ``None``
+        when ``write_stream`` is False), ``mean`` (``None`` for RMSNorm) and ``rstd`` of shape
+        ``(M,)`` in the statistics dtype (both may be ``None`` when ``write_stats`` is False).
+        ``out``/``residual_out``: contiguous buffers to write ``y``/``s`` into, returned as such."""
+
+    def backward(
+        self, dy: Tensor, dstream: Tensor | None, s_parts: tuple[Tensor, ...], weight: Tensor | None,
+        mean: Tensor | None, rstd: Tensor, *, rms: bool, has_bias: bool,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(ds, dweight, dbias)``. ``s_parts`` holds the norm's input ``s`` as it was saved:
+        ``(s,)``, or ``(x, residual)`` (both in the stream dtype, see :func:`check_s_parts`), whose
+        sum, rounded to that dtype, is bit for bit the forward's ``s``. ``dstream`` is the gradient
+        of the returned stream (pre-norm) or ``None``. ``ds`` in the stream dtype; ``dweight`` and
+        ``dbias`` in the statistics dtype, ``None`` where there is no such parameter."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    module: str  # imported on first use: an optional dependency is needed only when it runs
+    summary: str
+
+
+REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in (
+    BackendSpec("reference", "addnorm.reference", "the plain-torch formulas; test oracle and fallback, any device"),
+    BackendSpec("cpu", "addnorm.kernels.cpu", "fused numba kernels, CPU"),
+    BackendSpec("triton", "addnorm.kernels.triton", "fused Triton kernels, CUDA (CPU tensors through the interpreter)"),
+)}
+_REQUIRED = ("unavailable_reason", "forward", "backward")
+_LOADED: dict[str, Backend] = {}
+
+
+def names() -> list[str]:
+    """Every value ``backend=`` accepts."""
+    return ["auto", *REGISTRY]
+
+
+def load(name: str) -> Backend:
+    """The backend module ``name``, imported and checked against the contract once.
+    ImportError when an optional dependency is missing."""
+    backend = _LOADED.get(name)
+    if backend is None:
+        module = importlib.import_module(REGISTRY[name].module)
+        missing = [f for f in _REQUIRED if not callable(getattr(module, f, None))]
+        if not isinstance(getattr(module, "CAPABILITIES", None), Capabilities):
+            missing.append("CAPABILITIES")
+        if missing:
+            raise TypeError(f"backend {name!r} ({module.__name__}) does not implement {', '.join(missing)}")
+        backend = _LOADED[name] = module
+    return backend
+
+
+def unavailable_reason(name: str, x: Tensor | None = None) -> str | None:
+    """Why backend ``name`` cannot run (on ``x``, if given), or ``None`` if it can."""
+    try:
+        backend = load(name)
+    except ImportError as err:  # an optional dependency is missing
+        return f"{err.name or err}: not installed"
+    devices = backend.CAPABILITIES.device_types
+    if x is not None and devices is not None and x.device.type not in devices:
+        return f"runs on {' and '.join(devices)} tensors, got a tensor on {x.device}"
+    return backend.unavailable_reason(x)
+
+
+# backend="auto" per device type: the fused kernels of that device where they can run, else the
+# reference. The choice depends on the device alone (every backend takes every supported dtype),
+# never on the size of the input: one path, the same numerics, at every size.
+_AUTO_PREFERENCE = {"cpu": "cpu", "cuda": "triton"}
+_AUTO: dict[str, str] = {}
+
+
+def auto_name(x: Tensor) -> str:
+    """The backend ``backend="auto"`` runs for tensors on ``x``'s device."""
+    device_type = x.device.type
+    name = _AUTO.get(device_type)
+    if name is None:
+        preferred = _AUTO_PREFERENCE.get(device_type)
+        name = preferred if preferred and unavailable_reason(preferred, x) is None else "reference"
+        _AUTO[device_type] = name
+    return name
+
+
+def resolve(name: str, x: Tensor) -> Backend:
+    """The backend that runs ``backend=name`` on ``x``, or a RuntimeError saying why it cannot."""
+    if name == "auto":
+        return _LOADED[auto_name(x)]
+    reason = unavailable_reason(name, x)
+    if reason is not None:
+        raise RuntimeError(f"backend {name!r} cannot run here: {reason}")
+    return _LOADED[name]
+
+
+def check_s_parts(s_parts: tuple[Tensor, ...]) -> None:
+    """``(x, residual)`` in backward must share shape and dtype: only then is ``x + residual``,
+    rounded to that dtype, bit for bit the forward's ``s``."""
+    if len(s_parts) == 2:
+        x, residual = s_parts
+        if residual.dtype != x.dtype or residual.shape != x.shape:
+            raise ValueError(f"s_parts=(x, residual) in backward need one shape and dtype, got "
+                             f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
+    elif len(s_parts) != 1:
+        raise ValueError(f"s_parts must be (s,) or (x, residual), got {len(s_parts)} tensors")

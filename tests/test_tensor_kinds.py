@@ -1,0 +1,129 @@
+"""Tensors that are not plain strided tensors never reach a kernel's raw pointers.
+
+Each kind gets a correct result or a clear error saying what is supported: jagged nested
+tensors (normalized over their last dim, as torch's layer_norm), FakeTensor, DTensor,
+``torch.jit.trace`` and ``torch.jit.script``, a pickled model. Sizes past 2**20 elements where
+a size threshold could change the path.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import addnorm
+
+
+def test_jagged_nested_tensor_matches_torch_forward_and_backward(backend):
+    g = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(n, 64, generator=g, dtype=torch.float64) for n in (3, 7, 1)]
+    w = torch.randn(64, generator=g, dtype=torch.float64, requires_grad=True)
+    outs = []
+    for fn in (lambda t: addnorm.layer_norm(t, 64, w, backend=backend), lambda t: TF.layer_norm(t, (64,), w)):
+        nt = torch.nested.nested_tensor([p.clone() for p in pieces], layout=torch.jagged, requires_grad=True)
+        y = fn(nt)
+        assert y.is_nested and y.layout == torch.jagged
+        (y.values() * torch.arange(64)).sum().backward()
+        outs.append((y.values().detach(), nt.grad.values(), w.grad.clone()))
+        w.grad = None
+    for ours, theirs in zip(*outs):
+        torch.testing.assert_close(ours, theirs)
+
+
+def test_jagged_nested_add_norm_prenorm():
+    pieces = [torch.randn(n, 32) for n in (2, 5)]
+    x = torch.nested.nested_tensor(pieces, layout=torch.jagged)
+    r = torch.nested.nested_tensor_from_jagged(torch.randn_like(x.values()), x.offsets())
+    y, s = addnorm.add_rms_norm(x, r, 32, prenorm=True)
+    torch.testing.assert_close(s.values(), x.values() + r.values())
+    torch.testing.assert_close(y.values(), TF.rms_norm(s.values(), (32,), eps=torch.finfo(torch.float32).eps))
+
+
+def test_nested_tensors_other_than_jagged_last_dim_get_a_clear_error():
+    strided = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)])
+    with pytest.raises(TypeError, match="layout=torch.jagged, normalized over their last"):
+        addnorm.layer_norm(strided, 8)
+
+
+def test_fake_tensors_get_shapes_and_dtypes_without_running_a_kernel(backend):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(1100, 1024, dtype=torch.bfloat16)
+        r = torch.empty(1100, 1024, dtype=torch.bfloat16)
+        y, s = addnorm.add_layer_norm(x, r, 1024, prenorm=True, residual_dtype=torch.float32, backend=backend)
+    assert y.shape == (1100, 1024) and y.dtype == torch.bfloat16 and s.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "auto"])
+def test_jit_trace_at_size_records_the_custom_op(backend_name):
+    """1100 x 1024 (past 2**20 elements): traced shapes never reach a kernel as pointers."""
+    ln = addnorm.LayerNorm(1024, backend=backend_name)
+    with torch.no_grad():
+        ln.weight.normal_(), ln.bias.normal_()
+    x = torch.randn(1100, 1024)
+    traced = torch.jit.trace(ln, x, check_trace=False)
+    assert "addnorm::forward" in str(traced.graph)
+    other = torch.randn(300, 1024) * 50 + 1e4  # replayed on another shape and scale
+    with torch.no_grad():
+        for t in (x, other):
+            oracle = TF.layer_norm(t.double(), (1024,), ln.weight.double(), ln.bias.double())
+            torch.testing.assert_close(traced(t).double(), oracle, rtol=1.3e-6, atol=1e-5)
+
+
+def test_jit_script_points_to_torch_compile():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), addnorm.LayerNorm(8))
+    with pytest.raises(TypeError, match="torch.jit.script.*torch.compile"):
+        torch.jit.script(model)
+
+
+def test_pickled_model_round_trips(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), addnorm.RMSNorm(16, backend="cpu"),
+                                addnorm.AddNorm(16, prenorm=True))
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    again = pickle.loads(pickle.dumps(model))
+    x, r = torch.randn(4, 16), torch.randn(4, 16)
+    for m in (loaded, again):
+        torch.testing.assert_close(m[1](m[0](x)), model[1](model[0](x)), rtol=0, atol=0)
+        torch.testing.assert_close(m[2](x, r), model[2](x, r), rtol=0, atol=0)
+
+
+_DTENSOR = textwrap.dedent("""
+    import os, torch, torch.distributed as dist, addnorm
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor, Replicate
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    x = distribute_tensor(torch.randn(1100, 1024), mesh, [Replicate()])
+    try:
+        y = addnorm.LayerNorm(1024)(x)
+        print("RESULT", type(y).__name__)
+    except (TypeError, RuntimeError, NotImplementedError) as err:
+        print("ERROR", type(err).__name__, err)
+    dist.destroy_process_group()
+""")
+
+
+def test_dtensor_never_crashes_the_process():
+    """A DTensor goes through the custom op, where DTensor's dispatch applies its sharding rules
+    (or says there are none): never a kernel reading its raw pointers. In a child process, so
+    that a crash fails this test instead of the run."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PORT": str(port), "PYTHONPATH": str(Path(addnorm.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", _DTENSOR], capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith(("RESULT", "ERROR")))
+    assert line == "RESULT DTensor" or line.startswith("ERROR NotImplementedError addnorm's ops have no DTensor"), line
