@@ -100,6 +100,11 @@ def _backward_impl(dy: Tensor, dstream: Tensor | None, s_parts: list[Tensor], we
             dbias if dbias is not None else _empty(ds, cd))
 
 
+def _eager_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend):
+    return backends.resolve(backend, s_parts[0]).backward(dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms,
+                                                          has_bias=has_bias)
+
+
 _forward_op = torch.library.custom_op("addnorm::forward", _forward_impl, mutates_args=())
 _backward_op = torch.library.custom_op("addnorm::backward", _backward_impl, mutates_args=())
 
@@ -124,69 +129,94 @@ def _backward_fake(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, back
     return s.new_empty(s.shape), dweight, dbias
 
 
-def _setup_context(ctx, inputs, output, p: Plan | None = None):
+def _saved(x: Tensor, residual: Tensor | None, s: Tensor | None, p: Plan) -> tuple[Tensor, ...]:
+    """The backward's ``s_parts`` under plan ``p``: ``(x, residual)`` to recompute ``s`` from, or
+    the stream itself (``x`` without a residual)."""
+    return (x, residual) if p.save_inputs else (x if residual is None else s,)
+
+
+def _meta(x, residual, bias, eps, rms, backend, stream_output: bool) -> tuple:
+    """What the backward needs besides tensors, in one ctx attribute (``stream_output``: whether
+    the stream is an output with a gradient to take)."""
+    return (x.dtype, None if residual is None else residual.dtype, None if bias is None else bias.dtype, eps, rms,
+            backend, stream_output)
+
+
+def _setup_context(ctx, inputs, output):
+    """The custom op's autograd: the plan its forward made, the statistics saved as tensors."""
     x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm = inputs
     y, s, mean, rstd = output
-    if p is None:  # the custom op's autograd: the same plan as its forward made
-        p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm, training=True)
-    # s_parts: (x, residual) to recompute s from, or the stream itself (x without a residual)
-    s_parts = (x, residual) if p.save_inputs else (x if residual is None else s,)
-    ctx.save_for_backward(weight, None if rms else mean, rstd, *s_parts)
-    ctx.mark_non_differentiable(*(t for t in (mean, rstd) if t is not None))
+    p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm, training=True)
+    ctx.save_for_backward(weight, None if rms else mean, rstd, *_saved(x, residual, s, p))
+    ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
-    ctx.x_dtype = x.dtype
-    ctx.residual_dtype = residual.dtype if residual is not None else None
-    ctx.bias_dtype = bias.dtype if bias is not None else None
-    ctx.backend, ctx.eps, ctx.rms, ctx.stream_written = backend, eps, rms, p.write_stream
+    ctx.meta = _meta(x, residual, bias, eps, rms, backend, p.write_stream)
 
 
 def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)  # .to() itself costs ~1 µs even when a no-op
 
 
-def _make_backward(backward_fn, num_inputs: int):
-    def backward(ctx, dy, dstream, _dmean, _drstd):
-        weight, mean, rstd, *s_parts = ctx.saved_tensors
-        if dy is None:  # only the stream output was used
-            dy = torch.zeros(s_parts[0].shape, dtype=ctx.x_dtype, device=s_parts[0].device)
-        if not ctx.stream_written:  # the stream output is an empty placeholder (its gradient too)
-            dstream = None
-        has_bias = ctx.bias_dtype is not None
-        if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
-            s = s_parts[0] if len(s_parts) == 1 else s_parts[0] + s_parts[1]
-            ds, dweight, dbias = reference.differentiable_backward(dy, dstream, s, weight, ctx.eps, ctx.rms,
-                                                                   has_bias)
-        else:
-            ds, dweight, dbias = backward_fn(dy, dstream, s_parts, weight, mean, rstd, ctx.rms, has_bias,
-                                             ctx.backend)
-        dx = _to(ds, ctx.x_dtype)
-        dresidual = _to(ds, ctx.residual_dtype) if ctx.residual_dtype is not None else None
-        dweight = _to(dweight, weight.dtype) if weight is not None else None
-        dbias = _to(dbias, ctx.bias_dtype) if has_bias else None
-        return (dx, dresidual, dweight, dbias) + (None,) * (num_inputs - 4)
-
-    return backward
+def _grads(dy, dstream, weight, mean, rstd, s_parts, meta, backward_fn) -> tuple:
+    """``(dx, dresidual, dweight, dbias)``: the one backward of both autograd wrappers."""
+    x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_written = meta
+    if dy is None:  # only the stream output was used
+        dy = torch.zeros(s_parts[0].shape, dtype=x_dtype, device=s_parts[0].device)
+    if not stream_written:  # no stream output, or an empty placeholder (its gradient too)
+        dstream = None
+    has_bias = bias_dtype is not None
+    if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+        s = s_parts[0] if len(s_parts) == 1 else s_parts[0] + s_parts[1]
+        ds, dweight, dbias = reference.differentiable_backward(dy, dstream, s, weight, eps, rms, has_bias)
+    else:
+        ds, dweight, dbias = backward_fn(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend)
+    return (_to(ds, x_dtype), None if residual_dtype is None else _to(ds, residual_dtype),
+            None if weight is None else _to(dweight, weight.dtype), _to(dbias, bias_dtype) if has_bias else None)
 
 
-_forward_op.register_autograd(_make_backward(_backward_op, 9), setup_context=_setup_context)
+def _op_backward(ctx, dy, dstream, _dmean, _drstd):
+    weight, mean, rstd, *s_parts = ctx.saved_tensors
+    return _grads(dy, dstream, weight, mean, rstd, s_parts, ctx.meta, _backward_op) + (None,) * 5
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _EagerAddNorm(torch.autograd.Function):
     """Eager-mode twin of ``addnorm::forward``: the same implementation, plan and backward, no op
-    dispatch. (The old-style ``forward(ctx, ...)`` on purpose: with a separate ``setup_context``,
-    ``Function.apply`` binds the arguments with ``inspect.signature`` on every call.)"""
+    dispatch, and less autograd bookkeeping: the outputs are ``y`` (and ``s`` for pre-norm) alone
+    (the statistics are saved, not returned), the arguments that are no tensors travel as one
+    tuple. (The old-style ``forward(ctx, ...)``
+    on purpose: with a separate ``setup_context``, ``Function.apply`` binds the arguments with
+    ``inspect.signature`` on every call.)"""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm):
+    def forward(ctx, x, residual, weight, bias, options):
+        eps, rms, residual_dtype, backend, prenorm = options
         impl = backends.resolve(backend, x)
         p = plan(impl, x, residual, residual_dtype, prenorm, training=True)
-        output = impl.forward(x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
-                              write_stream=p.write_stream)
-        inputs = (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm)
-        _setup_context(ctx, inputs, output, p)
-        return output
+        y, s, mean, rstd = impl.forward(x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
+                                        write_stream=p.write_stream)
+        ctx.save_for_backward(weight, mean, rstd, *_saved(x, residual, s, p))
+        # s is an output whenever it is saved, so that a second derivative reaches x and residual
+        # through it; post-norm discards it
+        stream_output = residual is not None and not p.save_inputs
+        ctx.meta = _meta(x, residual, bias, eps, rms, backend, stream_output)
+        if not stream_output:
+            return y
+        ctx.set_materialize_grads(False)
+        return y, s
 
-    backward = staticmethod(_make_backward(_backward_impl, 9))
+    @staticmethod
+    def backward(ctx, dy, dstream=None):
+        weight, mean, rstd, *s_parts = ctx.saved_tensors
+        return (*_grads(dy, dstream, weight, mean, rstd, s_parts, ctx.meta, _eager_backward), None)
+
+
+# Function.apply's Python wrapper binds setup_context arguments and unwraps functorch tensors:
+# neither applies here (the eager path runs only outside torch.func transforms), so the C
+# implementation it ends in is called directly: several µs less per training call.
+_eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerAddNorm)
 
 
 # --------------------------------------------------------------------------- checks
@@ -354,7 +384,7 @@ def add_norm(
         check_flag("prenorm", prenorm)
     if backend != "auto":
         check_backend(backend)
-    if torch.onnx.is_in_onnx_export():
+    if (_is_exporting() or _tracing_state() is not None) and torch.onnx.is_in_onnx_export():
         return _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype)
     if len(shape) > 1:  # rows of n features: the normalized dims flattened into one
         n = math.prod(shape)
@@ -371,31 +401,40 @@ def add_norm(
     if buffers:
         _check_out(x, residual, out, residual_out, reference.stream_dtype(x, residual, residual_dtype), needs_grad)
     args = (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm)
-    if (_is_compiling() or _is_exporting()) and not buffers:
-        y, s, _, _ = _forward_op(*args)
-    elif _functorch_level() is not None or forward_ad._current_level >= 0:
-        # torch.func transforms, forward-mode AD: the reference formulas as torch ops
-        n = shape[0]
-        y, s = reference.composite(x.reshape(-1, n), None if residual is None else residual.reshape(-1, n),
-                                   weight, bias, eps, rms, residual_dtype)
-        y, s = y.view(x.shape), s.view(x.shape)
-    elif not buffers and (_unusual(x, residual, weight, bias) or _tracing_state() is not None):
-        _check_subclass(x, residual, weight, bias)
-        y, s, _, _ = _forward_op(*args)
+    if (type(x) not in _PLAIN or (residual is not None and type(residual) not in _PLAIN)
+            or (weight is not None and type(weight) not in _PLAIN) or (bias is not None and type(bias) not in _PLAIN)
+            or _is_compiling() or _is_exporting() or _tracing_state() is not None or _functorch_level() is not None
+            or forward_ad._current_level >= 0):
+        y, s = _traced_or_transformed(args, buffers, out, residual_out)
     elif needs_grad:
-        y, s, _, _ = _EagerAddNorm.apply(*args)
+        out = _eager_apply(x, residual, weight, bias, (eps, rms, residual_dtype, backend, prenorm))
+        y, s = out if type(out) is tuple else (out, None)
     else:  # inference: no autograd, nothing saved, the stream only when it is returned
-        impl = backends.resolve(backend, x)
-        y, s, _, _ = impl.forward(x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
-                                  write_stream=prenorm or residual_out is not None, write_stats=False, out=out,
-                                  residual_out=residual_out)
+        y, s, _, _ = backends.resolve(backend, x).forward(
+            x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
+            write_stream=prenorm or residual_out is not None, write_stats=False, out=out, residual_out=residual_out)
     return (y, s) if prenorm else y
 
 
-def _unusual(*tensors: Tensor | None) -> bool:
-    """Whether any tensor is a subclass (FakeTensor, DTensor, ...): those go through the custom
-    ops, where the dispatcher hands them to their own rules, never to a kernel's raw pointers."""
-    return any(t is not None and type(t) not in _PLAIN for t in tensors)
+def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tensor, Tensor | None]:
+    """``(y, s)`` for graphs being traced, ``torch.func`` transforms, forward-mode AD and tensor
+    subclasses (module docstring)."""
+    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm = args
+    if (_is_compiling() or _is_exporting()) and not buffers:
+        y, s, _, _ = _forward_op(*args)
+        return y, s
+    if _functorch_level() is not None or forward_ad._current_level >= 0:
+        n = x.shape[-1]  # the reference formulas as torch ops, which every transform composes
+        y, s = reference.composite(x.reshape(-1, n), None if residual is None else residual.reshape(-1, n),
+                                   weight, bias, eps, rms, residual_dtype)
+        return y.view(x.shape), s.view(x.shape)
+    _check_subclass(x, residual, weight, bias)
+    if buffers:  # written eagerly, outside any graph (no autograd: _check_out)
+        return backends.resolve(backend, x).forward(
+            x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
+            write_stream=prenorm or residual_out is not None, write_stats=False, out=out, residual_out=residual_out)[:2]
+    y, s, _, _ = _forward_op(*args)
+    return y, s
 
 
 def _check_subclass(*tensors: Tensor | None) -> None:
