@@ -26,15 +26,23 @@ def calls(m: int, dtype: torch.dtype) -> dict:
     _, _, mean, rstd = cpu.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
     _, tmean, trstd = torch.native_layer_norm(x, (N,), w, b, 1e-5)
     return {
-        "addnorm add+layer_norm forward": lambda: cpu.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None, out=y, residual_out=s),
-        "addnorm add+layer_norm fwd, no s": lambda: cpu.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None, out=y,
-                                                                write_stream=False),
-        "addnorm layer_norm forward": lambda: cpu.forward(x, None, w, b, eps=1e-5, rms=False, residual_dtype=None, out=y),
+        "addnorm add+layer_norm forward": lambda: cpu.forward(
+            x, r, w, b, eps=1e-5, rms=False, residual_dtype=None, out=y, residual_out=s
+        ),
+        "addnorm add+layer_norm fwd, no s": lambda: cpu.forward(
+            x, r, w, b, eps=1e-5, rms=False, residual_dtype=None, out=y, write_stream=False
+        ),
+        "addnorm layer_norm forward": lambda: cpu.forward(
+            x, None, w, b, eps=1e-5, rms=False, residual_dtype=None, out=y
+        ),
         "torch layer_norm forward": lambda: torch.native_layer_norm(x, (N,), w, b, 1e-5),
         "addnorm layer_norm backward": lambda: cpu.backward(dy, None, (x,), w, mean, rstd, rms=False, has_bias=True),
-        "addnorm add+layer_norm bwd, x+r": lambda: cpu.backward(dy, None, (x, r), w, mean, rstd, rms=False, has_bias=True),
+        "addnorm add+layer_norm bwd, x+r": lambda: cpu.backward(
+            dy, None, (x, r), w, mean, rstd, rms=False, has_bias=True
+        ),
         "torch layer_norm backward": lambda: torch.ops.aten.native_layer_norm_backward(
-            dy, x, (N,), tmean, trstd, w, b, (True, True, True)),
+            dy, x, (N,), tmean, trstd, w, b, (True, True, True)
+        ),
     }
 
 

@@ -25,6 +25,7 @@ def threaded(min_elements: int, fn):
             fn()
         finally:
             cpu.PARALLEL_MIN_ELEMENTS = old
+
     return run
 
 
@@ -37,11 +38,14 @@ def calls(m: int, n: int) -> dict:
     fwd = lambda: cpu.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)  # noqa: E731
     bwd = lambda: cpu.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True)  # noqa: E731
     return {
-        "fwd 1 thread": threaded(1 << 62, fwd), "fwd threads": threaded(1, fwd),
+        "fwd 1 thread": threaded(1 << 62, fwd),
+        "fwd threads": threaded(1, fwd),
         "fwd torch": lambda: torch.layer_norm(x + r, (n,), w, b, 1e-5),
-        "bwd 1 thread": threaded(1 << 62, bwd), "bwd threads": threaded(1, bwd),
+        "bwd 1 thread": threaded(1 << 62, bwd),
+        "bwd threads": threaded(1, bwd),
         "bwd torch": lambda: torch.ops.aten.native_layer_norm_backward(
-            dy, s, (n,), tmean, trstd, w, b, (True, True, True)),
+            dy, s, (n,), tmean, trstd, w, b, (True, True, True)
+        ),
     }
 
 

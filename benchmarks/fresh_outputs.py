@@ -30,14 +30,18 @@ def faults() -> int:
 def main() -> None:
     if len(sys.argv) > 1:
         torch.set_num_threads(int(sys.argv[1]))
-    print(f"{torch.get_num_threads()} thread(s); huge-page advice "
-          f"{'on' if cpu._MADVISE is not None else 'off (THP mode is not madvise)'} "
-          f"from {cpu.HUGE_PAGES_MIN_BYTES >> 20} MiB; median ms (page faults per call)")
+    print(
+        f"{torch.get_num_threads()} thread(s); huge-page advice "
+        f"{'on' if cpu._MADVISE is not None else 'off (THP mode is not madvise)'} "
+        f"from {cpu.HUGE_PAGES_MIN_BYTES >> 20} MiB; median ms (page faults per call)"
+    )
     for shape in SHAPES:
         kept = torch.empty(shape)
-        calls = {"torch.empty + fill": lambda shape=shape: torch.empty(shape).fill_(1),
-                 "kernels' _empty + fill": lambda shape=shape: cpu._empty(shape, torch.float32).fill_(1),
-                 "refill a kept tensor": lambda kept=kept: kept.fill_(1)}
+        calls = {
+            "torch.empty + fill": lambda shape=shape: torch.empty(shape).fill_(1),
+            "kernels' _empty + fill": lambda shape=shape: cpu._empty(shape, torch.float32).fill_(1),
+            "refill a kept tensor": lambda kept=kept: kept.fill_(1),
+        }
         times: dict[str, list[float]] = {name: [] for name in calls}
         counts: dict[str, list[int]] = {name: [] for name in calls}
         for fn in calls.values():
@@ -48,8 +52,10 @@ def main() -> None:
                 fn()
                 times[name].append(time.perf_counter() - t)
                 counts[name].append(faults() - f)
-        cells = [f"{name} {statistics.median(times[name]) * 1e3:.2f} ({statistics.median(counts[name]):.0f})"
-                 for name in calls]
+        cells = [
+            f"{name} {statistics.median(times[name]) * 1e3:.2f} ({statistics.median(counts[name]):.0f})"
+            for name in calls
+        ]
         print(f"  {shape[0]}x{shape[1]} ({4 * shape[0] * shape[1] >> 20} MiB): " + ", ".join(cells))
 
 

@@ -25,12 +25,27 @@ def build(name: str, width: int, layers: int, seq: int):
     import transformers as tf
 
     torch.manual_seed(0)
-    common = dict(num_hidden_layers=layers, hidden_size=width, intermediate_size=4 * width,
-                  num_attention_heads=width // 64, vocab_size=1024, max_position_embeddings=seq)
+    common = dict(
+        num_hidden_layers=layers,
+        hidden_size=width,
+        intermediate_size=4 * width,
+        num_attention_heads=width // 64,
+        vocab_size=1024,
+        max_position_embeddings=seq,
+    )
     if name == "gpt2":
-        config = tf.GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=1024,
-                               n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                               bos_token_id=0, eos_token_id=0)
+        config = tf.GPT2Config(
+            n_layer=layers,
+            n_embd=width,
+            n_head=width // 64,
+            vocab_size=1024,
+            n_positions=seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return tf.GPT2LMHeadModel(config)
     config = tf.LlamaConfig(**common, num_key_value_heads=width // 64, bos_token_id=0, eos_token_id=0)
     return tf.LlamaForCausalLM(config)
@@ -72,13 +87,17 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
 
     base = statistics.median(times["hf"])
-    print(f"{args.model} width={args.width} layers={args.layers} batch={args.batch} seq={args.seq} "
-          f"fp32 threads={args.threads} backend={args.backend} rounds={args.rounds}, forward+backward")
+    print(
+        f"{args.model} width={args.width} layers={args.layers} batch={args.batch} seq={args.seq} "
+        f"fp32 threads={args.threads} backend={args.backend} rounds={args.rounds}, forward+backward"
+    )
     for name, ts in times.items():
         q = statistics.quantiles(ts, n=5)
         med = statistics.median(ts)
-        print(f"  {name:8s} median {med * 1e3:8.2f} ms  p20 {q[0] * 1e3:8.2f}  p80 {q[3] * 1e3:8.2f}  "
-              f"x{med / base:.3f} of hf")
+        print(
+            f"  {name:8s} median {med * 1e3:8.2f} ms  p20 {q[0] * 1e3:8.2f}  p80 {q[3] * 1e3:8.2f}  "
+            f"x{med / base:.3f} of hf"
+        )
 
 
 if __name__ == "__main__":

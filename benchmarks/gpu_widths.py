@@ -60,8 +60,11 @@ def check(op: str, rows: int, n: int, dtype: torch.dtype) -> bool:
     err_y = ((y.double() - ref).abs().max() / (eps * ref.abs().max())).item()
     err_dx = ((dx.double() - xo.grad).abs().max() / (eps * xo.grad.abs().max())).item()
     ok = err_y <= BOUND[dtype] and err_dx <= 4 * BOUND[dtype] and same
-    print(f"{op:15s} {rows:6d}x{n:<7d} {str(dtype):15s} y {err_y:7.3f} eps  dx {err_dx:7.3f} eps  "
-          f"dweight bit-identical {same}  {'ok' if ok else 'FAIL'}", flush=True)
+    print(
+        f"{op:15s} {rows:6d}x{n:<7d} {str(dtype):15s} y {err_y:7.3f} eps  dx {err_dx:7.3f} eps  "
+        f"dweight bit-identical {same}  {'ok' if ok else 'FAIL'}",
+        flush=True,
+    )
     return ok
 
 
@@ -72,8 +75,11 @@ def huge() -> bool:
     ref = F.layer_norm(x[-2:].double(), (65536,))
     err = ((y[-2:].double() - ref).abs().max() / torch.finfo(torch.bfloat16).eps).item()
     ok = err <= 2 * ref.abs().max().item()
-    print(f"layer_norm      32769x65536  bf16 (2**31 + 65536 elements): last rows {err:.3f} eps  "
-          f"{'ok' if ok else 'FAIL'}", flush=True)
+    print(
+        f"layer_norm      32769x65536  bf16 (2**31 + 65536 elements): last rows {err:.3f} eps  "
+        f"{'ok' if ok else 'FAIL'}",
+        flush=True,
+    )
     return ok
 
 

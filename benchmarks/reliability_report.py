@@ -37,8 +37,9 @@ def properties(backend: str, examples: int) -> tuple[int, float, dict]:
     records: list = []
     count = 0
 
-    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck)
+    )
     @given(case=prop.cases())
     def collect(case):
         nonlocal count
@@ -70,8 +71,9 @@ def determinism(backend: str) -> tuple[int, int, float]:
                         runs += 1
                         same = zip(first[threads], again, strict=True)
                         identical += all(torch.equal(a, b) for a, b in same)
-            spread = max(spread, *((a.double() - b.double()).abs().max().item()
-                                   for a, b in zip(first[1], first[2], strict=True)))
+            spread = max(
+                spread, *((a.double() - b.double()).abs().max().item() for a, b in zip(first[1], first[2], strict=True))
+            )
     return identical, runs, spread
 
 
@@ -100,13 +102,17 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore", UserWarning)
     p = print
-    p(f"Run: `PYTHONPATH=src python benchmarks/reliability_report.py --examples {args.examples}` on "
-      f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} torch threads.\n")
+    p(
+        f"Run: `PYTHONPATH=src python benchmarks/reliability_report.py --examples {args.examples}` on "
+        f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} torch threads.\n"
+    )
     for backend in args.backend:
         p(f"### backend `{backend}`\n")
         count, secs, table = properties(backend, args.examples)
-        p(f"Property tests: {count} random cases in {secs:.1f} s, all within tolerance. "
-          "Max |error| against the fp64 oracle:\n")
+        p(
+            f"Property tests: {count} random cases in {secs:.1f} s, all within tolerance. "
+            "Max |error| against the fp64 oracle:\n"
+        )
         p("| dtype | checked | checks | ours | torch (same dtype) | ours <= torch |")
         p("|---|---|---|---|---|---|")
         for (dt, kind), (k, ours, theirs, better) in sorted(table.items()):
@@ -120,9 +126,11 @@ def main() -> None:
             cells = [f"{err('ours', k):.2g} / {err('torch', k):.2g}" for k in ("y", "dx", "dweight")]
             p(f"| {sc.name} | {DT[sc.dtype]} | " + " | ".join(cells) + " |")
         identical, runs, spread = determinism(backend)
-        p(f"\nDeterminism ({det.M} x {det.N}, pre-norm, fp32/bf16, LayerNorm/RMSNorm, 1 and 2 threads): "
-          f"{identical}/{runs} repeated runs bit-identical in all six results; "
-          f"max difference 1 vs 2 threads: {spread:.3g}.\n")
+        p(
+            f"\nDeterminism ({det.M} x {det.N}, pre-norm, fp32/bf16, LayerNorm/RMSNorm, 1 and 2 threads): "
+            f"{identical}/{runs} repeated runs bit-identical in all six results; "
+            f"max difference 1 vs 2 threads: {spread:.3g}.\n"
+        )
         p("Peak memory of forward + backward of add_layer_norm (MiB, torch's CPU allocator):\n")
         p("| shape | dtype | mode | ours | torch eager |")
         p("|---|---|---|---|---|")
@@ -133,8 +141,10 @@ def main() -> None:
                     mode = "pre" if prenorm else "post"
                     p(f"| {m} x {n} | {DT[dtype]} | {mode}-norm | {ours:.2f} | {eager:.2f} |")
         p("")
-    p(f"Bad input: {len(bad.FUNCTION_CASES)} table rows over the public functions and modules, "
-      f"{len(bad.CLI_CASES)} CLI rows, CLI fuzzing over {len(bad.FUZZ_COMMANDS)} command(s).")
+    p(
+        f"Bad input: {len(bad.FUNCTION_CASES)} table rows over the public functions and modules, "
+        f"{len(bad.CLI_CASES)} CLI rows, CLI fuzzing over {len(bad.FUZZ_COMMANDS)} command(s)."
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
     nones = {k: None for k, v in signature.items() if v == "constexpr" and k not in constants}
     constants = {**constants, **nones}
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants), target=TARGET,
-                            options={"num_warps": num_warps})
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constants), target=TARGET, options={"num_warps": num_warps}
+    )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -50,34 +51,78 @@ def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
 
 def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool) -> str:
     cd = torch.float64 if stream == torch.float64 else torch.float32
-    block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"), dtype.itemsize, K.FORWARD_BYTES_PER_THREAD,
-                                                 K.FORWARD_MAX_FUSED_N)
-    sig = {"X": PTR[dtype], "R": PTR[dtype], "W": PTR[dtype], "B": "constexpr" if rms else PTR[dtype],
-           "Y": PTR[dtype], "S": PTR[stream], "MEAN": "constexpr" if rms else PTR[cd], "RSTD": PTR[cd],
-           "M": "i32", "N": "i32", "sx": "i64", "sr": "i64", "eps": "fp32"}
-    const = {"HAS_RESIDUAL": True, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "IS_RMS": rms, "CHUNKED": chunked,
-             "BLOCK_M": block_m, "BLOCK_N": block_n}
+    block_m, block_n, warps, chunked = K._config(
+        n, torch.device("cuda"), dtype.itemsize, K.FORWARD_BYTES_PER_THREAD, K.FORWARD_MAX_FUSED_N
+    )
+    sig = {
+        "X": PTR[dtype],
+        "R": PTR[dtype],
+        "W": PTR[dtype],
+        "B": "constexpr" if rms else PTR[dtype],
+        "Y": PTR[dtype],
+        "S": PTR[stream],
+        "MEAN": "constexpr" if rms else PTR[cd],
+        "RSTD": PTR[cd],
+        "M": "i32",
+        "N": "i32",
+        "sx": "i64",
+        "sr": "i64",
+        "eps": "fp32",
+    }
+    const = {
+        "HAS_RESIDUAL": True,
+        "HAS_WEIGHT": True,
+        "HAS_BIAS": not rms,
+        "IS_RMS": rms,
+        "CHUNKED": chunked,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+    }
     return resources(K._forward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
 
 
 def backward(n: int, dtype: torch.dtype, rms: bool) -> str:
     cd = torch.float64 if dtype == torch.float64 else torch.float32
-    block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"), dtype.itemsize,
-                                                 K.BACKWARD_BYTES_PER_THREAD, K.BACKWARD_MAX_FUSED_N)
+    block_m, block_n, warps, chunked = K._config(
+        n, torch.device("cuda"), dtype.itemsize, K.BACKWARD_BYTES_PER_THREAD, K.BACKWARD_MAX_FUSED_N
+    )
     coef = PTR[cd] if chunked else "constexpr"
-    sig = {"DY": PTR[dtype], "DSTREAM": PTR[dtype], "S": PTR[dtype], "W": PTR[dtype],
-           "MEAN": "constexpr" if rms else PTR[cd], "RSTD": PTR[cd], "K": coef, "C1": coef, "C2": coef,
-           "DS": PTR[dtype],
-           "DW": PTR[cd], "DB": "constexpr" if rms else PTR[cd],
-           "M": "i32", "N": "i32", "rows_per_program": "i32", "sdy": "i64", "sdst": "i64", "ss": "i64"}
-    const = {"HAS_DSTREAM": True, "HAS_WEIGHT": True, "HAS_BIAS": not rms, "IS_RMS": rms, "CHUNKED": chunked,
-             "BLOCK_M": block_m, "BLOCK_N": block_n}
+    sig = {
+        "DY": PTR[dtype],
+        "DSTREAM": PTR[dtype],
+        "S": PTR[dtype],
+        "W": PTR[dtype],
+        "MEAN": "constexpr" if rms else PTR[cd],
+        "RSTD": PTR[cd],
+        "K": coef,
+        "C1": coef,
+        "C2": coef,
+        "DS": PTR[dtype],
+        "DW": PTR[cd],
+        "DB": "constexpr" if rms else PTR[cd],
+        "M": "i32",
+        "N": "i32",
+        "rows_per_program": "i32",
+        "sdy": "i64",
+        "sdst": "i64",
+        "ss": "i64",
+    }
+    const = {
+        "HAS_DSTREAM": True,
+        "HAS_WEIGHT": True,
+        "HAS_BIAS": not rms,
+        "IS_RMS": rms,
+        "CHUNKED": chunked,
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+    }
     out = resources(K._backward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
     if chunked:
         keys = ("DY", "S", "W", "MEAN", "RSTD", "K", "C1", "C2", "M", "N", "sdy", "ss")
         cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BLOCK_M", "BLOCK_N")}
-        out += "  coef: " + resources(K._coef_kernel, {**{k: sig[k] for k in keys},
-                                                      **dict.fromkeys(cconst, "constexpr")}, cconst, warps)
+        out += "  coef: " + resources(
+            K._coef_kernel, {**{k: sig[k] for k in keys}, **dict.fromkeys(cconst, "constexpr")}, cconst, warps
+        )
     return out
 
 

@@ -56,8 +56,9 @@ def overhead(profile: bool) -> None:
         "kernels.triton._sum_partials": lambda: K._sum_partials(partials),
         "addnorm.add_layer_norm fwd": lambda: addnorm.add_layer_norm(x, r, 768, w, b, backend="triton"),
         "torch add + layer_norm fwd": lambda: F.layer_norm(x + r, (768,), w, b),
-        "addnorm.add_layer_norm fwd+bwd": lambda: addnorm.add_layer_norm(
-            xg, r, 768, wg, bg, backend="triton").sum().backward(),
+        "addnorm.add_layer_norm fwd+bwd": lambda: (
+            addnorm.add_layer_norm(xg, r, 768, wg, bg, backend="triton").sum().backward()
+        ),
         "torch add + layer_norm fwd+bwd": lambda: F.layer_norm(xg + r, (768,), wg, bg).sum().backward(),
     }
     for name, fn in cases.items():
@@ -78,13 +79,18 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
     x, r, dy, w, b = mk(m, n), mk(m, n), mk(m, n), mk(n), mk(n)
     size = x.element_size()
     fwd_bytes, bwd_bytes = 4 * m * n * size, 3 * m * n * size
-    names = ("FORWARD_BYTES_PER_THREAD", "BACKWARD_BYTES_PER_THREAD", "CHUNKED_BYTES_PER_THREAD",
-             "BACKWARD_WARPS_PER_SM", "CHUNK_N")
+    names = (
+        "FORWARD_BYTES_PER_THREAD",
+        "BACKWARD_BYTES_PER_THREAD",
+        "CHUNKED_BYTES_PER_THREAD",
+        "BACKWARD_WARPS_PER_SM",
+        "CHUNK_N",
+    )
     base = {name: getattr(K, name) for name in names}
     head = f"{shape:>11s} {str(dtype)[6:]:8s}"
     try:
         wide = n > K.BACKWARD_MAX_FUSED_N
-        for chunk in ([2048, 4096, 8192] if wide else [K.CHUNK_N]):
+        for chunk in [2048, 4096, 8192] if wide else [K.CHUNK_N]:
             K.CHUNK_N = chunk
             label = f"{head} CHUNK_N={chunk:<5d}" if wide else head
             line = label + " fwd"
@@ -103,7 +109,11 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
                 line = f"{label} bwd {bb:3d}B/{warps:2d}w"
                 for per_sm in (32, 64, 128):
                     K.BACKWARD_WARPS_PER_SM = per_sm
-                    t = _ms(lambda s=s, mean=mean, rstd=rstd: K.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True))
+                    t = _ms(
+                        lambda s=s, mean=mean, rstd=rstd: K.backward(
+                            dy, None, (s,), w, mean, rstd, rms=False, has_bias=True
+                        )
+                    )
                     line += f" | {per_sm:3d} warps/SM {t * 1e3:7.1f} us {bwd_bytes / t / 1e6 / copy_gbps:4.2f}"
                 print(line, flush=True)
     finally:
@@ -124,8 +134,11 @@ def main() -> None:
     src = torch.empty(2**28, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_gbps = 2 * src.numel() / _ms(lambda: dst.copy_(src)) / 1e6
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"copy {copy_gbps:.0f} GB/s (do_bench, bytes read + written)", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+        f"copy {copy_gbps:.0f} GB/s (do_bench, bytes read + written)",
+        flush=True,
+    )
     if not args.no_overhead:
         overhead(args.profile)
     for shape in args.shapes.split(","):

@@ -21,6 +21,7 @@ else:
     # torch modules that annotate ``torch.Generator | None`` at import (torch.compile's, via
     # torch.distributed) must be imported before torch.Generator becomes a partial
     import torch._inductor  # noqa: F401
+
     torch.Generator = functools.partial(torch.Generator, TEST_DEVICE)
 
 from addnorm import backend as backends  # noqa: E402
@@ -37,8 +38,9 @@ TOLERANCES = {
 # Hypothesis: "ci" (default) is reproducible and quick; HYPOTHESIS_PROFILE=long for local runs.
 # The backend fixture only names a backend, so reusing it across examples is safe.
 _QUIET = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
-settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None,
-                          suppress_health_check=_QUIET, print_blob=True)
+settings.register_profile(
+    "ci", derandomize=True, max_examples=25, deadline=None, suppress_health_check=_QUIET, print_blob=True
+)
 settings.register_profile("long", max_examples=1000, deadline=None, suppress_health_check=_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
@@ -69,16 +71,22 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Deselect ``large`` cases of interpreted backends; smaller cases cover the same code paths."""
-    slow = [item for item in items if item.get_closest_marker("large") and hasattr(item, "callspec")
-            and interpreted(item.callspec.params.get("backend", ""))]
+    slow = [
+        item
+        for item in items
+        if item.get_closest_marker("large")
+        and hasattr(item, "callspec")
+        and interpreted(item.callspec.params.get("backend", ""))
+    ]
     if slow:
         config.hook.pytest_deselected(items=slow)
         gone = {id(item) for item in slow}
         items[:] = [item for item in items if id(item) not in gone]
 
 
-def assert_matches_oracle(ours: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor | None = None,
-                          *, scale: float = 1.0) -> None:
+def assert_matches_oracle(
+    ours: torch.Tensor, oracle: torch.Tensor, torch_same_dtype: torch.Tensor | None = None, *, scale: float = 1.0
+) -> None:
     """``ours`` (any dtype) against an fp64 ``oracle``, with the tolerance of ``ours.dtype``.
 
     ``torch_same_dtype`` is torch's own result in the dtype of ``ours``, computed from the
@@ -97,7 +105,8 @@ def assert_matches_oracle(ours: torch.Tensor, oracle: torch.Tensor, torch_same_d
     if ours.dtype in LOW_PRECISION and torch_same_dtype is not None:
         ref_err = (torch_same_dtype.double() - oracle).abs().max().item()
         assert err.max().item() <= 2 * ref_err + atol * scale, (
-            f"error {err.max().item():.3g} vs torch's {ref_err:.3g} in {ours.dtype}")
+            f"error {err.max().item():.3g} vs torch's {ref_err:.3g} in {ours.dtype}"
+        )
         return
     allowed = atol * scale + rtol * oracle.abs()
     if torch_same_dtype is not None:
@@ -107,7 +116,8 @@ def assert_matches_oracle(ours: torch.Tensor, oracle: torch.Tensor, torch_same_d
     worst = (err - allowed).argmax()
     assert bool((err <= allowed).all()), (
         f"{int((err > allowed).sum())} elements off; worst at flat index {int(worst)}: "
-        f"ours {ours.flatten()[worst].item():.8g}, oracle {oracle.flatten()[worst].item():.8g}")
+        f"ours {ours.flatten()[worst].item():.8g}, oracle {oracle.flatten()[worst].item():.8g}"
+    )
 
 
 @pytest.fixture

@@ -48,8 +48,13 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         from torch.distributed.fsdp import fully_shard
         from torch.nn.parallel import DistributedDataParallel

@@ -18,20 +18,26 @@ from conftest import interpreted
 
 def _op(rms, residual, prenorm, affine, backend):
     """A function of (x, r, w, b) calling addnorm; its torch twin is _torch_op."""
+
     def f(x, r, w, b):
         w, b = (w, b) if affine else (None, None)
         if not residual:
-            return addnorm.rms_norm(x, 8, w, 1e-5, backend=backend) if rms else \
-                addnorm.layer_norm(x, 8, w, b, backend=backend)
+            return (
+                addnorm.rms_norm(x, 8, w, 1e-5, backend=backend)
+                if rms
+                else addnorm.layer_norm(x, 8, w, b, backend=backend)
+            )
         if rms:
             return addnorm.add_rms_norm(x, r, 8, w, 1e-5, prenorm=prenorm, backend=backend)
         return addnorm.add_layer_norm(x, r, 8, w, b, prenorm=prenorm, backend=backend)
+
     return f
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
-@pytest.mark.parametrize("residual,prenorm", [(False, False), (True, False), (True, True)],
-                         ids=["plain", "post", "pre"])
+@pytest.mark.parametrize(
+    "residual,prenorm", [(False, False), (True, False), (True, True)], ids=["plain", "post", "pre"]
+)
 @pytest.mark.parametrize("affine", [False, True], ids=["no-affine", "affine"])
 def test_double_backward_gradgradcheck(backend, rms, residual, prenorm, affine):
     g = torch.Generator().manual_seed(0)
@@ -51,12 +57,13 @@ def test_second_derivative_matches_torch(backend):
     results = []
     for fn in (lambda: addnorm.layer_norm(x, 8, w, b, backend=backend), lambda: TF.layer_norm(x, (8,), w, b)):
         (gx,) = torch.autograd.grad((fn() * c).sum(), x, create_graph=True)
-        results.append(torch.autograd.grad((gx ** 2).sum(), (x, w, b), allow_unused=True, materialize_grads=True))
+        results.append(torch.autograd.grad((gx**2).sum(), (x, w, b), allow_unused=True, materialize_grads=True))
     for ours, theirs in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
 
 
 # --------------------------------------------------------------------------- torch.func
+
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 def test_vmap_at_size_matches_torch(rms):
@@ -82,8 +89,11 @@ def test_vmap_over_the_residual_stream_and_weights():
 
 @pytest.mark.parametrize("m", [4, 1100])
 def test_grad_matches_torch(m):
-    x, w, b = torch.randn(m, 1024, dtype=torch.float64), torch.randn(1024, dtype=torch.float64), \
-        torch.randn(1024, dtype=torch.float64)
+    x, w, b = (
+        torch.randn(m, 1024, dtype=torch.float64),
+        torch.randn(1024, dtype=torch.float64),
+        torch.randn(1024, dtype=torch.float64),
+    )
     c = torch.randn(m, 1024, dtype=torch.float64)
     ours = grad(lambda t, v: (addnorm.layer_norm(t, 1024, v, b) * c).sum(), argnums=(0, 1))(x, w)
     theirs = grad(lambda t, v: (TF.layer_norm(t, (1024,), v, b) * c).sum(), argnums=(0, 1))(x, w)
@@ -108,6 +118,7 @@ def test_jvp_and_forward_ad_match_torch():
     for a, e in zip(ours, theirs):
         torch.testing.assert_close(a, e)
     import torch.autograd.forward_ad as fwAD
+
     with fwAD.dual_level():
         y = addnorm.layer_norm(fwAD.make_dual(x, t), 32, w, b)
         torch.testing.assert_close(fwAD.unpack_dual(y).tangent, theirs[1])

@@ -36,74 +36,174 @@ FUNCTION_CASES = [
     ("x int", lambda b: addnorm.layer_norm(X.long(), 8, backend=b), TypeError, r"^x must be a floating.*int64"),
     ("x bool", lambda b: addnorm.rms_norm(X.bool(), 8, backend=b), TypeError, r"^x must be a floating.*bool"),
     ("x complex", lambda b: addnorm.layer_norm(X.cfloat(), 8, backend=b), TypeError, r"^x must be a floating"),
-    ("x float8", lambda b: addnorm.layer_norm(X.to(torch.float8_e4m3fn), 8, backend=b), TypeError,
-     r"^x must be a floating.*float8"),
-    ("x 0-d", lambda b: addnorm.layer_norm(torch.tensor(1.0), 1, backend=b), ValueError,
-     r"^x of shape \(\) must end with normalized_shape"),
-    ("x wrong trailing", lambda b: addnorm.layer_norm(X, 7, backend=b), ValueError,
-     r"^x of shape \(4, 8\) must end with normalized_shape \(7,\)"),
-    ("x too few dims", lambda b: addnorm.rms_norm(X, (2, 4, 8), backend=b), ValueError,
-     r"^x of shape .* must end with normalized_shape \(2, 4, 8\)"),
+    (
+        "x float8",
+        lambda b: addnorm.layer_norm(X.to(torch.float8_e4m3fn), 8, backend=b),
+        TypeError,
+        r"^x must be a floating.*float8",
+    ),
+    (
+        "x 0-d",
+        lambda b: addnorm.layer_norm(torch.tensor(1.0), 1, backend=b),
+        ValueError,
+        r"^x of shape \(\) must end with normalized_shape",
+    ),
+    (
+        "x wrong trailing",
+        lambda b: addnorm.layer_norm(X, 7, backend=b),
+        ValueError,
+        r"^x of shape \(4, 8\) must end with normalized_shape \(7,\)",
+    ),
+    (
+        "x too few dims",
+        lambda b: addnorm.rms_norm(X, (2, 4, 8), backend=b),
+        ValueError,
+        r"^x of shape .* must end with normalized_shape \(2, 4, 8\)",
+    ),
     # normalized_shape
     ("shape float", lambda b: addnorm.layer_norm(X, 8.0, backend=b), TypeError, r"^normalized_shape must be an int"),
     ("shape str", lambda b: addnorm.layer_norm(X, "8", backend=b), TypeError, r"^normalized_shape must be an int"),
-    ("shape tensor", lambda b: addnorm.layer_norm(X, torch.tensor(8), backend=b), TypeError,
-     r"^normalized_shape must be an int"),
+    (
+        "shape tensor",
+        lambda b: addnorm.layer_norm(X, torch.tensor(8), backend=b),
+        TypeError,
+        r"^normalized_shape must be an int",
+    ),
     ("shape bool", lambda b: addnorm.layer_norm(X, True, backend=b), TypeError, r"^normalized_shape must be an int"),
     ("shape 0", lambda b: addnorm.layer_norm(X, 0, backend=b), ValueError, r"^normalized_shape must be .*positive"),
     ("shape negative", lambda b: addnorm.rms_norm(X, -8, backend=b), ValueError, r"^normalized_shape .*positive"),
     ("shape empty", lambda b: addnorm.layer_norm(X, [], backend=b), ValueError, r"^normalized_shape .*positive"),
     ("shape float item", lambda b: addnorm.layer_norm(X, [8.0], backend=b), ValueError, r"^normalized_shape"),
     # weight / bias
-    ("weight numpy", lambda b: addnorm.layer_norm(X, 8, np.ones(8), backend=b), TypeError,
-     r"^weight must be a torch.Tensor"),
+    (
+        "weight numpy",
+        lambda b: addnorm.layer_norm(X, 8, np.ones(8), backend=b),
+        TypeError,
+        r"^weight must be a torch.Tensor",
+    ),
     ("weight list", lambda b: addnorm.rms_norm(X, 8, [1.0] * 8, backend=b), TypeError, r"^weight must be a torch"),
     ("weight int", lambda b: addnorm.layer_norm(X, 8, W.long(), backend=b), TypeError, r"^weight must be a floating"),
-    ("weight shape", lambda b: addnorm.rms_norm(X, 8, torch.ones(7), backend=b), ValueError,
-     r"^weight must have shape \(8,\)"),
-    ("weight broadcastable", lambda b: addnorm.layer_norm(X, 8, torch.ones(1, 8), backend=b), ValueError,
-     r"^weight must have shape \(8,\)"),
-    ("weight device", lambda b: addnorm.layer_norm(X, 8, W.to(META), backend=b), ValueError,
-     r"^weight is on meta but x is on cpu"),
-    ("bias shape", lambda b: addnorm.layer_norm(X, 8, W, torch.zeros(4), backend=b), ValueError,
-     r"^bias must have shape \(8,\)"),
-    ("bias numpy", lambda b: addnorm.layer_norm(X, 8, W, np.zeros(8), backend=b), TypeError,
-     r"^bias must be a torch.Tensor"),
-    ("bias device", lambda b: addnorm.add_layer_norm(X, X, 8, W, W.to(META), backend=b), ValueError,
-     r"^bias is on meta"),
+    (
+        "weight shape",
+        lambda b: addnorm.rms_norm(X, 8, torch.ones(7), backend=b),
+        ValueError,
+        r"^weight must have shape \(8,\)",
+    ),
+    (
+        "weight broadcastable",
+        lambda b: addnorm.layer_norm(X, 8, torch.ones(1, 8), backend=b),
+        ValueError,
+        r"^weight must have shape \(8,\)",
+    ),
+    (
+        "weight device",
+        lambda b: addnorm.layer_norm(X, 8, W.to(META), backend=b),
+        ValueError,
+        r"^weight is on meta but x is on cpu",
+    ),
+    (
+        "bias shape",
+        lambda b: addnorm.layer_norm(X, 8, W, torch.zeros(4), backend=b),
+        ValueError,
+        r"^bias must have shape \(8,\)",
+    ),
+    (
+        "bias numpy",
+        lambda b: addnorm.layer_norm(X, 8, W, np.zeros(8), backend=b),
+        TypeError,
+        r"^bias must be a torch.Tensor",
+    ),
+    (
+        "bias device",
+        lambda b: addnorm.add_layer_norm(X, X, 8, W, W.to(META), backend=b),
+        ValueError,
+        r"^bias is on meta",
+    ),
     # eps
     ("eps negative", lambda b: addnorm.layer_norm(X, 8, eps=-1e-5, backend=b), ValueError, r"^eps must be"),
     ("eps nan", lambda b: addnorm.rms_norm(X, 8, eps=math.nan, backend=b), ValueError, r"^eps must be.*nan"),
     ("eps inf", lambda b: addnorm.layer_norm(X, 8, eps=math.inf, backend=b), ValueError, r"^eps must be.*finite"),
     ("eps str", lambda b: addnorm.layer_norm(X, 8, eps="1e-5", backend=b), TypeError, r"^eps must be.*str"),
-    ("eps tensor", lambda b: addnorm.rms_norm(X, 8, eps=torch.tensor(1e-5), backend=b), TypeError,
-     r"^eps must be.*Tensor"),
-    ("eps None (LayerNorm)", lambda b: addnorm.layer_norm(X, 8, eps=None, backend=b), TypeError,
-     r"^eps must be.*NoneType"),
+    (
+        "eps tensor",
+        lambda b: addnorm.rms_norm(X, 8, eps=torch.tensor(1e-5), backend=b),
+        TypeError,
+        r"^eps must be.*Tensor",
+    ),
+    (
+        "eps None (LayerNorm)",
+        lambda b: addnorm.layer_norm(X, 8, eps=None, backend=b),
+        TypeError,
+        r"^eps must be.*NoneType",
+    ),
     ("eps bool", lambda b: addnorm.add_rms_norm(X, X, 8, eps=True, backend=b), TypeError, r"^eps must be.*bool"),
     # residual
-    ("residual None", lambda b: addnorm.add_layer_norm(X, None, 8, backend=b), TypeError,
-     r"^residual must be a torch.Tensor, got NoneType"),
-    ("residual list", lambda b: addnorm.add_rms_norm(X, X.tolist(), 8, backend=b), TypeError,
-     r"^residual must be a torch.Tensor"),
-    ("residual int", lambda b: addnorm.add_layer_norm(X, X.int(), 8, backend=b), TypeError,
-     r"^residual must be a floating"),
-    ("residual broadcast", lambda b: addnorm.add_layer_norm(X, X[0], 8, backend=b), ValueError,
-     r"^residual must have the shape of x \(4, 8\), got \(8,\)"),
-    ("residual rows", lambda b: addnorm.add_rms_norm(X, X[:2], 8, backend=b), ValueError,
-     r"^residual must have the shape of x"),
-    ("residual device", lambda b: addnorm.add_layer_norm(X, X.to(META), 8, backend=b), ValueError,
-     r"^residual is on meta but x is on cpu"),
-    ("residual_dtype str", lambda b: addnorm.add_layer_norm(X, X, 8, residual_dtype="float32", backend=b),
-     TypeError, r"^residual_dtype must be"),
-    ("residual_dtype int", lambda b: addnorm.add_rms_norm(X, X, 8, residual_dtype=torch.int32, backend=b),
-     TypeError, r"^residual_dtype must be.*int32"),
-    ("residual_dtype float8", lambda b: addnorm.add_rms_norm(X, X, 8, residual_dtype=torch.float8_e5m2,
-                                                             backend=b), TypeError, r"^residual_dtype must be"),
-    ("prenorm str", lambda b: addnorm.add_layer_norm(X, X, 8, prenorm="no", backend=b), TypeError,
-     r"^prenorm must be True or False"),
-    ("prenorm None", lambda b: addnorm.add_rms_norm(X, X, 8, prenorm=None, backend=b), TypeError,
-     r"^prenorm must be True or False"),
+    (
+        "residual None",
+        lambda b: addnorm.add_layer_norm(X, None, 8, backend=b),
+        TypeError,
+        r"^residual must be a torch.Tensor, got NoneType",
+    ),
+    (
+        "residual list",
+        lambda b: addnorm.add_rms_norm(X, X.tolist(), 8, backend=b),
+        TypeError,
+        r"^residual must be a torch.Tensor",
+    ),
+    (
+        "residual int",
+        lambda b: addnorm.add_layer_norm(X, X.int(), 8, backend=b),
+        TypeError,
+        r"^residual must be a floating",
+    ),
+    (
+        "residual broadcast",
+        lambda b: addnorm.add_layer_norm(X, X[0], 8, backend=b),
+        ValueError,
+        r"^residual must have the shape of x \(4, 8\), got \(8,\)",
+    ),
+    (
+        "residual rows",
+        lambda b: addnorm.add_rms_norm(X, X[:2], 8, backend=b),
+        ValueError,
+        r"^residual must have the shape of x",
+    ),
+    (
+        "residual device",
+        lambda b: addnorm.add_layer_norm(X, X.to(META), 8, backend=b),
+        ValueError,
+        r"^residual is on meta but x is on cpu",
+    ),
+    (
+        "residual_dtype str",
+        lambda b: addnorm.add_layer_norm(X, X, 8, residual_dtype="float32", backend=b),
+        TypeError,
+        r"^residual_dtype must be",
+    ),
+    (
+        "residual_dtype int",
+        lambda b: addnorm.add_rms_norm(X, X, 8, residual_dtype=torch.int32, backend=b),
+        TypeError,
+        r"^residual_dtype must be.*int32",
+    ),
+    (
+        "residual_dtype float8",
+        lambda b: addnorm.add_rms_norm(X, X, 8, residual_dtype=torch.float8_e5m2, backend=b),
+        TypeError,
+        r"^residual_dtype must be",
+    ),
+    (
+        "prenorm str",
+        lambda b: addnorm.add_layer_norm(X, X, 8, prenorm="no", backend=b),
+        TypeError,
+        r"^prenorm must be True or False",
+    ),
+    (
+        "prenorm None",
+        lambda b: addnorm.add_rms_norm(X, X, 8, prenorm=None, backend=b),
+        TypeError,
+        r"^prenorm must be True or False",
+    ),
     # backend (the fixture's backend is not used: these rows are about the name itself)
     ("backend unknown", lambda b: addnorm.layer_norm(X, 8, backend="cuda"), ValueError, r"^backend must be one of"),
     ("backend None", lambda b: addnorm.rms_norm(X, 8, backend=None), TypeError, r"^backend must be a string"),
@@ -113,27 +213,58 @@ FUNCTION_CASES = [
     ("RMSNorm backend", lambda b: addnorm.RMSNorm(8, backend=1), TypeError, r"^backend must be a string"),
     ("AddNorm norm", lambda b: addnorm.AddNorm(8, norm="batch", backend=b), ValueError, r"^norm must be"),
     ("AddNorm prenorm", lambda b: addnorm.AddNorm(8, prenorm="yes", backend=b), TypeError, r"^prenorm must be"),
-    ("AddNorm residual_dtype", lambda b: addnorm.AddNorm(8, residual_dtype="bf16", backend=b), TypeError,
-     r"^residual_dtype must be"),
+    (
+        "AddNorm residual_dtype",
+        lambda b: addnorm.AddNorm(8, residual_dtype="bf16", backend=b),
+        TypeError,
+        r"^residual_dtype must be",
+    ),
     ("AddNorm backend", lambda b: addnorm.AddNorm(8, backend="nope"), ValueError, r"^backend must be one of"),
-    ("LayerNorm x shape", lambda b: addnorm.LayerNorm(8, backend=b)(torch.randn(2, 7)), ValueError,
-     r"^x of shape \(2, 7\) must end with normalized_shape \(8,\)"),
+    (
+        "LayerNorm x shape",
+        lambda b: addnorm.LayerNorm(8, backend=b)(torch.randn(2, 7)),
+        ValueError,
+        r"^x of shape \(2, 7\) must end with normalized_shape \(8,\)",
+    ),
     ("LayerNorm x numpy", lambda b: addnorm.LayerNorm(8, backend=b)(np.ones((2, 8))), TypeError, r"^x must be"),
     ("LayerNorm eps None", lambda b: addnorm.LayerNorm(8, eps=None, backend=b)(X), TypeError, r"^eps must be"),
     ("LayerNorm eps negative", lambda b: addnorm.LayerNorm(8, eps=-1.0, backend=b)(X), ValueError, r"^eps must"),
-    ("LayerNorm x meta", lambda b: addnorm.LayerNorm(8, backend=b)(X.to(META)), ValueError,
-     r"^weight is on cpu but x is on meta"),
+    (
+        "LayerNorm x meta",
+        lambda b: addnorm.LayerNorm(8, backend=b)(X.to(META)),
+        ValueError,
+        r"^weight is on cpu but x is on meta",
+    ),
     ("RMSNorm x int", lambda b: addnorm.RMSNorm(8, backend=b)(X.int()), TypeError, r"^x must be a floating"),
     ("RMSNorm eps str", lambda b: addnorm.RMSNorm(8, eps="a", backend=b)(X), TypeError, r"^eps must be"),
     ("AddNorm residual None", lambda b: addnorm.AddNorm(8, backend=b)(X, None), TypeError, r"^residual must be"),
-    ("AddNorm residual shape", lambda b: addnorm.AddNorm(8, norm="rms", backend=b)(X, X[:, :4]), ValueError,
-     r"^residual must have the shape of x"),
+    (
+        "AddNorm residual shape",
+        lambda b: addnorm.AddNorm(8, norm="rms", backend=b)(X, X[:, :4]),
+        ValueError,
+        r"^residual must have the shape of x",
+    ),
     ("AddNorm x list", lambda b: addnorm.AddNorm(8, backend=b)(X.tolist(), X), TypeError, r"^x must be"),
     # patch / unpatch
     ("patch model", lambda b: addnorm.patch(X, backend=b), TypeError, r"^model must be a torch.nn.Module, got Tensor"),
-    ("patch backend", lambda b: addnorm.patch(torch.nn.Linear(2, 2), backend="fast"), ValueError, r"^backend must be one of"),
-    ("patch fuse flag", lambda b: addnorm.patch(torch.nn.Linear(2, 2), fuse_residual="yes", backend=b), TypeError, r"^fuse_residual must be a bool"),
-    ("patch norm_types", lambda b: addnorm.patch(torch.nn.Linear(2, 2), norm_types=3, backend=b), TypeError, r"^norm_types must be"),
+    (
+        "patch backend",
+        lambda b: addnorm.patch(torch.nn.Linear(2, 2), backend="fast"),
+        ValueError,
+        r"^backend must be one of",
+    ),
+    (
+        "patch fuse flag",
+        lambda b: addnorm.patch(torch.nn.Linear(2, 2), fuse_residual="yes", backend=b),
+        TypeError,
+        r"^fuse_residual must be a bool",
+    ),
+    (
+        "patch norm_types",
+        lambda b: addnorm.patch(torch.nn.Linear(2, 2), norm_types=3, backend=b),
+        TypeError,
+        r"^norm_types must be",
+    ),
     ("unpatch model", lambda b: addnorm.unpatch("model"), TypeError, r"^model must be a torch.nn.Module, got str"),
 ]
 
@@ -148,13 +279,17 @@ def test_bad_argument_names_it(backend, call, error, match):
 
 def test_table_covers_every_public_name():
     """A new public function or module must get rows above."""
-    covered = " ".join(c[0] for c in FUNCTION_CASES) + " " + " ".join(
-        c[1].__code__.co_names.__repr__() for c in FUNCTION_CASES)
+    covered = (
+        " ".join(c[0] for c in FUNCTION_CASES)
+        + " "
+        + " ".join(c[1].__code__.co_names.__repr__() for c in FUNCTION_CASES)
+    )
     for name in addnorm.__all__:
         assert name in covered, f"no bad-input row calls addnorm.{name}"
 
 
 # --------------------------------------------------------------------------- CLI
+
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     """``addnorm ARGV`` in-process: (exit status, stdout, stderr); argparse's exits included."""
@@ -177,7 +312,10 @@ CLI_CASES = [
     (["explain", "--input", "[[1,2],[3]]"], r"^addnorm explain: error: --input: ragged rows"),
     (["explain", "--input", "[[1,a]]"], r"^addnorm explain: error: --input: non-numeric value 'a'"),
     (["explain", "--input", "missing.npy"], r"^addnorm explain: error: --input: file 'missing.npy' not found"),
-    (["explain", "--normalized-shape", "5"], r"^addnorm explain: error: --normalized-shape 5 must equal the trailing dims"),
+    (
+        ["explain", "--normalized-shape", "5"],
+        r"^addnorm explain: error: --normalized-shape 5 must equal the trailing dims",
+    ),
     (["explain", "--eps", "-1"], r"^addnorm explain: error: --eps must be a non-negative number"),
     (["plot", "bench", "--results", "missing.jsonl"], r"^addnorm plot: error: --results: 'missing.jsonl' not found"),
     (["plot", "hist", "--points", "0"], r"^addnorm plot: error: plot hist needs 1 to 8 --points"),
@@ -200,6 +338,7 @@ def test_cli_bad_input_exit_2_one_line(argv, match, capsys):
 
 def test_cli_usage_error_is_one_line(capsys, monkeypatch):
     """A command's UsageError is printed as one line naming the command, exit status 2."""
+
     def boom(args):
         raise cli.UsageError("bad --n: -1")
 
@@ -231,4 +370,3 @@ def test_cli_fuzz_never_tracebacks(command, words):
             status = exc.code
     assert status in (0, 1, 2, None), (argv, status)
     assert "Traceback" not in out.getvalue() + err.getvalue()
-

@@ -46,7 +46,7 @@ def _row_results(op, backend, dtype, n, m, pos, threads, seed_row):
         x.requires_grad_(), r.requires_grad_(), w.requires_grad_()
         out = _call(x, r, n, w, b, op, backend)
         outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, (dy, dst)[:len(outs)])
+        torch.autograd.backward(outs, (dy, dst)[: len(outs)])
     finally:
         torch.set_num_threads(before)
     grads = [x.grad[pos]] + ([r.grad[pos]] if op.startswith("add") else [])
@@ -65,7 +65,8 @@ def _check(op, backend, dtype, n, batches):
                 for i, (a, c) in enumerate(zip(alone, got)):
                     assert torch.equal(a, c), (
                         f"result {i} of the row differs at batch {m}, position {pos}, {threads} threads: "
-                        f"max diff {(a.double() - c.double()).abs().max().item():.3g}")
+                        f"max diff {(a.double() - c.double()).abs().max().item():.3g}"
+                    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -13,9 +13,24 @@ from addnorm.cli import main
 
 def test_bench_writes_rows_in_the_documented_format(tmp_path, capsys):
     results = tmp_path / "rows.jsonl"
-    args = ["bench", "--op", "add_layer_norm,rms_norm", "--shapes", "4x64", "--dtype", "float32",
-            "--pass", "fwd,fwd+bwd", "--impl", "torch-eager,addnorm,addnorm-reference,liger",
-            "--rounds", "3", "--save", "--results", str(results)]
+    args = [
+        "bench",
+        "--op",
+        "add_layer_norm,rms_norm",
+        "--shapes",
+        "4x64",
+        "--dtype",
+        "float32",
+        "--pass",
+        "fwd,fwd+bwd",
+        "--impl",
+        "torch-eager,addnorm,addnorm-reference,liger",
+        "--rounds",
+        "3",
+        "--save",
+        "--results",
+        str(results),
+    ]
     assert main(args) == 0
     assert "liger" in capsys.readouterr().out  # reported as not installed / unusable, not fatal
     rows = [json.loads(line) for line in results.read_text().splitlines()]
@@ -39,13 +54,17 @@ def test_an_impl_failing_on_its_first_call_is_reported_not_fatal(monkeypatch):
 
     def make_impl(name, op, device):
         if name == "liger":  # stands in for a third-party norm whose API changed
+
             def broken(x, r, w, b):
                 raise TypeError("layer_norm_fn() got an unexpected keyword argument")
+
             return broken
         return real(name, op, device)
+
     monkeypatch.setattr(bench, "make_impl", make_impl)
-    results, skipped = bench.run_config("add_layer_norm", 4, 64, torch.float32, "fwd",
-                                        ["torch-eager", "liger"], "cpu", 3, False)
+    results, skipped = bench.run_config(
+        "add_layer_norm", 4, 64, torch.float32, "fwd", ["torch-eager", "liger"], "cpu", 3, False
+    )
     assert [r["impl"] for r in results] == ["torch-eager"]
     assert skipped == {"liger": "TypeError: layer_norm_fn() got an unexpected keyword argument"}
 
@@ -60,22 +79,26 @@ def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkey
     (repo / "pkg" / "f.py").write_text("a = 1\n")
     run("add", ".")
     run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                          text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
     monkeypatch.setattr(bench, "__file__", str(repo / "pkg" / "bench.py"))
     assert bench.git_commit() == head
     (repo / "pkg" / "f.py").write_text("a = 2\n")
     assert bench.git_commit() == head + "-dirty"
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--shapes", "4096by768"], "expected ROWSxCOLS"),
-    (["--shapes", "0x768"], "expected ROWSxCOLS"),
-    (["--op", "batch_norm"], "--op: expected"),
-    (["--dtype", "int8"], "--dtype: expected"),
-    (["--impl", "nope"], "--impl: expected"),
-    (["--threads", "0"], "--threads must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--shapes", "4096by768"], "expected ROWSxCOLS"),
+        (["--shapes", "0x768"], "expected ROWSxCOLS"),
+        (["--op", "batch_norm"], "--op: expected"),
+        (["--dtype", "int8"], "--dtype: expected"),
+        (["--impl", "nope"], "--impl: expected"),
+        (["--threads", "0"], "--threads must be a positive int"),
+    ],
+)
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err

@@ -31,8 +31,7 @@ def recording(backend: str, graphs: list):
 
 
 def addnorm_calls(graphs) -> int:
-    return sum(node.target is torch.ops.addnorm.forward.default
-               for gm in graphs for node in gm.graph.nodes)
+    return sum(node.target is torch.ops.addnorm.forward.default for gm in graphs for node in gm.graph.nodes)
 
 
 def test_patched_hf_model_compiles_fullgraph_and_matches_eager():

@@ -32,8 +32,9 @@ def _special_fp32_values() -> torch.Tensor:
     bits[1024:2048] = (normal & ~0x1FFF) | 0x1000  # exact fp16 ties, in fp16's normal range
     values = bits.view(torch.float32).clone()
     values[values.isnan()] = 1.0
-    extra = torch.tensor([0.0, 1e-40, -3e-39, 6e-8, 3e-8, 65504.0, 65520.0, 7e4, 3.4e38,
-                          float("inf"), float("-inf"), float("nan")])
+    extra = torch.tensor(
+        [0.0, 1e-40, -3e-39, 6e-8, 3e-8, 65504.0, 65520.0, 7e4, 3.4e38, float("inf"), float("-inf"), float("nan")]
+    )
     return torch.cat([values, extra])
 
 
@@ -125,14 +126,18 @@ def test_wide_rows_keep_torchs_accuracy(rms):
     norm = (lambda t, w: TF.rms_norm(t, (n,), w, 1e-5)) if rms else (lambda t, w: TF.layer_norm(t, (n,), w))
     ours_fn = addnorm.rms_norm if rms else addnorm.layer_norm
     results = []
-    for fn, dtype in ((lambda t, w: ours_fn(t, n, w, eps=1e-5, backend="cpu"), torch.float32),
-                      (norm, torch.float64), (norm, torch.float32)):
+    for fn, dtype in (
+        (lambda t, w: ours_fn(t, n, w, eps=1e-5, backend="cpu"), torch.float32),
+        (norm, torch.float64),
+        (norm, torch.float32),
+    ):
         x, w = x64.to(dtype).requires_grad_(), w64.to(dtype).requires_grad_()
         y = fn(x, w)
         results.append((y, *torch.autograd.grad(y, (x, w), dy.to(dtype))))
     for ours, oracle, torch_fp32 in zip(*results):
-        assert_matches_oracle(ours.detach(), oracle.detach(), torch_fp32.detach(),
-                              scale=2.0 if ours.dim() == 1 else 1.0)
+        assert_matches_oracle(
+            ours.detach(), oracle.detach(), torch_fp32.detach(), scale=2.0 if ours.dim() == 1 else 1.0
+        )
 
 
 def test_auto_picks_the_kernels_on_cpu_at_every_size():
@@ -144,15 +149,19 @@ def test_auto_picks_the_kernels_on_cpu_at_every_size():
 
 def test_unavailable_reason_names_device():
     assert backends.unavailable_reason("cpu", torch.empty(2, 2)) is None
-    assert "runs on cpu tensors, got a tensor on meta" in backends.unavailable_reason("cpu", torch.empty(2, 2, device="meta"))
+    assert "runs on cpu tensors, got a tensor on meta" in backends.unavailable_reason(
+        "cpu", torch.empty(2, 2, device="meta")
+    )
 
 
 def test_second_process_loads_compiled_kernels_from_cache():
     """The on-disk cache works: a fresh process finds the kernel compiled by this one."""
     addnorm.layer_norm(torch.randn(2, 8), 8, backend="cpu")  # compiled (or loaded) and saved here
-    code = ("import torch; from addnorm.kernels import cpu; "
-            "cpu.forward(torch.randn(2, 8), None, None, None, eps=1e-5, rms=False, residual_dtype=None); "
-            "print(sum(e.cache_hits for e in cpu._FORWARD_ENTRIES.values()))")
+    code = (
+        "import torch; from addnorm.kernels import cpu; "
+        "cpu.forward(torch.randn(2, 8), None, None, None, eps=1e-5, rms=False, residual_dtype=None); "
+        "print(sum(e.cache_hits for e in cpu._FORWARD_ENTRIES.values()))"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(addnorm.__file__).parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -198,9 +207,14 @@ def test_post_norm_inference_never_writes_the_stream(dtype, rms):
     assert s is None and torch.equal(y, y_full)
     assert torch.equal(s_full, x + r)
     with torch.no_grad():  # the public call takes that path
-        out = addnorm.add_layer_norm(x, r, 300, w, b, backend="cpu") if not rms else \
-            addnorm.add_rms_norm(x, r, 300, w, eps=1e-5, backend="cpu")
-    assert torch.equal(out, y_full if not rms else cpu.forward(x, r, w, None, eps=1e-5, rms=True, residual_dtype=None)[0])
+        out = (
+            addnorm.add_layer_norm(x, r, 300, w, b, backend="cpu")
+            if not rms
+            else addnorm.add_rms_norm(x, r, 300, w, eps=1e-5, backend="cpu")
+        )
+    assert torch.equal(
+        out, y_full if not rms else cpu.forward(x, r, w, None, eps=1e-5, rms=True, residual_dtype=None)[0]
+    )
 
 
 def _vm_flags(address: int) -> list[str]:

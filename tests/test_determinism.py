@@ -74,7 +74,7 @@ def test_one_and_two_threads_agree(backend, dtype, rms):
     rtol, atol = TOLERANCES[dtype]
     for a, b in zip(one, two, strict=True):
         # dweight/dbias sum M rows; a different reduction split may round differently
-        scale = M ** 0.5 if a.dim() == 1 else 1.0
+        scale = M**0.5 if a.dim() == 1 else 1.0
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol * scale)
 
 

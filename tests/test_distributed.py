@@ -13,8 +13,9 @@ import torch.multiprocessing as mp
 
 import distributed_worker as worker
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch built without gloo")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="torch built without gloo"
+)
 WORLD, DEADLINE_S = 2, 120
 
 
@@ -26,8 +27,9 @@ def free_port() -> int:
 
 def run_ranks(out_dir) -> None:
     """Spawn the ranks and wait, killing them all past DEADLINE_S so that a hang cannot block CI."""
-    ctx = mp.start_processes(worker.run_rank, args=(WORLD, free_port(), str(out_dir)), nprocs=WORLD,
-                             join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        worker.run_rank, args=(WORLD, free_port(), str(out_dir)), nprocs=WORLD, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + DEADLINE_S
     try:
         while not ctx.join(timeout=1):  # raises ProcessRaisedException if a rank failed
@@ -53,5 +55,6 @@ def test_ddp_and_fsdp2_match_single_process(tmp_path):
         got = results[kind]
         assert got.keys() == expected.keys()
         for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, n=name, k=kind: f"{k} {n}: {m}")
+            torch.testing.assert_close(
+                got[name], expected[name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name, k=kind: f"{k} {n}: {m}"
+            )

@@ -35,6 +35,7 @@ SQUARE = {(-1, -1), (-1, 1), (1, 1), (1, -1)}
 
 # --------------------------------------------------------------------------- data
 
+
 def test_sequences_are_the_corners_in_order_with_the_stated_noise():
     points, directions = square_sequences(N_TRAIN, TRAIN_SEED)
     assert points.shape == (N_TRAIN, 4, 2) and points.dtype == np.float32
@@ -78,6 +79,7 @@ def test_decoder_input_is_teacher_forcing():
 
 # --------------------------------------------------------------------------- --data
 
+
 def test_load_npy_and_csv(tmp_path):
     points, _ = square_sequences(6, 0)
     np.save(tmp_path / "seq.npy", points)
@@ -89,15 +91,18 @@ def test_load_npy_and_csv(tmp_path):
         np.testing.assert_allclose(load_sequences(tmp_path / name), points, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name, content, match", [
-    ("missing.npy", None, "no such file"),
-    ("seq.txt", "1,2", "expected a .npy or .csv"),
-    ("wrong.npy", np.zeros((5, 3, 2)), r"shape \[n, 4, 2\].*got shape \[5, 3, 2\]"),
-    ("one.npy", np.zeros((1, 4, 2)), "n >= 2"),
-    ("nan.npy", np.full((3, 4, 2), np.nan), "NaN"),
-    ("short.csv", "1,2,3\n4,5,6\n", "8 columns"),
-    ("words.csv", "a,b\nc,d\n", "could not read"),
-])
+@pytest.mark.parametrize(
+    "name, content, match",
+    [
+        ("missing.npy", None, "no such file"),
+        ("seq.txt", "1,2", "expected a .npy or .csv"),
+        ("wrong.npy", np.zeros((5, 3, 2)), r"shape \[n, 4, 2\].*got shape \[5, 3, 2\]"),
+        ("one.npy", np.zeros((1, 4, 2)), "n >= 2"),
+        ("nan.npy", np.full((3, 4, 2), np.nan), "NaN"),
+        ("short.csv", "1,2,3\n4,5,6\n", "8 columns"),
+        ("words.csv", "a,b\nc,d\n", "could not read"),
+    ],
+)
 def test_load_errors(tmp_path, name, content, match):
     path = tmp_path / name
     if isinstance(content, np.ndarray):

@@ -28,8 +28,9 @@ def run_json(capsys, *args: str) -> dict:
 
 
 def close(a, b, atol):
-    return torch.allclose(torch.tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
-                          atol=atol, rtol=0)
+    return torch.allclose(
+        torch.tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=atol, rtol=0
+    )
 
 
 def test_default_is_the_seeds_example(capsys):
@@ -56,10 +57,20 @@ def test_default_is_the_seeds_example(capsys):
 def test_tables_show_the_seeds_numbers_with_shapes(capsys):
     assert cli.main(["explain"]) == 0
     out = capsys.readouterr().out
-    for text in ["input x   shape (2, 3)", "mean μ (2, 1)", "0.2333", "0.0817", "0.1886", "1.4140",
-                 "-0.7070", "-1.2238", "-1.2247", "γ (weight) and β (bias)   shape (3,)",
-                 "output y = γ·x̂ + β   shape (2, 3)",
-                 "check: each row of x̂ has mean [0.0000, 0.0000] = 0 and std [0.9993, 0.9999]"]:
+    for text in [
+        "input x   shape (2, 3)",
+        "mean μ (2, 1)",
+        "0.2333",
+        "0.0817",
+        "0.1886",
+        "1.4140",
+        "-0.7070",
+        "-1.2238",
+        "-1.2247",
+        "γ (weight) and β (bias)   shape (3,)",
+        "output y = γ·x̂ + β   shape (2, 3)",
+        "check: each row of x̂ has mean [0.0000, 0.0000] = 0 and std [0.9993, 0.9999]",
+    ]:
         assert text in out, text
     assert "-0.0000" not in out
 
@@ -82,8 +93,19 @@ def test_several_trailing_dims_gamma_beta_against_torch(capsys):
     w = torch.randn(2, 4, generator=g, dtype=torch.float64)
     b = torch.randn(2, 4, generator=g, dtype=torch.float64)
     lit = lambda t: json.dumps(t.tolist())
-    r = run_json(capsys, "--input", lit(x.float()), "--normalized-shape", "2,4", "--eps", "1e-3",
-                 "--gamma", lit(w.flatten()), "--beta", ",".join(str(v) for v in b.flatten().tolist()))
+    r = run_json(
+        capsys,
+        "--input",
+        lit(x.float()),
+        "--normalized-shape",
+        "2,4",
+        "--eps",
+        "1e-3",
+        "--gamma",
+        lit(w.flatten()),
+        "--beta",
+        ",".join(str(v) for v in b.flatten().tolist()),
+    )
     want = TF.layer_norm(x.float().double(), (2, 4), w, b, 1e-3)
     assert close(r["y"], want.reshape(3, 8), 1e-12)
     assert r["op_maxdiff"] < 1e-5
@@ -94,8 +116,11 @@ def test_residual_is_the_add_and_norm_step(capsys):
     x = torch.tensor(SEEDS_X).double()
     res = torch.tensor([[0.1, 0.1, 0.1], [0, 0.2, -0.1]]).float().double()
     assert close(r["s"], x + res, 1e-12)
-    assert close(r["y"], TF.layer_norm(x + res, (3,), torch.full((3,), 2.0).double(),
-                                       torch.full((3,), 0.5).double(), 1e-5), 1e-12)
+    assert close(
+        r["y"],
+        TF.layer_norm(x + res, (3,), torch.full((3,), 2.0).double(), torch.full((3,), 0.5).double(), 1e-5),
+        1e-12,
+    )
 
 
 def test_rms_norm(capsys):
@@ -156,7 +181,7 @@ def test_compare_batchnorm(capsys):
     eps = 1e-5
     mean, var = x.mean(dim=0), x.var(dim=0, correction=0)
     assert close(r["batchnorm"], (x - mean) / torch.sqrt(var + eps), 1e-12)  # per feature over the batch
-    assert close(r["layernorm"], TF.layer_norm(x, (3,), eps=eps), 1e-12)      # per row over features
+    assert close(r["layernorm"], TF.layer_norm(x, (3,), eps=eps), 1e-12)  # per row over features
     rows = {row["batch"]: row for row in r["row0"]}
     assert all(row["layernorm_change"] == 0.0 for row in r["row0"])
     assert all(close(row["layernorm_row0"], SEEDS_Y[0], 1e-4) for row in r["row0"])

@@ -40,14 +40,14 @@ def call(x, r, w, b, *, rms, eps, backend, prenorm=False, residual_dtype=None):
             return addnorm.rms_norm(x, n, w, eps, backend=backend)
         return addnorm.layer_norm(x, n, w, b, eps, backend=backend)
     if rms:
-        return addnorm.add_rms_norm(x, r, n, w, eps, prenorm=prenorm, residual_dtype=residual_dtype,
-                                    backend=backend)
-    return addnorm.add_layer_norm(x, r, n, w, b, eps, prenorm=prenorm, residual_dtype=residual_dtype,
-                                  backend=backend)
+        return addnorm.add_rms_norm(x, r, n, w, eps, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend)
+    return addnorm.add_layer_norm(x, r, n, w, b, eps, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend)
 
 
-CASES = [pytest.param(*case, marks=pytest.mark.large) if case[0] > 100 else case
-         for case in itertools.product(ROWS, WIDTHS, DTYPES, [False, True], [False, True])]
+CASES = [
+    pytest.param(*case, marks=pytest.mark.large) if case[0] > 100 else case
+    for case in itertools.product(ROWS, WIDTHS, DTYPES, [False, True], [False, True])
+]
 
 
 @pytest.mark.parametrize("rows,n,dtype,rms,residual", CASES)
@@ -81,7 +81,7 @@ def test_forward_backward_match_torch(backend, rows, n, dtype, rms, residual):
     grads_t = torch.autograd.grad(yt, leaves_t, dy.to(dtype)) if rows else [torch.zeros_like(t) for t in leaves_t]
     for leaf, ours, ref, same in zip(leaves, grads, grads64, grads_t):
         assert ours.dtype == leaf.dtype
-        assert_matches_oracle(ours, ref, same, scale=max(1.0, rows ** 0.5) if leaf.dim() == 1 else 1.0)
+        assert_matches_oracle(ours, ref, same, scale=max(1.0, rows**0.5) if leaf.dim() == 1 else 1.0)
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -121,8 +121,16 @@ def test_backward_from_x_and_residual_is_backward_from_the_stream(backend, dtype
     for a, c in zip(from_stream, from_inputs):
         assert (a is None and c is None) or torch.equal(a, c)
     with pytest.raises(ValueError, match=r"s_parts=\(x, residual\) in backward need one shape and dtype"):
-        impl.backward(dy, None, (x, r.double() if dtype != torch.float64 else r.float()), w, mean, rstd, rms=rms,
-                      has_bias=b is not None)
+        impl.backward(
+            dy,
+            None,
+            (x, r.double() if dtype != torch.float64 else r.float()),
+            w,
+            mean,
+            rstd,
+            rms=rms,
+            has_bias=b is not None,
+        )
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -172,8 +180,7 @@ def test_non_contiguous_inputs(backend, view):
     w = torch.randn(n, generator=g)
     r = torch.randn(x.shape, generator=g)
     torch.testing.assert_close(addnorm.layer_norm(x, n, w, backend=backend), TF.layer_norm(x, (n,), w))
-    torch.testing.assert_close(
-        addnorm.add_rms_norm(x, r, n, w, backend=backend), TF.rms_norm(x + r, (n,), w))
+    torch.testing.assert_close(addnorm.add_rms_norm(x, r, n, w, backend=backend), TF.rms_norm(x + r, (n,), w))
 
 
 def test_large_mean_offset_no_less_accurate_than_torch(backend):

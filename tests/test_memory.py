@@ -38,6 +38,7 @@ def peak_bytes(fn) -> int:
 
 def test_peak_bytes_measures_allocations():
     """The meter itself: two live 4 MB tensors peak at 8 MB, then free."""
+
     def fn():
         a = torch.empty(1000, 1000)
         b = torch.empty(1000, 1000)
@@ -93,8 +94,7 @@ def test_training_saves_only_stream_mean_rstd(backend, rms, prenorm, residual):
         if residual:
             out = _call(x, r, w, b, rms=rms, prenorm=prenorm, backend=backend)
         else:
-            out = (addnorm.rms_norm(x, n, w, backend=backend) if rms
-                   else addnorm.layer_norm(x, n, w, b, backend=backend))
+            out = addnorm.rms_norm(x, n, w, backend=backend) if rms else addnorm.layer_norm(x, n, w, b, backend=backend)
     y = out[0] if isinstance(out, tuple) else out
     big = [t for t in saved if t.numel() == m * n]
     stats = [t for t in saved if t.shape == (m,)]

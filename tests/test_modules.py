@@ -12,9 +12,16 @@ from torch import nn
 import addnorm
 
 
-@pytest.mark.parametrize("kwargs", [
-    {}, {"eps": 1e-6}, {"elementwise_affine": False}, {"bias": False}, {"dtype": torch.float64},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"eps": 1e-6},
+        {"elementwise_affine": False},
+        {"bias": False},
+        {"dtype": torch.float64},
+    ],
+)
 @pytest.mark.parametrize("shape", [8, (3, 8)])
 def test_layer_norm_is_a_drop_in(backend, shape, kwargs):
     theirs = nn.LayerNorm(shape, **kwargs)

@@ -57,13 +57,16 @@ SCENARIOS = [
     Scenario("all-equal rows bf16 rms", torch.bfloat16, True, _full(7.0)),
     Scenario("near fp16 max", torch.float16, False, lambda g: _randn(g).clamp(-1, 1) * 65000),
     Scenario("near fp16 max rms", torch.float16, True, lambda g: _randn(g).clamp(-1, 1) * 65000),
-    Scenario("bf16 1e18 (sum of squares overflows fp32)", torch.bfloat16, False, lambda g: _randn(g, 1e18),
-             torch_overflows=True),
+    Scenario(
+        "bf16 1e18 (sum of squares overflows fp32)",
+        torch.bfloat16,
+        False,
+        lambda g: _randn(g, 1e18),
+        torch_overflows=True,
+    ),
     Scenario("bf16 1e18 rms", torch.bfloat16, True, lambda g: _randn(g, 1e18), torch_overflows=True),
-    Scenario("near bf16 max", torch.bfloat16, False, lambda g: _randn(g).clamp(-1, 1) * 3e38,
-             torch_overflows=True),
-    Scenario("near bf16 max rms", torch.bfloat16, True, lambda g: _randn(g).clamp(-1, 1) * 3e38,
-             torch_overflows=True),
+    Scenario("near bf16 max", torch.bfloat16, False, lambda g: _randn(g).clamp(-1, 1) * 3e38, torch_overflows=True),
+    Scenario("near bf16 max rms", torch.bfloat16, True, lambda g: _randn(g).clamp(-1, 1) * 3e38, torch_overflows=True),
     Scenario("denormal fp32", torch.float32, False, lambda g: _randn(g, 1e-40)),
     Scenario("denormal fp32 rms", torch.float32, True, lambda g: _randn(g, 1e-40)),
     Scenario("subnormal fp16", torch.float16, False, lambda g: _randn(g, 1e-6)),
@@ -115,8 +118,7 @@ def test_error_no_worse_than_torch(backend, sc):
         if sc.torch_overflows:
             theirs = max_error(oracle.to(sc.dtype), oracle)
         # dweight/dbias sum ROWS terms: their rounding grows like sqrt(ROWS)
-        slack = (atol * (math.sqrt(ROWS) if key in ("dweight", "dbias") else 1.0)
-                 + rtol * oracle.abs().max().item())
+        slack = atol * (math.sqrt(ROWS) if key in ("dweight", "dbias") else 1.0) + rtol * oracle.abs().max().item()
         assert ours <= 2 * theirs + slack, f"{sc.name} {key}: ours {ours:.3g} vs torch's {theirs:.3g}"
 
 
@@ -128,6 +130,7 @@ def test_offset_rows_are_centered_exactly(backend):
 
 
 # ----------------------------------------------------------------------- non-finite inputs
+
 
 def _nonfinite_input(kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
     g = torch.Generator().manual_seed(7)

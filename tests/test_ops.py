@@ -100,13 +100,24 @@ def test_custom_ops_pass_opcheck(backend, rms, residual):
         y, s, mean, rstd = ops._forward_op(*args)
         s_parts = [s.detach()] if s.numel() else [x2.detach()] + ([r2.detach()] if residual else [])
         dy = torch.randn_like(y)
-        bargs = (dy, torch.randn_like(s) if s.numel() else None, s_parts, w.detach(),
-                 None if rms else mean, rstd, rms, not rms, backend)
+        bargs = (
+            dy,
+            torch.randn_like(s) if s.numel() else None,
+            s_parts,
+            w.detach(),
+            None if rms else mean,
+            rstd,
+            rms,
+            not rms,
+            backend,
+        )
         torch.library.opcheck(ops._backward_op, bargs)
 
 
 def test_gradcheck_through_the_custom_op_path(backend):
     """The graph-traced path (custom op + registered autograd) has the same exact gradients."""
     x, r, w, b = (t.detach().double().requires_grad_() for t in _inputs(n=6))
-    f = lambda x, r, w, b: ops._forward_op(x.reshape(-1, 6), r.reshape(-1, 6), w, b, 1e-5, False, None, backend, True)[:2]
+    f = lambda x, r, w, b: ops._forward_op(x.reshape(-1, 6), r.reshape(-1, 6), w, b, 1e-5, False, None, backend, True)[
+        :2
+    ]
     assert torch.autograd.gradcheck(f, (x, r, w, b))

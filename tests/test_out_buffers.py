@@ -36,11 +36,11 @@ def test_results_equal_the_allocating_call(backend, dtype, rms):
 def test_mixed_stream_dtype_into_buffers(backend):
     x, r, w, b = _inputs(torch.bfloat16)
     r = r.float()
-    y_ref, s_ref = addnorm.add_layer_norm(x, r, 96, w, b, prenorm=True, residual_dtype=torch.float32,
-                                          backend=backend)
+    y_ref, s_ref = addnorm.add_layer_norm(x, r, 96, w, b, prenorm=True, residual_dtype=torch.float32, backend=backend)
     out, stream = torch.empty_like(x), torch.empty_like(r)
-    addnorm.add_layer_norm(x, r, 96, w, b, prenorm=True, residual_dtype=torch.float32, backend=backend,
-                           out=out, residual_out=stream)
+    addnorm.add_layer_norm(
+        x, r, 96, w, b, prenorm=True, residual_dtype=torch.float32, backend=backend, out=out, residual_out=stream
+    )
     assert torch.equal(out, y_ref) and torch.equal(stream, s_ref)
 
 
@@ -54,12 +54,15 @@ def test_requires_grad_is_refused_but_no_grad_is_fine():
     torch.testing.assert_close(out, torch.nn.functional.layer_norm(x + r, (96,), w.detach(), b))
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda x: torch.empty(3, 37, 95), r"out must be a contiguous torch.float32 tensor of shape \(3, 37, 96\)"),
-    (lambda x: torch.empty_like(x, dtype=torch.float64), "got torch.float64"),
-    (lambda x: torch.empty(96, 37, 3).permute(2, 1, 0), "got non-contiguous"),
-    (lambda x: torch.empty_like(x, device="meta"), "on meta"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda x: torch.empty(3, 37, 95), r"out must be a contiguous torch.float32 tensor of shape \(3, 37, 96\)"),
+        (lambda x: torch.empty_like(x, dtype=torch.float64), "got torch.float64"),
+        (lambda x: torch.empty(96, 37, 3).permute(2, 1, 0), "got non-contiguous"),
+        (lambda x: torch.empty_like(x, device="meta"), "on meta"),
+    ],
+)
 def test_bad_out_buffer_is_a_clear_error(bad, match):
     x, r, w, b = _inputs()
     with pytest.raises(ValueError, match=match):
@@ -71,7 +74,18 @@ def test_bad_out_buffer_is_a_clear_error(bad, match):
 def test_residual_out_needs_a_residual_and_the_stream_dtype():
     x, r, w, b = _inputs(torch.bfloat16)
     with pytest.raises(ValueError, match="residual_out= needs a residual"):
-        addnorm.ops.add_norm(x, None, 96, w, b, 1e-5, rms=False, prenorm=False, residual_dtype=None,
-                             backend="auto", residual_out=torch.empty_like(x))
+        addnorm.ops.add_norm(
+            x,
+            None,
+            96,
+            w,
+            b,
+            1e-5,
+            rms=False,
+            prenorm=False,
+            residual_dtype=None,
+            backend="auto",
+            residual_out=torch.empty_like(x),
+        )
     with pytest.raises(ValueError, match="residual_out must be a contiguous torch.float32"):
         addnorm.add_layer_norm(x, r, 96, w, b, residual_dtype=torch.float32, residual_out=torch.empty_like(x))

@@ -170,6 +170,7 @@ def test_bad_arguments():
 
 # --------------------------------------------------------------------------- residual fusion
 
+
 @pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_residual_gives_identical_outputs(name, dtype, monkeypatch):
@@ -200,13 +201,25 @@ def test_fused_blocks_generate_with_cache_and_cross_attention():
 
     # GPT-2 with cross-attention: the fused block falls back to the original forward
     torch.manual_seed(0)
-    config = tf.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64, n_positions=8,
-                           add_cross_attention=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                           bos_token_id=0, eos_token_id=0)
+    config = tf.GPT2Config(
+        n_layer=1,
+        n_embd=32,
+        n_head=4,
+        vocab_size=64,
+        n_positions=8,
+        add_cross_attention=True,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     gpt2 = tf.GPT2LMHeadModel(config)
     fused = copy.deepcopy(gpt2)
     report = addnorm.patch(fused, fuse_residual=True)
     assert report.fused == ["transformer.h.0"] and len(report.replaced) == 4
     ids, memory = torch.randint(0, 64, (2, 8)), torch.randn(2, 5, 32)
-    torch.testing.assert_close(fused(input_ids=ids, encoder_hidden_states=memory).logits,
-                               gpt2(input_ids=ids, encoder_hidden_states=memory).logits)
+    torch.testing.assert_close(
+        fused(input_ids=ids, encoder_hidden_states=memory).logits,
+        gpt2(input_ids=ids, encoder_hidden_states=memory).logits,
+    )

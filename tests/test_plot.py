@@ -46,10 +46,27 @@ def bench_rows() -> list[dict]:
         for r, c in [(1024, 1024), (4096, 4096)]:
             nbytes = r * c * 4 * 2
             ms = nbytes / gbps / 1e6
-            rows.append({"time": "2026-01-01T00:00:00Z", "commit": "abc1234", "machine": "test cpu",
-                         "device": "cpu", "threads": 2, "torch": torch.__version__, "op": "layer_norm",
-                         "pass": "fwd", "rows": r, "cols": c, "dtype": "float32", "impl": impl,
-                         "median_ms": ms, "p20_ms": ms, "p80_ms": ms, "bytes": nbytes, "gbps": gbps})
+            rows.append(
+                {
+                    "time": "2026-01-01T00:00:00Z",
+                    "commit": "abc1234",
+                    "machine": "test cpu",
+                    "device": "cpu",
+                    "threads": 2,
+                    "torch": torch.__version__,
+                    "op": "layer_norm",
+                    "pass": "fwd",
+                    "rows": r,
+                    "cols": c,
+                    "dtype": "float32",
+                    "impl": impl,
+                    "median_ms": ms,
+                    "p20_ms": ms,
+                    "p80_ms": ms,
+                    "bytes": nbytes,
+                    "gbps": gbps,
+                }
+            )
     return rows
 
 

@@ -137,12 +137,19 @@ def torch_norm(s, shape, weight, bias, eps, rms):
     return TF.rms_norm(s, shape, weight, eps) if rms else TF.layer_norm(s, shape, weight, bias, eps)
 
 
-def check(records: list, name: str, ours: torch.Tensor, oracle: torch.Tensor, theirs: torch.Tensor,
-          scale: float = 1.0) -> None:
+def check(
+    records: list, name: str, ours: torch.Tensor, oracle: torch.Tensor, theirs: torch.Tensor, scale: float = 1.0
+) -> None:
     """Record (name, dtype, our max error, torch's max error), then assert with conftest's rule."""
     if ours.numel():
-        records.append((name, ours.dtype, (ours.double() - oracle).abs().max().item(),
-                        (theirs.double() - oracle).abs().max().item()))
+        records.append(
+            (
+                name,
+                ours.dtype,
+                (ours.double() - oracle).abs().max().item(),
+                (theirs.double() - oracle).abs().max().item(),
+            )
+        )
     assert_matches_oracle(ours, oracle, theirs, scale=scale)
 
 
@@ -174,8 +181,11 @@ def run_case(c: Case, backend: str) -> list:
         if ours:
             common = dict(prenorm=c.prenorm, residual_dtype=c.residual_dtype, backend=backend)
             if not c.residual:
-                y = (addnorm.rms_norm(x, c.norm, w, c.eps, backend=backend) if c.rms
-                     else addnorm.layer_norm(x, c.norm, w, b, c.eps, backend=backend))
+                y = (
+                    addnorm.rms_norm(x, c.norm, w, c.eps, backend=backend)
+                    if c.rms
+                    else addnorm.layer_norm(x, c.norm, w, b, c.eps, backend=backend)
+                )
             elif c.rms:
                 y = addnorm.add_rms_norm(x, r, c.norm, w, c.eps, **common)
             else:
@@ -235,14 +245,74 @@ def test_every_op_matches_fp64_oracle(backend, case):
 
 
 WIDE = [
-    Case(False, True, True, torch.float32, torch.float32, None, True, True, 1e-5, (3,), (5000,),
-         Layout("contiguous"), Layout("step", 1), 0.5, 1),
-    Case(True, True, False, torch.bfloat16, torch.float32, torch.float32, True, False, None, (2,), (3, 1667),
-         Layout("transpose", 0, 2), Layout("contiguous"), 0.0, 2),
-    Case(False, False, False, torch.float16, torch.float16, None, True, True, 1e-5, (2,), (65536,),
-         Layout("expand", 0), Layout("contiguous"), 3.0, 3),
-    Case(True, False, False, torch.float64, torch.float64, None, False, False, 1e-6, (2,), (4099,),
-         Layout("step", 1), Layout("contiguous"), 0.5, 4),
+    Case(
+        False,
+        True,
+        True,
+        torch.float32,
+        torch.float32,
+        None,
+        True,
+        True,
+        1e-5,
+        (3,),
+        (5000,),
+        Layout("contiguous"),
+        Layout("step", 1),
+        0.5,
+        1,
+    ),
+    Case(
+        True,
+        True,
+        False,
+        torch.bfloat16,
+        torch.float32,
+        torch.float32,
+        True,
+        False,
+        None,
+        (2,),
+        (3, 1667),
+        Layout("transpose", 0, 2),
+        Layout("contiguous"),
+        0.0,
+        2,
+    ),
+    Case(
+        False,
+        False,
+        False,
+        torch.float16,
+        torch.float16,
+        None,
+        True,
+        True,
+        1e-5,
+        (2,),
+        (65536,),
+        Layout("expand", 0),
+        Layout("contiguous"),
+        3.0,
+        3,
+    ),
+    Case(
+        True,
+        False,
+        False,
+        torch.float64,
+        torch.float64,
+        None,
+        False,
+        False,
+        1e-6,
+        (2,),
+        (4099,),
+        Layout("step", 1),
+        Layout("contiguous"),
+        0.5,
+        4,
+    ),
 ]
 
 

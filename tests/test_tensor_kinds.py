@@ -55,6 +55,7 @@ def test_nested_tensors_other_than_jagged_last_dim_get_a_clear_error():
 
 def test_fake_tensors_get_shapes_and_dtypes_without_running_a_kernel(backend):
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode():
         x = torch.empty(1100, 1024, dtype=torch.bfloat16)
         r = torch.empty(1100, 1024, dtype=torch.bfloat16)
@@ -85,8 +86,9 @@ def test_jit_script_points_to_torch_compile():
 
 
 def test_pickled_model_round_trips(tmp_path):
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), addnorm.RMSNorm(16, backend="cpu"),
-                                addnorm.AddNorm(16, prenorm=True))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 16), addnorm.RMSNorm(16, backend="cpu"), addnorm.AddNorm(16, prenorm=True)
+    )
     path = tmp_path / "model.pt"
     torch.save(model, path)
     loaded = torch.load(path, weights_only=False)
@@ -119,6 +121,7 @@ def test_dtensor_never_crashes_the_process():
     (or says there are none): never a kernel reading its raw pointers. In a child process, so
     that a crash fails this test instead of the run."""
     import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -62,11 +62,14 @@ def test_model_shapes(position, positional):
     assert len(norms) == {"post": 10, "pre": 12, "none": 0}[position]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(norm_position="middle"), "norm_position"),
-    (dict(norm="batch"), "norm"),
-    (dict(positional="rotary"), "positional"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(norm_position="middle"), "norm_position"),
+        (dict(norm="batch"), "norm"),
+        (dict(positional="rotary"), "positional"),
+    ],
+)
 def test_bad_choices(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Seq2SeqTransformer(2, D, H, FF, 1, 1, **kwargs)
@@ -78,6 +81,7 @@ def test_heads_must_divide_d_model():
 
 
 # --------------------------------------------------------------------------- the oracle
+
 
 def hand_attention(mha, query, memory, causal=False):
     q = query @ mha.q.weight.T + mha.q.bias
@@ -148,9 +152,11 @@ def test_decoder_layer_wires_the_norms_as_claimed(position, norm):
     final = _randomize(addnorm.nn.AddNorm(D, norm=norm, prenorm=True)) if position == "pre" else None
     x = torch.randn(3, 4, D, dtype=torch.float64)
     memory = torch.randn(3, 2, D, dtype=torch.float64)
-    fns = [lambda h: hand_attention(layer.self_attn, h, h, causal=True),
-           lambda h: hand_attention(layer.cross_attn, h, memory),
-           lambda h: hand_ffn(layer.ffn, h)]
+    fns = [
+        lambda h: hand_attention(layer.self_attn, h, h, causal=True),
+        lambda h: hand_attention(layer.cross_attn, h, memory),
+        lambda h: hand_ffn(layer.ffn, h),
+    ]
     norms = list(layer.norms) or [None] * 3
     ours = residual_stack(x, layer.sublayers(memory), position, final)
     torch.testing.assert_close(ours, textbook(x, fns, norms, position, final), rtol=1e-10, atol=1e-10)

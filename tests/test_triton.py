@@ -76,7 +76,7 @@ def check_against_torch(m, n, dtype, *, rms, residual=True, offset=0.0):
     grads64 = torch.autograd.grad((y64, s64), leaves64, (dy.double(), ds.double()))
     grads_t = torch.autograd.grad((yt, st), leaves_t, (dy, ds))
     for ours, oracle, same in zip(grads, grads64, grads_t, strict=True):
-        assert_matches_oracle(ours, oracle, same, scale=max(1.0, m ** 0.5) if ours.dim() == 1 else 1.0)
+        assert_matches_oracle(ours, oracle, same, scale=max(1.0, m**0.5) if ours.dim() == 1 else 1.0)
 
 
 @pytest.mark.filterwarnings("ignore:normalizing over 1 feature")
@@ -117,9 +117,19 @@ def test_chunked_statistics_with_large_mean_offset(chunked):
     assert ours <= 1.5 * theirs + 1e-6, (ours, theirs)
 
 
-CHUNKED_SCENARIOS = [sc for sc in test_numerics.SCENARIOS if sc.name in (
-    "mean offset 1e6", "all-equal rows", "near-constant (var 1e-8 << eps)", "bf16 1e18 rms",
-    "near bf16 max", "denormal fp32")]
+CHUNKED_SCENARIOS = [
+    sc
+    for sc in test_numerics.SCENARIOS
+    if sc.name
+    in (
+        "mean offset 1e6",
+        "all-equal rows",
+        "near-constant (var 1e-8 << eps)",
+        "bf16 1e18 rms",
+        "near bf16 max",
+        "denormal fp32",
+    )
+]
 
 
 @pytest.mark.parametrize("sc", CHUNKED_SCENARIOS, ids=[s.name for s in CHUNKED_SCENARIOS])
@@ -134,8 +144,11 @@ def test_chunked_offset_rows_are_centered_exactly(chunked):
 
 
 # per dtype, the exponents j of max|s| = 2**j: both sides of 1, and up to the dtype's largest
-POW2_MAX = {torch.float32: [-1, 0, 1, 64, 126, 127], torch.bfloat16: [-1, 0, 1, 60, 127],
-            torch.float64: [-1, 0, 1, 600, 1023]}
+POW2_MAX = {
+    torch.float32: [-1, 0, 1, 64, 126, 127],
+    torch.bfloat16: [-1, 0, 1, 60, 127],
+    torch.float64: [-1, 0, 1, 600, 1023],
+}
 
 
 @pytest.mark.parametrize("path", ["fused", "chunked"])
@@ -160,15 +173,19 @@ def test_rows_whose_max_is_a_power_of_two(monkeypatch, path, rms, dtype):
     dx, dw = torch.autograd.grad(y, leaves, dy)
     rtol, atol = TOLERANCES[dtype]
     for i, c in enumerate(scale[:, 0].tolist()):
-        s, w64 = (x[i:i + 1].double() / c).requires_grad_(), w.double()
+        s, w64 = (x[i : i + 1].double() / c).requires_grad_(), w.double()
         b64 = None if b is None else b.double()
         y64 = test_numerics.torch_norm(s, None, None, eps / c / c, rms) * w64
         y64 = y64 + b64 if b64 is not None else y64
-        (ds64,) = torch.autograd.grad(y64, s, dy[i:i + 1].double())
-        torch.testing.assert_close(y[i:i + 1].double(), y64, rtol=rtol, atol=atol, msg=f"y, 2**{js[i]}")
-        torch.testing.assert_close(dx[i:i + 1].double() * c, ds64, rtol=rtol, atol=atol, msg=f"dx, 2**{js[i]}")
-    xhat = torch.stack([test_numerics.torch_norm(x[i].double() / c, None, None, eps / c / c, rms)
-                        for i, c in enumerate(scale[:, 0].tolist())])
+        (ds64,) = torch.autograd.grad(y64, s, dy[i : i + 1].double())
+        torch.testing.assert_close(y[i : i + 1].double(), y64, rtol=rtol, atol=atol, msg=f"y, 2**{js[i]}")
+        torch.testing.assert_close(dx[i : i + 1].double() * c, ds64, rtol=rtol, atol=atol, msg=f"dx, 2**{js[i]}")
+    xhat = torch.stack(
+        [
+            test_numerics.torch_norm(x[i].double() / c, None, None, eps / c / c, rms)
+            for i, c in enumerate(scale[:, 0].tolist())
+        ]
+    )
     torch.testing.assert_close(dw.double(), (dy.double() * xhat).sum(0), rtol=rtol, atol=atol * len(js))
 
 
@@ -202,8 +219,9 @@ def test_dweight_is_bit_identical_across_runs(monkeypatch, path, m):
     first = K.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True)
     again = K.backward(dy.clone(), None, (s.clone(),), w, mean, rstd, rms=False, has_bias=True)
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    oracle = reference.backward(dy.double(), None, (s.double(),), w.double(), mean.double(), rstd.double(), rms=False,
-                                has_bias=True)
+    oracle = reference.backward(
+        dy.double(), None, (s.double(),), w.double(), mean.double(), rstd.double(), rms=False, has_bias=True
+    )
     torch.testing.assert_close(first[1].double(), oracle[1], rtol=1e-5, atol=1e-4)
 
 
@@ -253,13 +271,15 @@ def test_unavailable_reasons():
 @pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="about CPU tensors without the interpreter")
 def test_cpu_tensors_need_the_interpreter():
     """Imported without TRITON_INTERPRET=1, the kernels are compiled and CPU tensors are refused."""
-    code = ("import torch, addnorm\n"
-            "from addnorm import backend as backends\n"
-            "print(backends.unavailable_reason('triton', torch.zeros(1, 4)))\n"
-            "try:\n"
-            "    addnorm.layer_norm(torch.zeros(2, 4), 4, backend='triton')\n"
-            "except RuntimeError as err:\n"
-            "    print(err)\n")
+    code = (
+        "import torch, addnorm\n"
+        "from addnorm import backend as backends\n"
+        "print(backends.unavailable_reason('triton', torch.zeros(1, 4)))\n"
+        "try:\n"
+        "    addnorm.layer_norm(torch.zeros(2, 4), 4, backend='triton')\n"
+        "except RuntimeError as err:\n"
+        "    print(err)\n"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     out = out.stdout

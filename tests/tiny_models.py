@@ -18,23 +18,53 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn
     torch.manual_seed(seed)
     small = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
     if name == "gpt2":
-        config = tf.GPT2Config(n_layer=2, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                               bos_token_id=0, eos_token_id=0)
+        config = tf.GPT2Config(
+            n_layer=2,
+            n_embd=WIDTH,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         model = tf.GPT2LMHeadModel(config)
     elif name == "bert":
-        config = tf.BertConfig(**small, vocab_size=VOCAB, max_position_embeddings=SEQ,
-                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = tf.BertConfig(
+            **small,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
         model = tf.BertForMaskedLM(config)
     elif name == "vit":
-        config = tf.ViTConfig(**small, image_size=8, patch_size=4, num_channels=3,
-                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)
+        config = tf.ViTConfig(
+            **small,
+            image_size=8,
+            patch_size=4,
+            num_channels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            num_labels=5,
+        )
         model = tf.ViTForImageClassification(config)
     elif name in ("llama", "gemma"):
-        cls_config, cls_model = ((tf.LlamaConfig, tf.LlamaForCausalLM) if name == "llama"
-                                 else (tf.GemmaConfig, tf.GemmaForCausalLM))
-        config = cls_config(**small, num_key_value_heads=2, head_dim=WIDTH // 4, vocab_size=VOCAB,
-                            max_position_embeddings=SEQ, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cls_config, cls_model = (
+            (tf.LlamaConfig, tf.LlamaForCausalLM) if name == "llama" else (tf.GemmaConfig, tf.GemmaForCausalLM)
+        )
+        config = cls_config(
+            **small,
+            num_key_value_heads=2,
+            head_dim=WIDTH // 4,
+            vocab_size=VOCAB,
+            max_position_embeddings=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         model = cls_model(config)
     else:
         raise ValueError(name)
@@ -48,8 +78,9 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn
 def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     if name == "vit":
-        return dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype),
-                    labels=torch.randint(0, 5, (2,), generator=g))
+        return dict(
+            pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype), labels=torch.randint(0, 5, (2,), generator=g)
+        )
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
     return dict(input_ids=ids, labels=ids)
 
@@ -72,8 +103,7 @@ class Block(nn.Module):
 class TinyTransformer(nn.Module):
     """Embedding, two pre-norm blocks (LayerNorm and RMSNorm), an Add & Norm and a head."""
 
-    def __init__(self, width: int = WIDTH, vocab: int = VOCAB, *,
-                 layer=addnorm.LayerNorm, rms=addnorm.RMSNorm):
+    def __init__(self, width: int = WIDTH, vocab: int = VOCAB, *, layer=addnorm.LayerNorm, rms=addnorm.RMSNorm):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.ModuleList([Block(width, layer), Block(width, rms)])

@@ -45,9 +45,19 @@ class Backend(Protocol):
         device, a dtype it lacks; ``None`` if it can."""
 
     def forward(
-        self, x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, *,
-        eps: float, rms: bool, residual_dtype: torch.dtype | None, write_stream: bool = True,
-        write_stats: bool = True, out: Tensor | None = None, residual_out: Tensor | None = None,
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        *,
+        eps: float,
+        rms: bool,
+        residual_dtype: torch.dtype | None,
+        write_stream: bool = True,
+        write_stats: bool = True,
+        out: Tensor | None = None,
+        residual_out: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
         """``(y, s, mean, rstd)`` for the 2-D rows ``x`` (plus ``residual``): ``y`` in ``x.dtype``,
         ``s = x + residual`` in the stream dtype (``None`` without a residual, and may be ``None``
@@ -56,8 +66,16 @@ class Backend(Protocol):
         ``out``/``residual_out``: contiguous buffers to write ``y``/``s`` into, returned as such."""
 
     def backward(
-        self, dy: Tensor, dstream: Tensor | None, s_parts: tuple[Tensor, ...], weight: Tensor | None,
-        mean: Tensor | None, rstd: Tensor, *, rms: bool, has_bias: bool,
+        self,
+        dy: Tensor,
+        dstream: Tensor | None,
+        s_parts: tuple[Tensor, ...],
+        weight: Tensor | None,
+        mean: Tensor | None,
+        rstd: Tensor,
+        *,
+        rms: bool,
+        has_bias: bool,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``(ds, dweight, dbias)``. ``s_parts`` holds the norm's input ``s`` as it was saved:
         ``(s,)``, or ``(x, residual)`` (both in the stream dtype, see :func:`check_s_parts`), whose
@@ -73,11 +91,16 @@ class BackendSpec:
     summary: str
 
 
-REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in (
-    BackendSpec("reference", "addnorm.reference", "the plain-torch formulas; test oracle and fallback, any device"),
-    BackendSpec("cpu", "addnorm.kernels.cpu", "fused numba kernels, CPU"),
-    BackendSpec("triton", "addnorm.kernels.triton", "fused Triton kernels, CUDA (CPU tensors through the interpreter)"),
-)}
+REGISTRY: dict[str, BackendSpec] = {
+    spec.name: spec
+    for spec in (
+        BackendSpec("reference", "addnorm.reference", "the plain-torch formulas; test oracle and fallback, any device"),
+        BackendSpec("cpu", "addnorm.kernels.cpu", "fused numba kernels, CPU"),
+        BackendSpec(
+            "triton", "addnorm.kernels.triton", "fused Triton kernels, CUDA (CPU tensors through the interpreter)"
+        ),
+    )
+}
 _REQUIRED = ("unavailable_reason", "forward", "backward")
 _LOADED: dict[str, Backend] = {}
 
@@ -148,7 +171,9 @@ def check_s_parts(s_parts: tuple[Tensor, ...]) -> None:
     if len(s_parts) == 2:
         x, residual = s_parts
         if residual.dtype != x.dtype or residual.shape != x.shape:
-            raise ValueError(f"s_parts=(x, residual) in backward need one shape and dtype, got "
-                             f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
+            raise ValueError(
+                f"s_parts=(x, residual) in backward need one shape and dtype, got "
+                f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}"
+            )
     elif len(s_parts) != 1:
         raise ValueError(f"s_parts must be (s,) or (x, residual), got {len(s_parts)} tensors")

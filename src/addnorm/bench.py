@@ -33,12 +33,28 @@ from .cli import UsageError
 
 OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
 PASSES = ["fwd", "bwd", "fwd+bwd"]
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DEFAULT_SHAPES = "8x768,4096x768,4096x1024,2048x4096,16384x1024,512x65536"
 OTHER_IMPLS = ["liger", "apex", "flash-attn"]
-ROW_FIELDS = ["time", "commit", "machine", "device", "threads", "torch", "op", "pass", "rows", "cols",
-              "dtype", "impl", "median_ms", "p20_ms", "p80_ms", "bytes", "gbps"]
+ROW_FIELDS = [
+    "time",
+    "commit",
+    "machine",
+    "device",
+    "threads",
+    "torch",
+    "op",
+    "pass",
+    "rows",
+    "cols",
+    "dtype",
+    "impl",
+    "median_ms",
+    "p20_ms",
+    "p80_ms",
+    "bytes",
+    "gbps",
+]
 DEFAULT_RESULTS = Path("benchmarks") / "results" / "bench.jsonl"
 EPS = 1e-5
 
@@ -75,13 +91,13 @@ def bytes_moved(op: str, rows: int, cols: int, dtype: torch.dtype, pass_: str) -
     """
     add = op.startswith("add_")
     params = 1 if "rms" in op else 2
-    elems = {"fwd": rows * cols * (4 if add else 2) + cols * params,
-             "bwd": rows * cols * 3 + cols * (1 + params)}
+    elems = {"fwd": rows * cols * (4 if add else 2) + cols * params, "bwd": rows * cols * 3 + cols * (1 + params)}
     total = sum(elems[p] for p in (("fwd", "bwd") if pass_ == "fwd+bwd" else (pass_,)))
     return total * torch.empty((), dtype=dtype).element_size()
 
 
 # --------------------------------------------------------------------------- implementations
+
 
 def _torch_norm(op: str) -> Callable:
     rms = "rms" in op
@@ -89,6 +105,7 @@ def _torch_norm(op: str) -> Callable:
     def f(x, r, w, b):
         s = x + r if r is not None else x
         return F.rms_norm(s, (s.shape[-1],), w, None) if rms else F.layer_norm(s, (s.shape[-1],), w, b, EPS)
+
     return f
 
 
@@ -114,6 +131,7 @@ def _reference_norm(op: str) -> Callable:
         # the formulas on all rows at once: reference.forward's row-block loop (a memory bound for
         # eager) would unroll into one graph per block under torch.compile
         return reference.forward_steps(x, r, w, None if rms else b, eps, rms, None)["y"].to(x.dtype)
+
     return f
 
 
@@ -136,6 +154,7 @@ def _other_norm(name: str, op: str, device: str) -> Callable:
 
         def f(x, r, w, b):
             return layer_norm_fn(x, w, None if rms else b, residual=r, eps=EPS, is_rms_norm=rms)
+
         norm = None
     if device != "cuda":
         raise RuntimeError("needs a CUDA device")
@@ -179,11 +198,13 @@ def _out_variant(name: str, op: str, fn: Callable, x, r, w, b) -> Callable | Non
         def f(x, r, w, b):
             src = torch.add(x, r, out=s) if r is not None else x
             return torch.ops.aten.native_layer_norm.out(src, [x.shape[-1]], w, b, EPS, out0=y, out1=m, out2=rs)
+
         return f
     return None
 
 
 # --------------------------------------------------------------------------- timing
+
 
 def _sync(device: str) -> None:
     if device == "cuda":
@@ -194,9 +215,11 @@ def _runner(fn: Callable, pass_: str, x, r, w, b, dy) -> Callable[[], object]:
     """A no-argument callable doing one ``pass_`` of ``fn`` on the given tensors."""
     leaves = [t for t in (x, r, w, b) if t is not None]
     if pass_ == "fwd":
+
         def run():
             with torch.no_grad():
                 return fn(x, r, w, b)
+
         return run
     grads = [t.detach().requires_grad_() for t in leaves]
     it = iter(grads)
@@ -253,6 +276,7 @@ def copy_bandwidth(device: str, mib: int = 64, rounds: int = 15) -> float:
 
 # --------------------------------------------------------------------------- rows
 
+
 def machine_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -270,12 +294,18 @@ def git_commit() -> str:
     describe code that no commit holds)."""
     here = Path(__file__).parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here,
-                              capture_output=True, text=True, timeout=5).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
         if not head:
             return "unknown"
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                 capture_output=True, text=True, timeout=5).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return f"{head}-dirty" if changed else head
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -305,9 +335,22 @@ def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out) -
             skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:80] if str(err) else ''}"
     timings = measure(runs, rounds, device) if runs else {}
     nbytes = bytes_moved(op, rows, cols, dtype, pass_)
-    results = [{"op": op, "pass": pass_, "rows": rows, "cols": cols, "dtype": str(dtype).removeprefix("torch."),
-                "impl": name, "median_ms": med * 1e3, "p20_ms": p20 * 1e3, "p80_ms": p80 * 1e3,
-                "bytes": nbytes, "gbps": nbytes / med / 1e9} for name, (med, p20, p80) in timings.items()]
+    results = [
+        {
+            "op": op,
+            "pass": pass_,
+            "rows": rows,
+            "cols": cols,
+            "dtype": str(dtype).removeprefix("torch."),
+            "impl": name,
+            "median_ms": med * 1e3,
+            "p20_ms": p20 * 1e3,
+            "p80_ms": p80 * 1e3,
+            "bytes": nbytes,
+            "gbps": nbytes / med / 1e9,
+        }
+        for name, (med, p20, p80) in timings.items()
+    ]
     return results, skipped
 
 
@@ -315,17 +358,28 @@ def _print_table(console, results: list[dict], skipped: dict, copy_gbps: float, 
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("op", "pass", "shape", "dtype", "impl", "median ms", "p20-p80 ms", "GB/s", "of copy bw",
-                "vs torch"):
+    for col in ("op", "pass", "shape", "dtype", "impl", "median ms", "p20-p80 ms", "GB/s", "of copy bw", "vs torch"):
         table.add_column(col, justify="right" if col not in ("op", "pass", "impl", "dtype") else "left")
-    eager = {(r["op"], r["pass"], r["rows"], r["cols"], r["dtype"]): r["median_ms"]
-             for r in results if r["impl"] == "torch-eager"}
+    eager = {
+        (r["op"], r["pass"], r["rows"], r["cols"], r["dtype"]): r["median_ms"]
+        for r in results
+        if r["impl"] == "torch-eager"
+    }
     for row in results:
         key = (row["op"], row["pass"], row["rows"], row["cols"], row["dtype"])
         ratio = f"{eager[key] / row['median_ms']:.2f}x" if key in eager else "-"
-        table.add_row(row["op"], row["pass"], f"{row['rows']}x{row['cols']}", row["dtype"], row["impl"],
-                      f"{row['median_ms']:.3f}", f"{row['p20_ms']:.3f}-{row['p80_ms']:.3f}", f"{row['gbps']:.1f}",
-                      f"{row['gbps'] / copy_gbps:.2f}", ratio)
+        table.add_row(
+            row["op"],
+            row["pass"],
+            f"{row['rows']}x{row['cols']}",
+            row["dtype"],
+            row["impl"],
+            f"{row['median_ms']:.3f}",
+            f"{row['p20_ms']:.3f}-{row['p80_ms']:.3f}",
+            f"{row['gbps']:.1f}",
+            f"{row['gbps'] / copy_gbps:.2f}",
+            ratio,
+        )
     console.print(table)
     for name, reason in sorted(skipped.items()):
         console.print(f"  {name}: {reason}")
@@ -354,13 +408,20 @@ def run(args) -> int:
     console = Console()
     copy_gbps = copy_bandwidth(args.device)
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    header = (f"{machine_name(args.device)}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-              f"copy bandwidth {copy_gbps:.1f} GB/s; load average {load}")
+    header = (
+        f"{machine_name(args.device)}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+        f"copy bandwidth {copy_gbps:.1f} GB/s; load average {load}"
+    )
     console.print(header)
     configs = [(op, s, d, p) for op in op_list for s in shapes for d in dtypes for p in passes]
-    common = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "commit": git_commit(), "machine": machine_name(args.device), "device": args.device,
-              "threads": torch.get_num_threads(), "torch": torch.__version__}
+    common = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "machine": machine_name(args.device),
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     save = None
     if args.save:  # rows are appended as each configuration finishes: a run cut short keeps them
         path = Path(args.results)
@@ -372,8 +433,7 @@ def run(args) -> int:
             task = progress.add_task("benchmarking", total=len(configs))
             for op, (rows, cols), dtype, pass_ in configs:
                 progress.update(task, description=f"{op} {pass_} {rows}x{cols} {dtype}")
-                res, skip = run_config(op, rows, cols, dtype, pass_, impls, args.device, args.rounds,
-                                       args.out_buffers)
+                res, skip = run_config(op, rows, cols, dtype, pass_, impls, args.device, args.rounds, args.out_buffers)
                 results += res
                 skipped.update(skip)
                 if save is not None:
@@ -383,8 +443,13 @@ def run(args) -> int:
     finally:
         if save is not None:
             save.close()
-    _print_table(console, results, skipped, copy_gbps,
-                 "addnorm bench" + (" (outputs into reused buffers)" if args.out_buffers else ""))
+    _print_table(
+        console,
+        results,
+        skipped,
+        copy_gbps,
+        "addnorm bench" + (" (outputs into reused buffers)" if args.out_buffers else ""),
+    )
     if save is not None:
         console.print(f"appended {len(results)} rows to {path}")
     if args.plot:
@@ -396,21 +461,31 @@ def run(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "bench", help="measure addnorm against torch eager, torch.compile and other norms (GB/s)",
+        "bench",
+        help="measure addnorm against torch eager, torch.compile and other norms (GB/s)",
         description="Time each implementation of a norm on the same inputs, interleaved in one process: "
-                    "median and p20/p80 per call, GB/s from explicit byte counts, the fraction of the "
-                    "copy bandwidth measured in the same run, and the ratio to torch eager.")
+        "median and p20/p80 per call, GB/s from explicit byte counts, the fraction of the "
+        "copy bandwidth measured in the same run, and the ratio to torch eager.",
+    )
     p.add_argument("--op", default="add_layer_norm", help=f"comma-separated, of {', '.join(OPS)}")
-    p.add_argument("--shapes", "--shape", action="append", metavar="ROWSxCOLS[,...]",
-                   help=f"shapes to measure (repeatable); default {DEFAULT_SHAPES}")
+    p.add_argument(
+        "--shapes",
+        "--shape",
+        action="append",
+        metavar="ROWSxCOLS[,...]",
+        help=f"shapes to measure (repeatable); default {DEFAULT_SHAPES}",
+    )
     p.add_argument("--dtype", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
     p.add_argument("--pass", dest="pass_", default="fwd,fwd+bwd", help=f"comma-separated, of {', '.join(PASSES)}")
     p.add_argument("--impl", help="comma-separated implementations (default: all): " + ", ".join(all_impls()))
     p.add_argument("--threads", type=int, help="torch (and addnorm-cpu) threads; default: torch's")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--rounds", type=int, default=15, help="interleaved samples per implementation")
-    p.add_argument("--out-buffers", action="store_true",
-                   help="forward into preallocated buffers (out=; inference without allocation)")
+    p.add_argument(
+        "--out-buffers",
+        action="store_true",
+        help="forward into preallocated buffers (out=; inference without allocation)",
+    )
     p.add_argument("--save", action="store_true", help="append the rows as JSON lines to --results")
     p.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)")
     p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this file")

@@ -36,6 +36,7 @@ FAIL_RATIO = 10.0  # "failed": final test MSE above this factor of the floor (or
 
 # --------------------------------------------------------------------------- data
 
+
 def square_sequences(n: int, seed: int, noise: float = NOISE) -> tuple[np.ndarray, np.ndarray]:
     """``n`` noisy square-corner sequences, ``(points [n, 4, 2], directions [n])``.
 
@@ -45,8 +46,7 @@ def square_sequences(n: int, seed: int, noise: float = NOISE) -> tuple[np.ndarra
     rng = np.random.RandomState(seed)
     bases = rng.randint(4, size=n)
     directions = rng.randint(2, size=n)
-    clean = [CORNERS[[(b + i) % 4 for i in range(4)]][:: 2 * d - 1]
-             for b, d in zip(bases, directions, strict=True)]
+    clean = [CORNERS[[(b + i) % 4 for i in range(4)]][:: 2 * d - 1] for b, d in zip(bases, directions, strict=True)]
     points = np.stack([c + rng.randn(4, 2) * noise for c in clean]) if n else np.zeros((0, 4, 2))
     return points.astype(np.float32), directions
 
@@ -87,8 +87,9 @@ def load_sequences(path: str | pathlib.Path) -> np.ndarray:
         raise ValueError(f"--data {path}: expected numbers, got dtype {data.dtype}")
     if data.ndim != 3 or data.shape[1:] != (4, 2) or len(data) < 2:
         want = "8 columns per row" if suffix == ".csv" else "shape [n, 4, 2]"
-        raise ValueError(f"--data {path}: expected {want} with n >= 2 (four 2-D points per sequence), "
-                         f"got shape {list(data.shape)}")
+        raise ValueError(
+            f"--data {path}: expected {want} with n >= 2 (four 2-D points per sequence), got shape {list(data.shape)}"
+        )
     if not np.isfinite(data).all():
         raise ValueError(f"--data {path}: contains NaN or infinite values")
     return data.astype(np.float32)
@@ -115,6 +116,7 @@ def decoder_input(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- arms
 
+
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """One training configuration: where the norm sits, the learning rate, the warmup."""
@@ -130,7 +132,8 @@ class Arm:
 
 
 ARMS = {
-    a.name: a for a in [
+    a.name: a
+    for a in [
         Arm("none", "no norm", "none"),
         Arm("post", "post-{N}", "post"),
         Arm("pre", "pre-{N}", "pre"),
@@ -163,8 +166,9 @@ class Config:
 
 
 def build_model(cfg: Config, norm_position: str) -> Seq2SeqTransformer:
-    return Seq2SeqTransformer(2, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.depth, cfg.depth,
-                              norm_position=norm_position, norm=cfg.norm)
+    return Seq2SeqTransformer(
+        2, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.depth, cfg.depth, norm_position=norm_position, norm=cfg.norm
+    )
 
 
 def warmup_steps(arm: Arm, total_steps: int) -> int:
@@ -184,8 +188,14 @@ def evaluate_mse(model: Seq2SeqTransformer, source: torch.Tensor, target: torch.
     return float(torch.mean((pred - target) ** 2))
 
 
-def train_arm(arm: Arm, seed: int, cfg: Config, train: np.ndarray, test: np.ndarray,
-              on_epoch: Callable[[int, float], None] | None = None) -> dict:
+def train_arm(
+    arm: Arm,
+    seed: int,
+    cfg: Config,
+    train: np.ndarray,
+    test: np.ndarray,
+    on_epoch: Callable[[int, float], None] | None = None,
+) -> dict:
     """Train one arm from ``seed``; returns the per-epoch curves and the time taken."""
     torch.manual_seed(seed)
     model = build_model(cfg, arm.norm_position)
@@ -202,7 +212,7 @@ def train_arm(arm: Arm, seed: int, cfg: Config, train: np.ndarray, test: np.ndar
         perm = torch.randperm(len(source), generator=gen)
         total = 0.0
         for i in range(0, len(source), cfg.batch_size):
-            idx = perm[i: i + cfg.batch_size]
+            idx = perm[i : i + cfg.batch_size]
             src, tgt = source[idx], target[idx]
             loss = torch.mean((model(src, decoder_input(src, tgt)) - tgt) ** 2)
             opt.zero_grad(set_to_none=True)
@@ -214,12 +224,17 @@ def train_arm(arm: Arm, seed: int, cfg: Config, train: np.ndarray, test: np.ndar
         curve.append(evaluate_mse(model, test_source, test_target))
         if on_epoch is not None:
             on_epoch(epoch, curve[-1])
-    return {"seed": seed, "lr": lr, "test_mse": curve, "train_loss": train_loss,
-            "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start}
+    return {
+        "seed": seed,
+        "lr": lr,
+        "test_mse": curve,
+        "train_loss": train_loss,
+        "seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - cpu_start,
+    }
 
 
-def grad_norms_at_init(cfg: Config, norm_position: str, seed: int,
-                       train: np.ndarray) -> dict[str, list[float]]:
+def grad_norms_at_init(cfg: Config, norm_position: str, seed: int, train: np.ndarray) -> dict[str, list[float]]:
     """Gradient norm of each layer's feed-forward output weight (Xiong et al. 2020, Fig. 3),
     at initialisation from ``seed``, for the loss on the whole training set (teacher forcing);
     encoder and decoder layers, first to last."""
@@ -228,11 +243,14 @@ def grad_norms_at_init(cfg: Config, norm_position: str, seed: int,
     source, target = split(train)
     loss = torch.mean((model(source, decoder_input(source, target)) - target) ** 2)
     loss.backward()
-    return {part: [float(layer.ffn[-1].weight.grad.norm()) for layer in getattr(model, part)]
-            for part in ("encoder", "decoder")}
+    return {
+        part: [float(layer.ffn[-1].weight.grad.norm()) for layer in getattr(model, part)]
+        for part in ("encoder", "decoder")
+    }
 
 
 # --------------------------------------------------------------------------- the run
+
 
 def load_data(cfg: Config) -> tuple[np.ndarray, np.ndarray, str]:
     """``(train, test, description)``: the generated sets, or ``cfg.data`` split 2/3 : 1/3
@@ -240,13 +258,22 @@ def load_data(cfg: Config) -> tuple[np.ndarray, np.ndarray, str]:
     if cfg.data is None:
         train, _ = square_sequences(N_TRAIN, TRAIN_SEED)
         test, _ = square_sequences(N_TEST, TEST_SEED)
-        return train, test, (f"generated square corners, noise σ={NOISE}: train {N_TRAIN} "
-                             f"(seed {TRAIN_SEED}), test {N_TEST} (seed {TEST_SEED})")
+        return (
+            train,
+            test,
+            (
+                f"generated square corners, noise σ={NOISE}: train {N_TRAIN} "
+                f"(seed {TRAIN_SEED}), test {N_TEST} (seed {TEST_SEED})"
+            ),
+        )
     data = load_sequences(cfg.data)
     perm = np.random.RandomState(TEST_SEED).permutation(len(data))
     n_test = max(1, len(data) // 3)
-    return (data[perm[n_test:]], data[perm[:n_test]],
-            f"{cfg.data}: {len(data)} sequences, train {len(data) - n_test}, test {n_test} (fixed shuffle)")
+    return (
+        data[perm[n_test:]],
+        data[perm[:n_test]],
+        f"{cfg.data}: {len(data)} sequences, train {len(data) - n_test}, test {n_test} (fixed shuffle)",
+    )
 
 
 def _first_epoch(curve: list[float], level: float) -> int | None:
@@ -258,10 +285,14 @@ def summarize(curve: list[float], floor: float) -> dict:
     within FAIL_RATIO x floor (off the plateau), failed."""
     finite = [v for v in curve if math.isfinite(v)]
     final = curve[-1] if curve else math.nan
-    return {"final": final, "best": min(finite) if finite else math.nan, "ratio": final / floor,
-            "first_within": _first_epoch(curve, WITHIN * floor),
-            "first_below_fail": _first_epoch(curve, FAIL_RATIO * floor),
-            "failed": not math.isfinite(final) or final > FAIL_RATIO * floor}
+    return {
+        "final": final,
+        "best": min(finite) if finite else math.nan,
+        "ratio": final / floor,
+        "first_within": _first_epoch(curve, WITHIN * floor),
+        "first_below_fail": _first_epoch(curve, FAIL_RATIO * floor),
+        "failed": not math.isfinite(final) or final > FAIL_RATIO * floor,
+    }
 
 
 def _median_epoch(epochs: list[int | None]) -> float | None:
@@ -309,29 +340,46 @@ def run_experiment(cfg: Config, progress: Callable[[str, int, float], None] | No
             arm = ARMS[name]
             runs = []
             for k, seed in enumerate(cfg.seeds):
-                on_epoch = None if progress is None else (
-                    lambda e, v, n=name, k=k: progress(n, k * cfg.epochs + e + 1, v))
+                on_epoch = (
+                    None if progress is None else (lambda e, v, n=name, k=k: progress(n, k * cfg.epochs + e + 1, v))
+                )
                 runs.append(train_arm(arm, seed, cfg, train, test, on_epoch))
             steps = cfg.epochs * math.ceil(len(train) / cfg.batch_size)
-            arms[name] = {"label": arm.title(cfg.norm), "norm_position": arm.norm_position,
-                          "lr": cfg.lr * arm.lr_scale, "warmup_steps": warmup_steps(arm, steps),
-                          "steps": steps, "runs": runs, "summary": aggregate(runs, floor)}
+            arms[name] = {
+                "label": arm.title(cfg.norm),
+                "norm_position": arm.norm_position,
+                "lr": cfg.lr * arm.lr_scale,
+                "warmup_steps": warmup_steps(arm, steps),
+                "steps": steps,
+                "runs": runs,
+                "summary": aggregate(runs, floor),
+            }
         grads = {}
         for pos in ("post", "pre"):
             per_seed = [grad_norms_at_init(cfg, pos, seed, train) for seed in grad_seeds(cfg)]
-            grads[pos] = {part: np.mean([g[part] for g in per_seed], axis=0).tolist()
-                          for part in ("encoder", "decoder")}
-        return {"config": dataclasses.asdict(cfg), "data": description, "floor": floor,
-                "n_train": len(train), "n_test": len(test), "arms": arms, "grad_norms": grads,
-                "grad_inits": len(grad_seeds(cfg)),
-                "torch": torch.__version__, "seconds": time.perf_counter() - start,
-                "cpu_seconds": time.process_time() - cpu_start}
+            grads[pos] = {
+                part: np.mean([g[part] for g in per_seed], axis=0).tolist() for part in ("encoder", "decoder")
+            }
+        return {
+            "config": dataclasses.asdict(cfg),
+            "data": description,
+            "floor": floor,
+            "n_train": len(train),
+            "n_test": len(test),
+            "arms": arms,
+            "grad_norms": grads,
+            "grad_inits": len(grad_seeds(cfg)),
+            "torch": torch.__version__,
+            "seconds": time.perf_counter() - start,
+            "cpu_seconds": time.process_time() - cpu_start,
+        }
     finally:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(False)  # torch's default: leave the process as we found it
 
 
 # --------------------------------------------------------------------------- outputs
+
 
 def _json_safe(obj):
     """NaN/inf -> None (results.json stays standard JSON)."""
@@ -383,8 +431,7 @@ def plot_results(results_json_path: str | pathlib.Path, out_dir: str | pathlib.P
         (line,) = ax.plot(epochs, np.minimum(median, CLIP), style, marker="o", ms=3, label=arm["label"])
         if len(curves) > 1:
             lo, hi = np.nanmin(curves, axis=0), np.nanmax(curves, axis=0)
-            ax.fill_between(epochs, np.minimum(lo, CLIP), np.minimum(hi, CLIP), color=line.get_color(),
-                            alpha=0.15)
+            ax.fill_between(epochs, np.minimum(lo, CLIP), np.minimum(hi, CLIP), color=line.get_color(), alpha=0.15)
     ax.axhline(floor, color="black", lw=1)
     ax.text(1, floor * 0.8, f"noise floor {floor:.4f}", va="top", fontsize=9)
     ax.axhline(WITHIN * floor, color="gray", lw=0.8, ls="--")
@@ -418,8 +465,10 @@ def plot_results(results_json_path: str | pathlib.Path, out_dir: str | pathlib.P
         ax.legend()
     axes[0].set_ylim(bottom=0)  # shared: after both panels are drawn
     axes[0].set_ylabel("‖∂loss/∂W‖ of the FFN output weight")
-    fig.suptitle(f"Gradient norm per layer at initialisation, mean of {results['grad_inits']} inits "
-                 "(cf. Xiong et al. 2020, Fig. 3)")
+    fig.suptitle(
+        f"Gradient norm per layer at initialisation, mean of {results['grad_inits']} inits "
+        "(cf. Xiong et al. 2020, Fig. 3)"
+    )
     fig.tight_layout()
     grads_png = out / "grad_norms.png"
     fig.savefig(grads_png, dpi=120)
@@ -439,21 +488,36 @@ def table_rows(results: dict) -> list[list[str]]:
         lr = f"{arm['lr']:.2g}"
         first = "never" if s["first_within"] is None else f"{s['first_within']:g}"
         failed = ("yes" if s["failed"] else "no") if s["runs"] == 1 else f"{s['failed']}/{s['runs']}"
-        rows.append([arm["label"], lr, _g(s["final"]), _g(s["best"]), _g(s["ratio"]), first, failed,
-                     f"{s['seconds']:.1f}"])
+        rows.append(
+            [arm["label"], lr, _g(s["final"]), _g(s["best"]), _g(s["ratio"]), first, failed, f"{s['seconds']:.1f}"]
+        )
     return rows
 
 
-TABLE_HEADER = ["arm", "lr", "final MSE", "best MSE", "final ÷ floor", f"epoch ≤ {WITHIN:g}x floor", "failed",
-                "time (s)"]
+TABLE_HEADER = [
+    "arm",
+    "lr",
+    "final MSE",
+    "best MSE",
+    "final ÷ floor",
+    f"epoch ≤ {WITHIN:g}x floor",
+    "failed",
+    "time (s)",
+]
 
 
 def _describe(arm: dict) -> str:
     s = arm["summary"]
-    off = ("" if s["first_below_fail"] is None or s["first_within"] is None
-           else f"fell below {FAIL_RATIO:g}x the floor at epoch {s['first_below_fail']:g}, ")
-    when = (f"never came within {WITHIN:g}x the floor" if s["first_within"] is None
-            else f"came within {WITHIN:g}x at epoch {s['first_within']:g}")
+    off = (
+        ""
+        if s["first_below_fail"] is None or s["first_within"] is None
+        else f"fell below {FAIL_RATIO:g}x the floor at epoch {s['first_below_fail']:g}, "
+    )
+    when = (
+        f"never came within {WITHIN:g}x the floor"
+        if s["first_within"] is None
+        else f"came within {WITHIN:g}x at epoch {s['first_within']:g}"
+    )
     return f"{arm['label']} {off}{when} and ended at {_g(s['final'])} ({_g(s['ratio'])}x floor)"
 
 
@@ -482,26 +546,47 @@ def readings(results: dict) -> list[tuple[str, str, str]]:
     out = []
     if {"pre", "post"} <= a.keys():
         held = _verdict(_speed(a["pre"]) < _speed(a["post"]) and not _fails(a["pre"]))
-        out.append(("Pre-LN trains without warmup; post-LN without warmup struggles (Xiong et al. 2020).",
-                    held, f"{_describe(a['pre'])}; {_describe(a['post'])}."))
+        out.append(
+            (
+                "Pre-LN trains without warmup; post-LN without warmup struggles (Xiong et al. 2020).",
+                held,
+                f"{_describe(a['pre'])}; {_describe(a['post'])}.",
+            )
+        )
     if {"post-warmup", "post"} <= a.keys():
         held = _verdict(_speed(a["post-warmup"]) < _speed(a["post"]))
-        out.append(("Warmup helps post-LN (Vaswani et al. 2017; Xiong et al. 2020).", held,
-                    f"{_describe(a['post-warmup'])}; without warmup, {_describe(a['post'])}."))
+        out.append(
+            (
+                "Warmup helps post-LN (Vaswani et al. 2017; Xiong et al. 2020).",
+                held,
+                f"{_describe(a['post-warmup'])}; without warmup, {_describe(a['post'])}.",
+            )
+        )
     if "post-small-lr" in a:
         held = _verdict(not _fails(a["post-small-lr"]))
-        out.append(("A smaller learning rate keeps post-LN stable without warmup, at the cost of speed.",
-                    held, f"{_describe(a['post-small-lr'])}."))
+        out.append(
+            (
+                "A smaller learning rate keeps post-LN stable without warmup, at the cost of speed.",
+                held,
+                f"{_describe(a['post-small-lr'])}.",
+            )
+        )
     if {"post-large-lr", "pre-large-lr"} <= a.keys():
         pre, post = a["pre-large-lr"], a["post-large-lr"]
         held = _verdict(not _fails(pre) and _speed(pre) < _speed(post))
-        out.append(("At a large learning rate pre-LN still trains and post-LN does not (Xiong et al. 2020).",
-                    held, f"{_describe(a['pre-large-lr'])}; {_describe(a['post-large-lr'])}."))
+        out.append(
+            (
+                "At a large learning rate pre-LN still trains and post-LN does not (Xiong et al. 2020).",
+                held,
+                f"{_describe(a['pre-large-lr'])}; {_describe(a['post-large-lr'])}.",
+            )
+        )
     normed = [a[n] for n in ("post", "pre") if n in a]
     if "none" in a and normed:
         held = _verdict(_fails(a["none"]) or all(_speed(a["none"]) > _speed(n) for n in normed))
-        out.append(("Without a norm the deep residual stack trains worse than with one.", held,
-                    f"{_describe(a['none'])}."))
+        out.append(
+            ("Without a norm the deep residual stack trains worse than with one.", held, f"{_describe(a['none'])}.")
+        )
     g = results["grad_norms"]
     if len(g["post"]["encoder"]) < 2:  # a trend over layers needs at least two
         return out
@@ -510,13 +595,18 @@ def readings(results: dict) -> list[tuple[str, str, str]]:
     parts = [growth["post"][p] >= GROWTH and growth["post"][p] > growth["pre"][p] for p in growth["post"]]
     held = VERDICTS[0] if all(parts) else VERDICTS[1] if any(parts) else VERDICTS[2]
     scale = {p: np.mean(g["post"][p]) / np.mean(g["pre"][p]) for p in g["post"]}
-    out.append(("At initialisation post-LN's gradient norm grows toward the last layers, pre-LN's does not "
-                "(Xiong et al. 2020, Fig. 3).", held,
-                f"mean of {results['grad_inits']} initialisations, last layer ÷ first layer: post-LN encoder "
-                f"{growth['post']['encoder']:.2f}, decoder {growth['post']['decoder']:.2f}; pre-LN encoder "
-                f"{growth['pre']['encoder']:.2f}, decoder {growth['pre']['decoder']:.2f} (a trend counts "
-                f"from {GROWTH:g}). Post-LN's gradients are {scale['encoder']:.1f}x pre-LN's in the encoder "
-                f"and {scale['decoder']:.1f}x in the decoder, on average."))
+    out.append(
+        (
+            "At initialisation post-LN's gradient norm grows toward the last layers, pre-LN's does not "
+            "(Xiong et al. 2020, Fig. 3).",
+            held,
+            f"mean of {results['grad_inits']} initialisations, last layer ÷ first layer: post-LN encoder "
+            f"{growth['post']['encoder']:.2f}, decoder {growth['post']['decoder']:.2f}; pre-LN encoder "
+            f"{growth['pre']['encoder']:.2f}, decoder {growth['pre']['decoder']:.2f} (a trend counts "
+            f"from {GROWTH:g}). Post-LN's gradients are {scale['encoder']:.1f}x pre-LN's in the encoder "
+            f"and {scale['decoder']:.1f}x in the decoder, on average.",
+        )
+    )
     return out
 
 
@@ -527,21 +617,25 @@ def _wobble(results: dict) -> str:
         for r in arm["runs"]:
             curve = [math.nan if v is None else v for v in r["test_mse"]]
             first = _first_epoch(curve, WITHIN * results["floor"])
-            after += [v for v in curve[first - 1:] if math.isfinite(v)] if first else []
+            after += [v for v in curve[first - 1 :] if math.isfinite(v)] if first else []
     if not after:
         return ""
     lo, hi = min(after) / results["floor"], max(after) / results["floor"]
-    return (f"Once within {WITHIN:g}x the floor, runs kept moving between {lo:.1f}x and {hi:.1f}x of it from "
-            "epoch to epoch (the learning rate is never decayed), so a difference of an epoch or two in the "
-            f"{WITHIN:g}x column, or a small one in the final MSE, is within that noise. ")
+    return (
+        f"Once within {WITHIN:g}x the floor, runs kept moving between {lo:.1f}x and {hi:.1f}x of it from "
+        "epoch to epoch (the learning rate is never decayed), so a difference of an epoch or two in the "
+        f"{WITHIN:g}x column, or a small one in the final MSE, is within that noise. "
+    )
 
 
 def _schedule_text(results: dict) -> str:
     warm = [arm for arm in results["arms"].values() if arm["warmup_steps"]]
     if not warm:
         return "Learning rate: constant."
-    return (f"Learning rate: constant, except {warm[0]['label']}: linear warmup over the first "
-            f"{warm[0]['warmup_steps']} of {warm[0]['steps']} steps, then constant.")
+    return (
+        f"Learning rate: constant, except {warm[0]['label']}: linear warmup over the first "
+        f"{warm[0]['warmup_steps']} of {warm[0]['steps']} steps, then constant."
+    )
 
 
 def _small(depth: int, epochs: int) -> bool:
@@ -565,7 +659,7 @@ def report_markdown(results: dict, command: str) -> str:
         "measured autoregressively after every epoch.",
         "",
         f"**Noise floor: {results['floor']:.4f}** — the test MSE of predicting the exact corners "
-        f"(≈ σ² = {NOISE ** 2:g}); no model can do better on average. An arm *failed* if its final test "
+        f"(≈ σ² = {NOISE**2:g}); no model can do better on average. An arm *failed* if its final test "
         f"MSE is above {FAIL_RATIO:g}x the floor or not finite.",
         "",
         _schedule_text(results) + f" *epoch ≤ {WITHIN:g}x floor* is the first epoch whose test MSE is within "
@@ -583,18 +677,24 @@ def report_markdown(results: dict, command: str) -> str:
         "",
     ]
     if _small(cfg["depth"], cfg["epochs"]):
-        lines += [f"This run is smaller than the default ({Config.depth} + {Config.depth} layers, "
-                  f"{Config.epochs} epochs); the predictions are about deep models trained for longer, "
-                  "so the verdicts below say little.", ""]
+        lines += [
+            f"This run is smaller than the default ({Config.depth} + {Config.depth} layers, "
+            f"{Config.epochs} epochs); the predictions are about deep models trained for longer, "
+            "so the verdicts below say little.",
+            "",
+        ]
     for prediction, held, what in readings(results):
         lines += [f"- **{prediction}** {held} here: {what}", ""]
     lines += [
         "These readings are generated from the numbers above by fixed rules: arriving within "
         f"{WITHIN:g}x the floor earlier, then a lower final MSE, counts as training better; a run "
-        f"fails above {FAIL_RATIO:g}x the floor. {_wobble(results)}" + (
+        f"fails above {FAIL_RATIO:g}x the floor. {_wobble(results)}"
+        + (
             "One seed on one small task is a demonstration, not a benchmark: rerun with `--seeds 3` to see "
-            "how much of it is luck." if len(cfg["seeds"]) == 1 else
-            f"{len(cfg['seeds'])} seeds on one small task are a demonstration, not a benchmark."),
+            "how much of it is luck."
+            if len(cfg["seeds"]) == 1
+            else f"{len(cfg['seeds'])} seeds on one small task are a demonstration, not a benchmark."
+        ),
         "",
     ]
     return "\n".join(lines)
@@ -663,12 +763,23 @@ def rich_table(results: dict):
     from rich import box
     from rich.table import Table
 
-    table = Table(title=f"test MSE, noise floor {results['floor']:.4f} "
-                        f"(medians over {len(results['config']['seeds'])} seed(s))", box=box.SIMPLE_HEAD,
-                  pad_edge=False, collapse_padding=True)
+    table = Table(
+        title=f"test MSE, noise floor {results['floor']:.4f} (medians over {len(results['config']['seeds'])} seed(s))",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     rows = table_rows(results)
-    headers = ["arm", "lr", "final\nMSE", "best\nMSE", "final\n÷ floor", f"epoch\n≤{WITHIN:g}x fl.", "failed",
-               "time\n(s)"]  # TABLE_HEADER on two lines: fits 80 columns
+    headers = [
+        "arm",
+        "lr",
+        "final\nMSE",
+        "best\nMSE",
+        "final\n÷ floor",
+        f"epoch\n≤{WITHIN:g}x fl.",
+        "failed",
+        "time\n(s)",
+    ]  # TABLE_HEADER on two lines: fits 80 columns
     for i, header in enumerate(headers):
         table.add_column(header, justify="left" if i < 2 else "right", no_wrap=True)
     for row in rows:
@@ -690,14 +801,23 @@ def run(args) -> int:
     except (RuntimeError, ValueError) as err:
         raise UsageError(str(err)) from err
     console = Console()
-    console.print(f"[bold]addnorm train[/]: {len(cfg.arms)} arm(s) x {len(cfg.seeds)} seed(s), "
-                  f"{cfg.depth}+{cfg.depth} layers, {cfg.epochs} epochs, norm {cfg.norm!r}, "
-                  f"base lr {cfg.lr:g}")
-    columns = (TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("test MSE {task.fields[mse]}"), TimeElapsedColumn())
+    console.print(
+        f"[bold]addnorm train[/]: {len(cfg.arms)} arm(s) x {len(cfg.seeds)} seed(s), "
+        f"{cfg.depth}+{cfg.depth} layers, {cfg.epochs} epochs, norm {cfg.norm!r}, "
+        f"base lr {cfg.lr:g}"
+    )
+    columns = (
+        TextColumn("{task.description:<18}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("test MSE {task.fields[mse]}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console) as bar:
-        tasks = {name: bar.add_task(ARMS[name].title(cfg.norm), total=cfg.epochs * len(cfg.seeds), mse="—")
-                 for name in cfg.arms}
+        tasks = {
+            name: bar.add_task(ARMS[name].title(cfg.norm), total=cfg.epochs * len(cfg.seeds), mse="—")
+            for name in cfg.arms
+        }
 
         def progress(name: str, done: int, mse: float) -> None:
             bar.update(tasks[name], completed=done, mse=_g(mse))
@@ -705,8 +825,10 @@ def run(args) -> int:
         results = run_experiment(cfg, progress)
     console.print(rich_table(results))
     if _small(cfg.depth, cfg.epochs):
-        console.print(f"(smaller than the default {Config.depth}+{Config.depth} layers, "
-                      f"{Config.epochs} epochs: the verdicts below say little)")
+        console.print(
+            f"(smaller than the default {Config.depth}+{Config.depth} layers, "
+            f"{Config.epochs} epochs: the verdicts below say little)"
+        )
     colours = dict(zip(VERDICTS, ("green", "yellow", "red"), strict=True))
     for prediction, held, _ in readings(results):
         console.print(f"[{colours[held]}]{held.lower()}[/]: {prediction}")
@@ -718,11 +840,13 @@ def run(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "train", help="train a deep Transformer with the norm after, before, or nowhere; compare",
+        "train",
+        help="train a deep Transformer with the norm after, before, or nowhere; compare",
         description="Train the same deep encoder-decoder Transformer on the square-corners task with "
-                    "different norm placements and learning-rate schedules (arms), side by side, and report "
-                    "test MSE against the noise floor, gradient norms at initialisation, plots and a "
-                    "reading.")
+        "different norm placements and learning-rate schedules (arms), side by side, and report "
+        "test MSE against the noise floor, gradient norms at initialisation, plots and a "
+        "reading.",
+    )
     p.add_argument("--arms", help=f"comma-separated arms to run (default: all): {', '.join(ARMS)}")
     p.add_argument("--seeds", type=int, help="number of seeds per arm (seeds 0..N-1; default 1)")
     p.add_argument("--epochs", type=int, help=f"training epochs (default {Config.epochs})")
@@ -731,9 +855,10 @@ def register(sub) -> None:
     p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="LayerNorm or RMSNorm")
     p.add_argument("--data", metavar="FILE", help="your own sequences: .npy or .csv of shape [n, 4, 2]")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the model is tiny)")
-    p.add_argument("--out", default="addnorm-train", metavar="DIR",
-                   help="output folder (default ./addnorm-train)")
-    p.add_argument("--quick", action="store_true",
-                   help=f"tiny run for a smoke test: {QUICK['depth']}+{QUICK['depth']} layers, "
-                        f"{QUICK['epochs']} epochs")
+    p.add_argument("--out", default="addnorm-train", metavar="DIR", help="output folder (default ./addnorm-train)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"tiny run for a smoke test: {QUICK['depth']}+{QUICK['depth']} layers, {QUICK['epochs']} epochs",
+    )
     p.set_defaults(func=run)

@@ -30,6 +30,7 @@ _TOKEN = re.compile(r"\s*(?:([\[\],])|([^\s\[\],]+))")
 
 # --------------------------------------------------------------------------- parsing user input
 
+
 def parse_literal(text: str, what: str) -> float | list:
     """Parse a number or nested list of numbers (``[[1, 2], [3, 4]]``) without ``eval``."""
     tokens = []
@@ -83,13 +84,15 @@ def _shape_of(value: float | list, what: str, path: str = "") -> tuple[int, ...]
     if not value:
         raise UsageError(f"{what}: empty list {path or 'at the top'}")
     shapes = [_shape_of(v, what, f"{path}[{i}]") for i, v in enumerate(value)]
+
     def describe(sh: tuple[int, ...]) -> str:
         return "a single number" if not sh else f"{sh[0]} values" if len(sh) == 1 else f"shape {list(sh)}"
 
     for i, sh in enumerate(shapes):
         if sh != shapes[0]:
-            raise UsageError(f"{what}: ragged rows: {path}[{i}] has {describe(sh)} "
-                             f"but {path}[0] has {describe(shapes[0])}")
+            raise UsageError(
+                f"{what}: ragged rows: {path}[{i}] has {describe(sh)} but {path}[0] has {describe(shapes[0])}"
+            )
     return (len(value), *shapes[0])
 
 
@@ -180,6 +183,7 @@ def parse_param(text: str | None, shape: tuple[int, ...], what: str, default: fl
 
 # --------------------------------------------------------------------------- the computation
 
+
 def _rows(t: Tensor, n: int) -> Tensor:
     return t.reshape(-1, n).to(torch.float64)
 
@@ -188,9 +192,18 @@ def _maxdiff(a: Tensor, b: Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def explain(x: Tensor, normalized_shape: tuple[int, ...], *, eps: float, gamma: Tensor, beta: Tensor | None,
-            rms: bool = False, residual: Tensor | None = None, grad: Tensor | None = None,
-            backward: bool = False) -> dict:
+def explain(
+    x: Tensor,
+    normalized_shape: tuple[int, ...],
+    *,
+    eps: float,
+    gamma: Tensor,
+    beta: Tensor | None,
+    rms: bool = False,
+    residual: Tensor | None = None,
+    grad: Tensor | None = None,
+    backward: bool = False,
+) -> dict:
     """Every step of the norm of ``x`` over its trailing ``normalized_shape`` dims, as tensors.
 
     Values are (rows, features) float64 tensors, per-row statistics are ``(rows,)``.
@@ -203,10 +216,19 @@ def explain(x: Tensor, normalized_shape: tuple[int, ...], *, eps: float, gamma: 
     st = reference.forward_steps(x2, r2, w, b, eps, rms, None)
     bare = reference.forward_steps(st["s"], None, None, None, 0.0, rms, None)
     out = {
-        "x": x2, "residual": r2, "s": st["s"], "mean": st["mean"], "var": st["var"],
-        "std": torch.sqrt(st["var"] + eps), "rstd": st["rstd"], "xhat": st["xhat"],
-        "gamma": w, "beta": b, "y": st["y"],
-        "std_no_eps": torch.sqrt(bare["var"]), "xhat_no_eps": bare["xhat"],
+        "x": x2,
+        "residual": r2,
+        "s": st["s"],
+        "mean": st["mean"],
+        "var": st["var"],
+        "std": torch.sqrt(st["var"] + eps),
+        "rstd": st["rstd"],
+        "xhat": st["xhat"],
+        "gamma": w,
+        "beta": b,
+        "y": st["y"],
+        "std_no_eps": torch.sqrt(bare["var"]),
+        "xhat_no_eps": bare["xhat"],
     }
     out["check_mean"] = st["xhat"].mean(dim=-1)
     xh = st["xhat"]
@@ -221,19 +243,28 @@ def explain(x: Tensor, normalized_shape: tuple[int, ...], *, eps: float, gamma: 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if rt is None:
-            y_op = (functional.rms_norm(xt, normalized_shape, wt, eps) if rms
-                    else functional.layer_norm(xt, normalized_shape, wt, bt, eps))
+            y_op = (
+                functional.rms_norm(xt, normalized_shape, wt, eps)
+                if rms
+                else functional.layer_norm(xt, normalized_shape, wt, bt, eps)
+            )
         else:
-            y_op = (functional.add_rms_norm(xt, rt, normalized_shape, wt, eps) if rms
-                    else functional.add_layer_norm(xt, rt, normalized_shape, wt, bt, eps))
+            y_op = (
+                functional.add_rms_norm(xt, rt, normalized_shape, wt, eps)
+                if rms
+                else functional.add_layer_norm(xt, rt, normalized_shape, wt, bt, eps)
+            )
     out["warnings"] = [str(c.message) for c in caught]
     s64 = st["s"].reshape(x.shape).clone().requires_grad_(backward)
     w64 = gamma.clone().requires_grad_(backward)
     b64 = beta.clone().requires_grad_(backward) if beta is not None else None
-    y_torch = (TF.rms_norm(s64, normalized_shape, w64, eps) if rms
-               else TF.layer_norm(s64, normalized_shape, w64, b64, eps))
-    out["op_name"] = (f"addnorm.{'add_' if residual is not None else ''}{'rms' if rms else 'layer'}_norm"
-                      f" ({str(dt).removeprefix('torch.')}, backend auto: {backend.auto_name(x2)})")
+    y_torch = (
+        TF.rms_norm(s64, normalized_shape, w64, eps) if rms else TF.layer_norm(s64, normalized_shape, w64, b64, eps)
+    )
+    out["op_name"] = (
+        f"addnorm.{'add_' if residual is not None else ''}{'rms' if rms else 'layer'}_norm"
+        f" ({str(dt).removeprefix('torch.')}, backend auto: {backend.auto_name(x2)})"
+    )
     out["torch_name"] = f"torch.nn.functional.{'rms' if rms else 'layer'}_norm (float64)"
     out["op_maxdiff"] = _maxdiff(y_op.reshape(-1, n), st["y"])
     out["torch_maxdiff"] = _maxdiff(y_torch.reshape(-1, n), st["y"])
@@ -244,13 +275,18 @@ def explain(x: Tensor, normalized_shape: tuple[int, ...], *, eps: float, gamma: 
         out["backward"] = dict(bs, dy=dy)
         y_torch.backward(dy.reshape(x.shape))
         y_op.backward(dy.reshape(x.shape).to(dt))
-        auto = {"ds": s64.grad.reshape(-1, n), "dweight": w64.grad.reshape(n),
-                "dbias": b64.grad.reshape(n) if b64 is not None else None}
+        auto = {
+            "ds": s64.grad.reshape(-1, n),
+            "dweight": w64.grad.reshape(n),
+            "dbias": b64.grad.reshape(n) if b64 is not None else None,
+        }
         out["backward"]["autograd"] = auto
-        out["backward"]["autograd_maxdiff"] = {
-            k: _maxdiff(v, bs[k]) for k, v in auto.items() if v is not None}
-        op_grads = {"ds": xt.grad.reshape(-1, n), "dweight": wt.grad.reshape(n),
-                    "dbias": bt.grad.reshape(n) if bt is not None else None}
+        out["backward"]["autograd_maxdiff"] = {k: _maxdiff(v, bs[k]) for k, v in auto.items() if v is not None}
+        op_grads = {
+            "ds": xt.grad.reshape(-1, n),
+            "dweight": wt.grad.reshape(n),
+            "dbias": bt.grad.reshape(n) if bt is not None else None,
+        }
         out["backward"]["op_maxdiff"] = {k: _maxdiff(v, bs[k]) for k, v in op_grads.items() if v is not None}
     return out
 
@@ -290,28 +326,39 @@ def compare_batchnorm(x2: Tensor, eps: float) -> dict:
             except ValueError as err:  # BatchNorm cannot normalize one value per feature
                 bn_row0, bn_error = None, str(err)
             ln_row0 = ln(batch)[0]
-            rows.append({
-                "batch": label, "batch_size": batch.shape[0],
-                "layernorm_row0": ln_row0, "layernorm_change": _maxdiff(ln_row0, ln_y[0]),
-                "batchnorm_row0": bn_row0, "batchnorm_error": bn_error,
-                "batchnorm_change": None if bn_row0 is None else _maxdiff(bn_row0, bn_y[0]),
-            })
+            rows.append(
+                {
+                    "batch": label,
+                    "batch_size": batch.shape[0],
+                    "layernorm_row0": ln_row0,
+                    "layernorm_change": _maxdiff(ln_row0, ln_y[0]),
+                    "batchnorm_row0": bn_row0,
+                    "batchnorm_error": bn_error,
+                    "batchnorm_change": None if bn_row0 is None else _maxdiff(bn_row0, bn_y[0]),
+                }
+            )
         ln.eval()
         bn.eval()
         ln_eval, bn_eval = ln(x2), bn(x2)
     return {
-        "x": x2, "layernorm": ln_y, "batchnorm": bn_y, "batch_mean": bn_mean, "batch_var": bn_var,
+        "x": x2,
+        "layernorm": ln_y,
+        "batchnorm": bn_y,
+        "batch_mean": bn_mean,
+        "batch_var": bn_var,
         "row0": rows,
         "layernorm_buffers": [name for name, _ in ln.named_buffers()],
         "batchnorm_buffers": {name: b for name, b in bn.named_buffers() if b.is_floating_point()},
         "batchnorm_momentum": bn.momentum,
-        "layernorm_eval": ln_eval, "batchnorm_eval": bn_eval,
+        "layernorm_eval": ln_eval,
+        "batchnorm_eval": bn_eval,
         "layernorm_train_eval_diff": _maxdiff(ln_eval, ln_y),
         "batchnorm_train_eval_diff": _maxdiff(bn_eval, bn_y),
     }
 
 
 # --------------------------------------------------------------------------- JSON
+
 
 def _plain(value):
     """Tensors -> nested lists; NaN/inf -> None, so that the JSON is strict."""
@@ -327,6 +374,7 @@ def _plain(value):
 
 
 # --------------------------------------------------------------------------- rich output
+
 
 class _Printer:
     def __init__(self, precision: int, lead_shape: tuple[int, ...], normalized_shape: tuple[int, ...]):
@@ -348,8 +396,15 @@ class _Printer:
 
         self.console.print(Text(text, style="bold"))
 
-    def matrix(self, title: str, t: Tensor, shape: tuple[int, ...], caption: str | None = None,
-               row_labels: list[str] | None = None, first: str = "row") -> None:
+    def matrix(
+        self,
+        title: str,
+        t: Tensor,
+        shape: tuple[int, ...],
+        caption: str | None = None,
+        row_labels: list[str] | None = None,
+        first: str = "row",
+    ) -> None:
         from rich.table import Table
 
         self.title(f"{title}   shape {_shape_str(shape)}")
@@ -369,8 +424,14 @@ class _Printer:
                 table.add_row(labels[i], *("…" if j is None else self.num(values[i][j]) for j in cols))
         self.console.print(table)
 
-    def columns(self, title: str, columns: dict[str, Tensor | list], caption: str | None = None,
-                labels: list[str] | None = None, first: str = "row") -> None:
+    def columns(
+        self,
+        title: str,
+        columns: dict[str, Tensor | list],
+        caption: str | None = None,
+        labels: list[str] | None = None,
+        first: str = "row",
+    ) -> None:
         from rich.table import Table
 
         self.title(title)
@@ -419,8 +480,9 @@ def _shape_str(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def _print_explanation(r: dict, shape: tuple[int, ...], normalized_shape: tuple[int, ...], eps: float,
-                       rms: bool, pr: _Printer) -> None:
+def _print_explanation(
+    r: dict, shape: tuple[int, ...], normalized_shape: tuple[int, ...], eps: float, rms: bool, pr: _Printer
+) -> None:
     k = len(normalized_shape)
     lead = shape[:-k]
     stat_shape = (*lead, *(1,) * k)
@@ -429,65 +491,83 @@ def _print_explanation(r: dict, shape: tuple[int, ...], normalized_shape: tuple[
     pr.matrix("input x", r["x"], shape)
     dims = ", ".join(str(d) for d in range(len(shape) - k, len(shape)))
     m, n = r["x"].shape
-    c.print(f"{name} over the last {k} dim(s) (dim {dims}), normalized_shape "
-            f"{list(normalized_shape)}, eps = {eps:g}:\n"
-            f"{m} row(s) of {n} features, one set of statistics per row\n")
+    c.print(
+        f"{name} over the last {k} dim(s) (dim {dims}), normalized_shape "
+        f"{list(normalized_shape)}, eps = {eps:g}:\n"
+        f"{m} row(s) of {n} features, one set of statistics per row\n"
+    )
     if r["residual"] is not None:
         pr.matrix("residual (the sublayer's input, carried around it)", r["residual"], shape)
         pr.matrix("Add: s = x + residual  (the norm sees s)", r["s"], shape)
     src = "s" if r["residual"] is not None else "x"
     if rms:
-        stats = {f"mean square mean({src}²) {_shape_str(stat_shape)}": r["var"],
-                 f"rms √(mean({src}²)+ε) {_shape_str(stat_shape)}": r["std"]}
+        stats = {
+            f"mean square mean({src}²) {_shape_str(stat_shape)}": r["var"],
+            f"rms √(mean({src}²)+ε) {_shape_str(stat_shape)}": r["std"],
+        }
         formula = f"x̂ = {src} / rms   (RMSNorm does not subtract the mean)"
     else:
-        stats = {f"mean μ {_shape_str(stat_shape)}": r["mean"],
-                 f"variance σ² (biased, ÷N) {_shape_str(stat_shape)}": r["var"],
-                 f"std √(σ²+ε) {_shape_str(stat_shape)}": r["std"]}
+        stats = {
+            f"mean μ {_shape_str(stat_shape)}": r["mean"],
+            f"variance σ² (biased, ÷N) {_shape_str(stat_shape)}": r["var"],
+            f"std √(σ²+ε) {_shape_str(stat_shape)}": r["std"],
+        }
         formula = f"x̂ = ({src} − μ) / √(σ²+ε)"
     pr.columns("per-row statistics", stats)
     pr.matrix("normalized " + formula, r["xhat"], shape)
     params = [r["gamma"]] + ([r["beta"]] if r["beta"] is not None else [])
-    pr.matrix("γ (weight) and β (bias)", torch.stack(params), normalized_shape,
-              row_labels=["γ", "β"], first="")
+    pr.matrix("γ (weight) and β (bias)", torch.stack(params), normalized_shape, row_labels=["γ", "β"], first="")
     pr.matrix("output y = γ·x̂" + (" + β" if r["beta"] is not None else ""), r["y"], shape)
 
     mean_txt = ", ".join(pr.num(v) for v in r["check_mean"].tolist())
     std_txt = ", ".join(pr.num(v) for v in r["check_std"].tolist())
     if rms:
-        c.print(f"check: each row of x̂ has root-mean-square [{std_txt}] ≈ 1\n"
-                f"       (its mean [{mean_txt}] is not forced to 0)")
+        c.print(
+            f"check: each row of x̂ has root-mean-square [{std_txt}] ≈ 1\n"
+            f"       (its mean [{mean_txt}] is not forced to 0)"
+        )
     else:
         affine = bool((r["gamma"] == 1).all()) and bool((r["beta"] == 0).all())
-        c.print(f"check: each row of x̂ has mean [{mean_txt}] = 0 and std [{std_txt}] ≈ 1\n"
-                f"       (std is just under 1 because of ε: √(σ²/(σ²+ε)))"
-                + ("; γ = 1 and β = 0, so y = x̂" if affine else ""))
+        c.print(
+            f"check: each row of x̂ has mean [{mean_txt}] = 0 and std [{std_txt}] ≈ 1\n"
+            f"       (std is just under 1 because of ε: √(σ²/(σ²+ε)))"
+            + ("; γ = 1 and β = 0, so y = x̂" if affine else "")
+        )
 
-    pr.columns(f"ε effect: by hand one divides by {'rms' if rms else 'σ'} (ε = 0); torch and addnorm "
-               f"by √({'mean square' if rms else 'σ²'}+ε)",
-               {f"{'rms' if rms else 'σ'} (ε = 0)": r["std_no_eps"], "√(·+ε)": r["std"],
-                "x̂ without ε": [_vec(v, pr) for v in r["xhat_no_eps"]],
-                "x̂ with ε": [_vec(v, pr) for v in r["xhat"]]})
+    pr.columns(
+        f"ε effect: by hand one divides by {'rms' if rms else 'σ'} (ε = 0); torch and addnorm "
+        f"by √({'mean square' if rms else 'σ²'}+ε)",
+        {
+            f"{'rms' if rms else 'σ'} (ε = 0)": r["std_no_eps"],
+            "√(·+ε)": r["std"],
+            "x̂ without ε": [_vec(v, pr) for v in r["xhat_no_eps"]],
+            "x̂ with ε": [_vec(v, pr) for v in r["xhat"]],
+        },
+    )
     i = int(r["var"].argmin())  # ε matters most where the variance is smallest
     j = int(r["xhat_no_eps"][i].abs().nan_to_num(-1.0).argmax())
-    c.print(f"row {pr.row_labels[i]}, feature {pr.col_labels[j]}: {pr.num(r['xhat_no_eps'][i, j].item())} "
-            f"without ε vs {pr.num(r['xhat'][i, j].item())} with ε = {eps:g}.\n"
-            f"ε matters most where the variance is small (row {pr.row_labels[i]}: "
-            f"{r['var'][i].item():.3g}); it keeps a constant row finite.")
+    c.print(
+        f"row {pr.row_labels[i]}, feature {pr.col_labels[j]}: {pr.num(r['xhat_no_eps'][i, j].item())} "
+        f"without ε vs {pr.num(r['xhat'][i, j].item())} with ε = {eps:g}.\n"
+        f"ε matters most where the variance is small (row {pr.row_labels[i]}: "
+        f"{r['var'][i].item():.3g}); it keeps a constant row finite."
+    )
     for msg in r["warnings"]:
         c.print(f"note: {msg}", style="yellow")
-    c.print(f"\nagreement with these float64 steps, max |difference| of y:\n"
-            f"  {r['op_name']}: {r['op_maxdiff']:.1e}\n  {r['torch_name']}: {r['torch_maxdiff']:.1e}")
+    c.print(
+        f"\nagreement with these float64 steps, max |difference| of y:\n"
+        f"  {r['op_name']}: {r['op_maxdiff']:.1e}\n  {r['torch_name']}: {r['torch_maxdiff']:.1e}"
+    )
 
 
-def _print_backward(r: dict, shape: tuple[int, ...], normalized_shape: tuple[int, ...], rms: bool,
-                    given: bool, pr: _Printer) -> None:
+def _print_backward(
+    r: dict, shape: tuple[int, ...], normalized_shape: tuple[int, ...], rms: bool, given: bool, pr: _Printer
+) -> None:
     bw = r["backward"]
     c = pr.console
     stat = _shape_str(shape[: len(shape) - len(normalized_shape)])
     c.rule("backward: the hand-derived gradient (addnorm.reference.backward)")
-    pr.matrix("upstream gradient dy" + ("" if given else " (all ones; pass --grad for another)"),
-              bw["dy"], shape)
+    pr.matrix("upstream gradient dy" + ("" if given else " (all ones; pass --grad for another)"), bw["dy"], shape)
     pr.matrix("g = dy·γ", bw["g"], shape)
     cols = {}
     if not rms:
@@ -506,11 +586,12 @@ def _print_backward(r: dict, shape: tuple[int, ...], normalized_shape: tuple[int
     names = {"ds": "dx", "dweight": "dγ", "dbias": "dβ"}
     diffs = ", ".join(f"{names[k]} {v:.1e}" for k, v in bw["autograd_maxdiff"].items())
     op = ", ".join(f"{names[k]} {v:.1e}" for k, v in bw["op_maxdiff"].items())
-    c.print(f"max |hand − autograd| (float64): {diffs}\n"
-            f"addnorm's op through autograd, {r['op_name']}:\n  {op}")
+    c.print(f"max |hand − autograd| (float64): {diffs}\naddnorm's op through autograd, {r['op_name']}:\n  {op}")
     if not given and not rms and bool((r["gamma"] == r["gamma"][0]).all()):
-        c.print("note: with dy = 1 and a constant γ, Σ y = N·mean(β) whatever x is,\n"
-                "      so dx = 0 up to rounding; pass --grad to see a non-trivial gradient")
+        c.print(
+            "note: with dy = 1 and a constant γ, Σ y = N·mean(β) whatever x is,\n"
+            "      so dx = 0 up to rounding; pass --grad to see a non-trivial gradient"
+        )
 
 
 def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
@@ -518,13 +599,18 @@ def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
     m, n = cmp["x"].shape
     rows = [str(i) for i in range(m)]
     c.rule("LayerNorm vs BatchNorm on the same rows")
-    c.print(f"LayerNorm: per row, over its {n} features.\n"
-            f"BatchNorm (train mode): per feature, over the {m} rows of the batch.\n"
-            f"eps = {eps:g}, γ = 1, β = 0 for both\n")
+    c.print(
+        f"LayerNorm: per row, over its {n} features.\n"
+        f"BatchNorm (train mode): per feature, over the {m} rows of the batch.\n"
+        f"eps = {eps:g}, γ = 1, β = 0 for both\n"
+    )
     pr.matrix("LayerNorm output (per row)", cmp["layernorm"], (m, n), row_labels=rows)
-    pr.columns("BatchNorm batch statistics, per feature",
-               {"batch mean": cmp["batch_mean"].tolist(), "batch variance (÷M)": cmp["batch_var"].tolist()},
-               labels=pr.col_labels, first="feature")
+    pr.columns(
+        "BatchNorm batch statistics, per feature",
+        {"batch mean": cmp["batch_mean"].tolist(), "batch variance (÷M)": cmp["batch_var"].tolist()},
+        labels=pr.col_labels,
+        first="feature",
+    )
     pr.matrix("BatchNorm output (per feature)", cmp["batchnorm"], (m, n), row_labels=rows)
     from rich.table import Table
 
@@ -533,39 +619,58 @@ def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
     for col in ("batch", "size", "norm", "output of row 0", "max change"):
         table.add_column(col, justify="right" if col in ("size", "max change") else "left")
     for row in cmp["row0"]:
-        table.add_row(row["batch"], str(row["batch_size"]), "LayerNorm", _vec(row["layernorm_row0"], pr),
-                      f"{row['layernorm_change']:.{pr.p}f}")
+        table.add_row(
+            row["batch"],
+            str(row["batch_size"]),
+            "LayerNorm",
+            _vec(row["layernorm_row0"], pr),
+            f"{row['layernorm_change']:.{pr.p}f}",
+        )
         if row["batchnorm_row0"] is None:
-            table.add_row("", "", "BatchNorm", "error: training needs more than 1 row per feature", "-",
-                          end_section=True)
+            table.add_row(
+                "", "", "BatchNorm", "error: training needs more than 1 row per feature", "-", end_section=True
+            )
         else:
-            table.add_row("", "", "BatchNorm", _vec(row["batchnorm_row0"], pr),
-                          f"{row['batchnorm_change']:.{pr.p}f}", end_section=True)
+            table.add_row(
+                "",
+                "",
+                "BatchNorm",
+                _vec(row["batchnorm_row0"], pr),
+                f"{row['batchnorm_change']:.{pr.p}f}",
+                end_section=True,
+            )
     c.print(table)
     bufs = ", ".join(f"{k} {_vec(v, pr)}" for k, v in cmp["batchnorm_buffers"].items())
-    c.print(f"running statistics: LayerNorm keeps none (buffers: {cmp['layernorm_buffers'] or 'none'}).\n"
-            f"BatchNorm after one training batch (momentum {cmp['batchnorm_momentum']}):\n  {bufs}")
-    pr.matrix("BatchNorm output in eval mode (uses the running statistics)", cmp["batchnorm_eval"], (m, n),
-              row_labels=rows)
-    c.print(f"train vs eval, max |difference|: LayerNorm {cmp['layernorm_train_eval_diff']:.1e}, "
-            f"BatchNorm {cmp['batchnorm_train_eval_diff']:.{pr.p}f}")
+    c.print(
+        f"running statistics: LayerNorm keeps none (buffers: {cmp['layernorm_buffers'] or 'none'}).\n"
+        f"BatchNorm after one training batch (momentum {cmp['batchnorm_momentum']}):\n  {bufs}"
+    )
+    pr.matrix(
+        "BatchNorm output in eval mode (uses the running statistics)", cmp["batchnorm_eval"], (m, n), row_labels=rows
+    )
+    c.print(
+        f"train vs eval, max |difference|: LayerNorm {cmp['layernorm_train_eval_diff']:.1e}, "
+        f"BatchNorm {cmp['batchnorm_train_eval_diff']:.{pr.p}f}"
+    )
 
 
 # --------------------------------------------------------------------------- command
+
 
 def run(args) -> int:
     x = load_matrix(args.input, "--input") if args.input is not None else torch.tensor(WORKED_INPUT)
     normalized_shape = parse_shape(args.normalized_shape) if args.normalized_shape else (x.shape[-1],)
     k = len(normalized_shape)
     if x.dim() < k or tuple(x.shape[-k:]) != normalized_shape:
-        raise UsageError(f"--normalized-shape {','.join(map(str, normalized_shape))} must equal the trailing "
-                         f"dims of the input, whose shape is {list(x.shape)}; e.g. {x.shape[-1]}")
+        raise UsageError(
+            f"--normalized-shape {','.join(map(str, normalized_shape))} must equal the trailing "
+            f"dims of the input, whose shape is {list(x.shape)}; e.g. {x.shape[-1]}"
+        )
     rms = args.norm == "rms"
     if rms and args.beta is not None:
         raise UsageError("--beta: RMSNorm has no bias (β); drop --beta or use --norm layer")
     if args.compare and (rms or args.residual is not None or args.backward):
-        raise UsageError("--compare batchnorm compares plain LayerNorm; "
-                         "drop --norm rms, --residual and --backward")
+        raise UsageError("--compare batchnorm compares plain LayerNorm; drop --norm rms, --residual and --backward")
     if args.grad is not None and not args.backward:
         raise UsageError("--grad is the upstream gradient of --backward; add --backward")
     if args.precision < 0 or args.precision > 12:
@@ -581,19 +686,34 @@ def run(args) -> int:
     if args.residual is not None:
         residual = load_matrix(args.residual, "--residual")
         if residual.shape != x.shape:
-            raise UsageError(f"--residual must have the input's shape {list(x.shape)}, "
-                             f"got {list(residual.shape)}")
+            raise UsageError(f"--residual must have the input's shape {list(x.shape)}, got {list(residual.shape)}")
     if args.grad is not None:
         grad = load_matrix(args.grad, "--grad")
         if grad.shape != x.shape:
             raise UsageError(f"--grad must have the input's shape {list(x.shape)}, got {list(grad.shape)}")
 
-    r = explain(x, normalized_shape, eps=eps, gamma=gamma, beta=beta, rms=rms, residual=residual,
-                grad=grad, backward=args.backward)
+    r = explain(
+        x,
+        normalized_shape,
+        eps=eps,
+        gamma=gamma,
+        beta=beta,
+        rms=rms,
+        residual=residual,
+        grad=grad,
+        backward=args.backward,
+    )
     cmp = compare_batchnorm(r["x"], eps) if args.compare else None
     if args.json:
-        doc = {"shape": list(x.shape), "normalized_shape": list(normalized_shape), "rows": r["x"].shape[0],
-               "features": r["x"].shape[1], "norm": args.norm, "eps": eps, "dtype": str(x.dtype)[6:]}
+        doc = {
+            "shape": list(x.shape),
+            "normalized_shape": list(normalized_shape),
+            "rows": r["x"].shape[0],
+            "features": r["x"].shape[1],
+            "norm": args.norm,
+            "eps": eps,
+            "dtype": str(x.dtype)[6:],
+        }
         doc |= {k: v for k, v in r.items() if k not in ("backward",)}
         if args.backward:
             doc["backward"] = r["backward"]
@@ -616,16 +736,25 @@ def run(args) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "explain", help="LayerNorm / RMSNorm / Add & Norm step by step, with shapes",
+        "explain",
+        help="LayerNorm / RMSNorm / Add & Norm step by step, with shapes",
         description="Print every step of a norm with shapes: input, normalized dims, per-row mean, "
-                    "biased variance, std with eps, normalized values, gamma, beta, output; the effect "
-                    "of eps; the hand-derived backward (--backward); BatchNorm beside it (--compare). "
-                    "Default input: the worked example [[0.2,0.1,0.3],[0.5,0.1,0.1]].")
+        "biased variance, std with eps, normalized values, gamma, beta, output; the effect "
+        "of eps; the hand-derived backward (--backward); BatchNorm beside it (--compare). "
+        "Default input: the worked example [[0.2,0.1,0.3],[0.5,0.1,0.1]].",
+    )
     p.add_argument("--input", metavar="MATRIX|FILE", help=MATRIX_HELP)
-    p.add_argument("--normalized-shape", metavar="DIMS",
-                   help="trailing dims normalized together, e.g. 3 or 1,3 (default: the last dim)")
-    p.add_argument("--eps", type=float, help="added to the variance inside the square root "
-                                             "(default 1e-5; RMSNorm: the dtype's machine epsilon, as torch)")
+    p.add_argument(
+        "--normalized-shape",
+        metavar="DIMS",
+        help="trailing dims normalized together, e.g. 3 or 1,3 (default: the last dim)",
+    )
+    p.add_argument(
+        "--eps",
+        type=float,
+        help="added to the variance inside the square root "
+        "(default 1e-5; RMSNorm: the dtype's machine epsilon, as torch)",
+    )
     p.add_argument("--gamma", metavar="VALUES", help="weight γ: one number, or one per feature (default 1)")
     p.add_argument("--beta", metavar="VALUES", help="bias β: one number, or one per feature (default 0)")
     p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="LayerNorm (default) or RMSNorm")

@@ -37,8 +37,19 @@ def layer_norm(
 ) -> Tensor:
     """``weight * (x - mean) / sqrt(var + eps) + bias`` over the trailing ``normalized_shape``
     dims, with the biased variance; as :func:`torch.nn.functional.layer_norm`."""
-    return add_norm(x, None, normalized_shape, weight, bias, eps,
-                    rms=False, prenorm=False, residual_dtype=None, backend=backend, out=out)
+    return add_norm(
+        x,
+        None,
+        normalized_shape,
+        weight,
+        bias,
+        eps,
+        rms=False,
+        prenorm=False,
+        residual_dtype=None,
+        backend=backend,
+        out=out,
+    )
 
 
 def rms_norm(
@@ -53,8 +64,19 @@ def rms_norm(
     """``weight * x / sqrt(mean(x**2) + eps)`` over the trailing ``normalized_shape`` dims;
     ``eps=None`` means the machine epsilon of the compute dtype (float32's for float16,
     bfloat16 and float32 input; float64's for float64), as :func:`torch.nn.functional.rms_norm`."""
-    return add_norm(x, None, normalized_shape, weight, None, eps,
-                    rms=True, prenorm=False, residual_dtype=None, backend=backend, out=out)
+    return add_norm(
+        x,
+        None,
+        normalized_shape,
+        weight,
+        None,
+        eps,
+        rms=True,
+        prenorm=False,
+        residual_dtype=None,
+        backend=backend,
+        out=out,
+    )
 
 
 def add_layer_norm(
@@ -81,9 +103,20 @@ def add_layer_norm(
     """
     if type(residual) is not Tensor:  # None here would silently be a plain norm
         _check_float_tensor("residual", residual)
-    return add_norm(x, residual, normalized_shape, weight, bias, eps,
-                    rms=False, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
-                    out=out, residual_out=residual_out)
+    return add_norm(
+        x,
+        residual,
+        normalized_shape,
+        weight,
+        bias,
+        eps,
+        rms=False,
+        prenorm=prenorm,
+        residual_dtype=residual_dtype,
+        backend=backend,
+        out=out,
+        residual_out=residual_out,
+    )
 
 
 def add_rms_norm(
@@ -102,6 +135,17 @@ def add_rms_norm(
     """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`."""
     if type(residual) is not Tensor:  # None here would silently be a plain norm
         _check_float_tensor("residual", residual)
-    return add_norm(x, residual, normalized_shape, weight, None, eps,
-                    rms=True, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
-                    out=out, residual_out=residual_out)
+    return add_norm(
+        x,
+        residual,
+        normalized_shape,
+        weight,
+        None,
+        eps,
+        rms=True,
+        prenorm=prenorm,
+        residual_dtype=residual_dtype,
+        backend=backend,
+        out=out,
+        residual_out=residual_out,
+    )

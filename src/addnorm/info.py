@@ -68,7 +68,10 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("info", help="versions, usable backends, and a self-test of each backend",
-                       description="Print versions, which backends can run here (and why not), "
-                                   "thread count, and run the seeds' worked example through each backend.")
+    p = sub.add_parser(
+        "info",
+        help="versions, usable backends, and a self-test of each backend",
+        description="Print versions, which backends can run here (and why not), "
+        "thread count, and run the seeds' worked example through each backend.",
+    )
     p.set_defaults(func=run)

@@ -25,9 +25,11 @@ class _NotScriptable:
     cannot be scripted (TorchScript cannot compile the Python that dispatches to the kernels)."""
 
     def __prepare_scriptable__(self):
-        raise TypeError(f"torch.jit.script cannot compile addnorm.{type(self).__name__}: its forward dispatches "
-                        "to kernels in Python. Use torch.compile(model) (addnorm's ops trace into the graph with "
-                        "no break) or torch.jit.trace(model, example_inputs)")
+        raise TypeError(
+            f"torch.jit.script cannot compile addnorm.{type(self).__name__}: its forward dispatches "
+            "to kernels in Python. Use torch.compile(model) (addnorm's ops trace into the graph with "
+            "no break) or torch.jit.trace(model, example_inputs)"
+        )
 
 
 class LayerNorm(_NotScriptable, nn.LayerNorm):
@@ -143,8 +145,13 @@ class AddNorm(_NotScriptable, nn.Module):
         super().__init__()
         if norm == "layer":
             self.norm: LayerNorm | RMSNorm = LayerNorm(
-                normalized_shape, 1e-5 if eps is None else eps, elementwise_affine, bias,
-                device, dtype, backend=backend,
+                normalized_shape,
+                1e-5 if eps is None else eps,
+                elementwise_affine,
+                bias,
+                device,
+                dtype,
+                backend=backend,
             )
         elif norm == "rms":
             self.norm = RMSNorm(normalized_shape, eps, elementwise_affine, device, dtype, backend=backend)

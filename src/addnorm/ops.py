@@ -40,11 +40,14 @@ _tracing_state = torch._C._get_tracing_state
 _functorch_level = torch._C._functorch.peek_interpreter_stack
 _PLAIN = (Tensor, torch.nn.Parameter)  # the tensor types the eager paths hand to a kernel
 # RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype
-_RMS_DEFAULT_EPS = {dt: torch.finfo(reference.stats_dtype(dt)).eps
-                    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+_RMS_DEFAULT_EPS = {
+    dt: torch.finfo(reference.stats_dtype(dt)).eps
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
 
 
 # --------------------------------------------------------------------------- the plan
+
 
 class Plan(NamedTuple):
     """What one call's forward writes and what its backward gets."""
@@ -54,8 +57,14 @@ class Plan(NamedTuple):
     save_inputs: bool  # training saves x and residual (the backward recomputes s), else s (or x)
 
 
-def plan(impl: backends.Backend, x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype | None,
-         prenorm: bool, training: bool) -> Plan:
+def plan(
+    impl: backends.Backend,
+    x: Tensor,
+    residual: Tensor | None,
+    residual_dtype: torch.dtype | None,
+    prenorm: bool,
+    training: bool,
+) -> Plan:
     """One plan for every way a call runs (eager, custom op, inference).
 
     Training saves ``s`` (``x`` without a residual), ``mean``, ``rstd`` and the weight. Post-norm
@@ -67,42 +76,73 @@ def plan(impl: backends.Backend, x: Tensor, residual: Tensor | None, residual_dt
     """
     if not training:
         return Plan(residual is not None and prenorm, False, False)
-    save_inputs = (residual is not None and not prenorm and impl.CAPABILITIES.recomputes_stream
-                   and x.dtype == residual.dtype and residual_dtype in (None, x.dtype))
+    save_inputs = (
+        residual is not None
+        and not prenorm
+        and impl.CAPABILITIES.recomputes_stream
+        and x.dtype == residual.dtype
+        and residual_dtype in (None, x.dtype)
+    )
     return Plan(residual is not None and not save_inputs, True, save_inputs)
 
 
 # --------------------------------------------------------------------------- custom ops and autograd
 
+
 def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty((0,), dtype=dtype, device=like.device)
 
 
-def _forward_impl(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
-                  rms: bool, residual_dtype: torch.dtype | None, backend: str,
-                  prenorm: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _forward_impl(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    residual_dtype: torch.dtype | None,
+    backend: str,
+    prenorm: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = backends.resolve(backend, x)
     p = plan(impl, x, residual, residual_dtype, prenorm, training=True)
-    y, s, mean, rstd = impl.forward(x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
-                                    write_stream=p.write_stream)
+    y, s, mean, rstd = impl.forward(
+        x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype, write_stream=p.write_stream
+    )
     cd = rstd.dtype
-    return (y.contiguous(), s.contiguous() if p.write_stream else _empty(x, x.dtype),
-            mean if mean is not None else _empty(x, cd), rstd)
+    return (
+        y.contiguous(),
+        s.contiguous() if p.write_stream else _empty(x, x.dtype),
+        mean if mean is not None else _empty(x, cd),
+        rstd,
+    )
 
 
-def _backward_impl(dy: Tensor, dstream: Tensor | None, s_parts: list[Tensor], weight: Tensor | None,
-                   mean: Tensor | None, rstd: Tensor, rms: bool, has_bias: bool,
-                   backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_impl(
+    dy: Tensor,
+    dstream: Tensor | None,
+    s_parts: list[Tensor],
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    rms: bool,
+    has_bias: bool,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
     impl = backends.resolve(backend, s_parts[0])
     ds, dweight, dbias = impl.backward(dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms, has_bias=has_bias)
     cd = rstd.dtype
-    return (ds.contiguous(), dweight if dweight is not None else _empty(ds, cd),
-            dbias if dbias is not None else _empty(ds, cd))
+    return (
+        ds.contiguous(),
+        dweight if dweight is not None else _empty(ds, cd),
+        dbias if dbias is not None else _empty(ds, cd),
+    )
 
 
 def _eager_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend):
-    return backends.resolve(backend, s_parts[0]).backward(dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms,
-                                                          has_bias=has_bias)
+    return backends.resolve(backend, s_parts[0]).backward(
+        dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms, has_bias=has_bias
+    )
 
 
 _forward_op = torch.library.custom_op("addnorm::forward", _forward_impl, mutates_args=())
@@ -138,8 +178,15 @@ def _saved(x: Tensor, residual: Tensor | None, s: Tensor | None, p: Plan) -> tup
 def _meta(x, residual, bias, eps, rms, backend, stream_output: bool) -> tuple:
     """What the backward needs besides tensors, in one ctx attribute (``stream_output``: whether
     the stream is an output with a gradient to take)."""
-    return (x.dtype, None if residual is None else residual.dtype, None if bias is None else bias.dtype, eps, rms,
-            backend, stream_output)
+    return (
+        x.dtype,
+        None if residual is None else residual.dtype,
+        None if bias is None else bias.dtype,
+        eps,
+        rms,
+        backend,
+        stream_output,
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -170,8 +217,12 @@ def _grads(dy, dstream, weight, mean, rstd, s_parts, meta, backward_fn) -> tuple
         ds, dweight, dbias = reference.differentiable_backward(dy, dstream, s, weight, eps, rms, has_bias)
     else:
         ds, dweight, dbias = backward_fn(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend)
-    return (_to(ds, x_dtype), None if residual_dtype is None else _to(ds, residual_dtype),
-            None if weight is None else _to(dweight, weight.dtype), _to(dbias, bias_dtype) if has_bias else None)
+    return (
+        _to(ds, x_dtype),
+        None if residual_dtype is None else _to(ds, residual_dtype),
+        None if weight is None else _to(dweight, weight.dtype),
+        _to(dbias, bias_dtype) if has_bias else None,
+    )
 
 
 def _op_backward(ctx, dy, dstream, _dmean, _drstd):
@@ -195,8 +246,9 @@ class _EagerAddNorm(torch.autograd.Function):
         eps, rms, residual_dtype, backend, prenorm = options
         impl = backends.resolve(backend, x)
         p = plan(impl, x, residual, residual_dtype, prenorm, training=True)
-        y, s, mean, rstd = impl.forward(x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
-                                        write_stream=p.write_stream)
+        y, s, mean, rstd = impl.forward(
+            x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype, write_stream=p.write_stream
+        )
         ctx.save_for_backward(weight, mean, rstd, *_saved(x, residual, s, p))
         # s is an output whenever it is saved, so that a second derivative reaches x and residual
         # through it; post-norm discards it
@@ -243,12 +295,8 @@ def normalize_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     elif isinstance(normalized_shape, (Sequence, torch.Size)) and not isinstance(normalized_shape, str):
         shape = tuple(normalized_shape)
     else:
-        raise TypeError(
-            f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__}"
-        )
-    if not shape or not all(
-        isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0 for d in shape
-    ):
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__}")
+    if not shape or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0 for d in shape):
         raise ValueError(f"normalized_shape must be one or more positive ints, got {normalized_shape!r}")
     return tuple(int(d) for d in shape)
 
@@ -288,8 +336,7 @@ def check_flag(name: str, value: object) -> bool:
 
 def check_residual_dtype(residual_dtype: object) -> torch.dtype | None:
     if residual_dtype is not None and residual_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"residual_dtype must be None or a torch dtype ({_FLOAT_DTYPES}), got {residual_dtype!r}")
+        raise TypeError(f"residual_dtype must be None or a torch dtype ({_FLOAT_DTYPES}), got {residual_dtype!r}")
     return residual_dtype
 
 
@@ -311,7 +358,7 @@ def check_inputs(
             raise ValueError(f"x of shape {tuple(x.shape)} must end with normalized_shape {shape}")
     else:
         shape = normalize_shape(normalized_shape)
-        if tuple(x.shape[x.dim() - len(shape):]) != shape or x.dim() < len(shape):
+        if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
             raise ValueError(f"x of shape {tuple(x.shape)} must end with normalized_shape {shape}")
         n = math.prod(shape)
         if n <= 2:
@@ -326,9 +373,7 @@ def check_inputs(
     if residual is not None:
         residual = _check_float_tensor("residual", residual)
         if residual.shape != x.shape:
-            raise ValueError(
-                f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
-            )
+            raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
         if residual.device != x.device:
             raise ValueError(f"residual is on {residual.device} but x is on {x.device}; expected the same device")
     if residual_dtype is not None:
@@ -341,8 +386,10 @@ def check_inputs(
 def _check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
     """``out``/``residual_out`` must be contiguous buffers of the results' shape, dtype and device."""
     if needs_grad:
-        raise RuntimeError("out= and residual_out= do not support autograd: an input requires grad; "
-                           "call under torch.no_grad() / torch.inference_mode(), or drop out=")
+        raise RuntimeError(
+            "out= and residual_out= do not support autograd: an input requires grad; "
+            "call under torch.no_grad() / torch.inference_mode(), or drop out="
+        )
     if residual_out is not None and residual is None:
         raise ValueError("residual_out= needs a residual: only add_layer_norm/add_rms_norm produce a stream")
     for name, t, dtype in (("out", out, x.dtype), ("residual_out", residual_out, sd)):
@@ -351,12 +398,15 @@ def _check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.shape != x.shape or t.dtype != dtype or t.device != x.device or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {tuple(x.shape)} on "
-                             f"{x.device}, got {'' if t.is_contiguous() else 'non-contiguous '}"
-                             f"{t.dtype} of shape {tuple(t.shape)} on {t.device}")
+            raise ValueError(
+                f"{name} must be a contiguous {dtype} tensor of shape {tuple(x.shape)} on "
+                f"{x.device}, got {'' if t.is_contiguous() else 'non-contiguous '}"
+                f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+            )
 
 
 # --------------------------------------------------------------------------- entry point
+
 
 def add_norm(
     x: Tensor,
@@ -377,8 +427,9 @@ def add_norm(
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
         eps = _RMS_DEFAULT_EPS.get(getattr(x, "dtype", None), 0.0)
     if isinstance(x, Tensor) and x.is_nested:
-        return _nested(x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out,
-                       residual_out)
+        return _nested(
+            x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out
+        )
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
     if type(prenorm) is not bool:
         check_flag("prenorm", prenorm)
@@ -388,31 +439,60 @@ def add_norm(
         return _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype)
     if len(shape) > 1:  # rows of n features: the normalized dims flattened into one
         n = math.prod(shape)
-        y = add_norm(x.flatten(-len(shape)), None if residual is None else residual.flatten(-len(shape)), n,
-                     None if weight is None else weight.reshape(n), None if bias is None else bias.reshape(n), eps,
-                     rms=rms, prenorm=prenorm, residual_dtype=residual_dtype, backend=backend,
-                     out=None if out is None else out.view(*x.shape[:-len(shape)], n),
-                     residual_out=None if residual_out is None else residual_out.view(*x.shape[:-len(shape)], n))
+        y = add_norm(
+            x.flatten(-len(shape)),
+            None if residual is None else residual.flatten(-len(shape)),
+            n,
+            None if weight is None else weight.reshape(n),
+            None if bias is None else bias.reshape(n),
+            eps,
+            rms=rms,
+            prenorm=prenorm,
+            residual_dtype=residual_dtype,
+            backend=backend,
+            out=None if out is None else out.view(*x.shape[: -len(shape)], n),
+            residual_out=None if residual_out is None else residual_out.view(*x.shape[: -len(shape)], n),
+        )
         return (y[0].view(x.shape), y[1].view(x.shape)) if prenorm else y.view(x.shape)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
-                                              or (weight is not None and weight.requires_grad)
-                                              or (bias is not None and bias.requires_grad))
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad
+        or (residual is not None and residual.requires_grad)
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
     buffers = out is not None or residual_out is not None
     if buffers:
         _check_out(x, residual, out, residual_out, reference.stream_dtype(x, residual, residual_dtype), needs_grad)
     args = (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm)
-    if (type(x) not in _PLAIN or (residual is not None and type(residual) not in _PLAIN)
-            or (weight is not None and type(weight) not in _PLAIN) or (bias is not None and type(bias) not in _PLAIN)
-            or _is_compiling() or _is_exporting() or _tracing_state() is not None or _functorch_level() is not None
-            or forward_ad._current_level >= 0):
+    if (
+        type(x) not in _PLAIN
+        or (residual is not None and type(residual) not in _PLAIN)
+        or (weight is not None and type(weight) not in _PLAIN)
+        or (bias is not None and type(bias) not in _PLAIN)
+        or _is_compiling()
+        or _is_exporting()
+        or _tracing_state() is not None
+        or _functorch_level() is not None
+        or forward_ad._current_level >= 0
+    ):
         y, s = _traced_or_transformed(args, buffers, out, residual_out)
     elif needs_grad:
         out = _eager_apply(x, residual, weight, bias, (eps, rms, residual_dtype, backend, prenorm))
         y, s = out if type(out) is tuple else (out, None)
     else:  # inference: no autograd, nothing saved, the stream only when it is returned
         y, s, _, _ = backends.resolve(backend, x).forward(
-            x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
-            write_stream=prenorm or residual_out is not None, write_stats=False, out=out, residual_out=residual_out)
+            x,
+            residual,
+            weight,
+            bias,
+            eps=eps,
+            rms=rms,
+            residual_dtype=residual_dtype,
+            write_stream=prenorm or residual_out is not None,
+            write_stats=False,
+            out=out,
+            residual_out=residual_out,
+        )
     return (y, s) if prenorm else y
 
 
@@ -425,14 +505,31 @@ def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tens
         return y, s
     if _functorch_level() is not None or forward_ad._current_level >= 0:
         n = x.shape[-1]  # the reference formulas as torch ops, which every transform composes
-        y, s = reference.composite(x.reshape(-1, n), None if residual is None else residual.reshape(-1, n),
-                                   weight, bias, eps, rms, residual_dtype)
+        y, s = reference.composite(
+            x.reshape(-1, n),
+            None if residual is None else residual.reshape(-1, n),
+            weight,
+            bias,
+            eps,
+            rms,
+            residual_dtype,
+        )
         return y.view(x.shape), s.view(x.shape)
     _check_subclass(x, residual, weight, bias)
     if buffers:  # written eagerly, outside any graph (no autograd: _check_out)
         return backends.resolve(backend, x).forward(
-            x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype,
-            write_stream=prenorm or residual_out is not None, write_stats=False, out=out, residual_out=residual_out)[:2]
+            x,
+            residual,
+            weight,
+            bias,
+            eps=eps,
+            rms=rms,
+            residual_dtype=residual_dtype,
+            write_stream=prenorm or residual_out is not None,
+            write_stats=False,
+            out=out,
+            residual_out=residual_out,
+        )[:2]
     y, s, _, _ = _forward_op(*args)
     return y, s
 
@@ -442,7 +539,8 @@ def _check_subclass(*tensors: Tensor | None) -> None:
     if any(type(t).__name__ == "DTensor" for t in tensors):
         raise NotImplementedError(
             "addnorm's ops have no DTensor sharding rules yet: call them on local shards (dtensor.to_local(), "
-            "weights replicated) or use torch.nn.LayerNorm / torch.nn.RMSNorm on DTensors")
+            "weights replicated) or use torch.nn.LayerNorm / torch.nn.RMSNorm on DTensors"
+        )
 
 
 def _nested(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out):
@@ -450,16 +548,31 @@ def _nested(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype,
     the norm of its packed values, rows of the same features whatever their sequence."""
     shape = normalize_shape(shape)
     if x.layout != torch.jagged or len(shape) != 1 or x.dim() < 3 or x._ragged_idx == x.dim() - 1:
-        raise TypeError("nested tensors are supported with layout=torch.jagged, normalized over their last "
-                        f"(regular) dim; got layout {x.layout} with normalized_shape {shape}")
+        raise TypeError(
+            "nested tensors are supported with layout=torch.jagged, normalized over their last "
+            f"(regular) dim; got layout {x.layout} with normalized_shape {shape}"
+        )
     if out is not None or residual_out is not None:
         raise ValueError("out= and residual_out= take plain tensors, not nested ones")
-    if residual is not None and (not residual.is_nested or residual.layout != torch.jagged
-                                 or residual.offsets() is not x.offsets() and not torch.equal(residual.offsets(),
-                                                                                              x.offsets())):
+    if residual is not None and (
+        not residual.is_nested
+        or residual.layout != torch.jagged
+        or residual.offsets() is not x.offsets()
+        and not torch.equal(residual.offsets(), x.offsets())
+    ):
         raise ValueError("residual must be a jagged nested tensor with the offsets of x")
-    result = add_norm(x.values(), None if residual is None else residual.values(), shape, weight, bias, eps, rms=rms,
-                      prenorm=prenorm, residual_dtype=residual_dtype, backend=backend)
+    result = add_norm(
+        x.values(),
+        None if residual is None else residual.values(),
+        shape,
+        weight,
+        bias,
+        eps,
+        rms=rms,
+        prenorm=prenorm,
+        residual_dtype=residual_dtype,
+        backend=backend,
+    )
     wrap = lambda v: torch.nested.nested_tensor_from_jagged(v, x.offsets(), lengths=x.lengths())  # noqa: E731
     return (wrap(result[0]), wrap(result[1])) if prenorm else wrap(result)
 

@@ -41,23 +41,54 @@ STYLES = ("layer", "rms", "llama", "gemma")
 # Hugging Face norms by exact class path -> style; each entry is checked against the
 # real class by tests/test_patch.py (Olmo2RMSNorm, for one, casts after the weight: not "llama").
 HF_NORMS: dict[str, str] = {
-    **{f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "llama"
-       for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"),
-                    ("qwen3", "Qwen3"), ("phi3", "Phi3")]},
-    **{f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "gemma"
-       for m, c in [("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]},
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "llama"
+        for m, c in [
+            ("llama", "Llama"),
+            ("mistral", "Mistral"),
+            ("qwen2", "Qwen2"),
+            ("qwen3", "Qwen3"),
+            ("phi3", "Phi3"),
+        ]
+    },
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "gemma"
+        for m, c in [("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
+    },
 }
 
 # Pre-norm blocks whose residual add can move into the second norm: class path ->
 # (name of the second norm, forward parameters of the transformers 5 layout we mirror).
 FUSABLE_BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
     "transformers.models.gpt2.modeling_gpt2.GPT2Block": (
-        "ln_2", ("self", "hidden_states", "past_key_values", "attention_mask", "encoder_hidden_states",
-                 "encoder_attention_mask", "use_cache", "kwargs")),
-    **{f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer": (
-        "post_attention_layernorm", ("self", "hidden_states", "attention_mask", "position_ids",
-                                     "past_key_values", "use_cache", "position_embeddings", "kwargs"))
-       for m, c in [("llama", "Llama"), ("gemma", "Gemma")]},
+        "ln_2",
+        (
+            "self",
+            "hidden_states",
+            "past_key_values",
+            "attention_mask",
+            "encoder_hidden_states",
+            "encoder_attention_mask",
+            "use_cache",
+            "kwargs",
+        ),
+    ),
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer": (
+            "post_attention_layernorm",
+            (
+                "self",
+                "hidden_states",
+                "attention_mask",
+                "position_ids",
+                "past_key_values",
+                "use_cache",
+                "position_embeddings",
+                "kwargs",
+            ),
+        )
+        for m, c in [("llama", "Llama"), ("gemma", "Gemma")]
+    },
 }
 
 _ORIGINAL = "_addnorm_original_class"
@@ -89,8 +120,7 @@ def add_norm_forward(norm: nn.Module, x: Tensor, residual: Tensor | None = None)
     common = dict(prenorm=residual is not None, residual_dtype=None, backend=norm.backend)
     if style in ("layer", "rms"):
         bias = norm.bias if style == "layer" else None
-        return add_norm(x, residual, norm.normalized_shape, norm.weight, bias, norm.eps, rms=style == "rms",
-                        **common)
+        return add_norm(x, residual, norm.normalized_shape, norm.weight, bias, norm.eps, rms=style == "rms", **common)
     w = norm.weight
     if style == "gemma":  # the (1 + w) offset in float32, the cast last
         return add_norm(x, residual, w.shape, 1.0 + w.float(), None, _eps(norm), rms=True, **common)
@@ -105,30 +135,64 @@ def add_norm_forward(norm: nn.Module, x: Tensor, residual: Tensor | None = None)
 
 # --------------------------------------------------------------------------- patched classes
 
+
 def _norm_forward(self, x: Tensor) -> Tensor:
     return add_norm_forward(self, x)
 
 
-def _gpt2_block_forward(self, hidden_states, past_key_values=None, attention_mask=None,
-                        encoder_hidden_states=None, encoder_attention_mask=None, use_cache=False, **kwargs):
+def _gpt2_block_forward(
+    self,
+    hidden_states,
+    past_key_values=None,
+    attention_mask=None,
+    encoder_hidden_states=None,
+    encoder_attention_mask=None,
+    use_cache=False,
+    **kwargs,
+):
     if encoder_hidden_states is not None:  # cross-attention sits between the adds: keep the original
         return getattr(self, _ORIGINAL).forward(
-            self, hidden_states, past_key_values, attention_mask, encoder_hidden_states,
-            encoder_attention_mask, use_cache, **kwargs)
+            self,
+            hidden_states,
+            past_key_values,
+            attention_mask,
+            encoder_hidden_states,
+            encoder_attention_mask,
+            use_cache,
+            **kwargs,
+        )
     residual = hidden_states
-    attn_output, _ = self.attn(self.ln_1(hidden_states), past_key_values=past_key_values,
-                               attention_mask=attention_mask, use_cache=use_cache, **kwargs)
+    attn_output, _ = self.attn(
+        self.ln_1(hidden_states),
+        past_key_values=past_key_values,
+        attention_mask=attention_mask,
+        use_cache=use_cache,
+        **kwargs,
+    )
     hidden_states, residual = add_norm_forward(self.ln_2, attn_output, residual)
     return residual + self.mlp(hidden_states)
 
 
-def _llama_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                         use_cache=False, position_embeddings=None, **kwargs):
+def _llama_layer_forward(
+    self,
+    hidden_states,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    use_cache=False,
+    position_embeddings=None,
+    **kwargs,
+):
     residual = hidden_states
     hidden_states, _ = self.self_attn(
-        hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
-        position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache,
-        position_embeddings=position_embeddings, **kwargs)
+        hidden_states=self.input_layernorm(hidden_states),
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
     hidden_states, residual = add_norm_forward(self.post_attention_layernorm, hidden_states, residual)
     return residual + self.mlp(hidden_states)
 
@@ -149,6 +213,7 @@ def _subclass(cls: type, kind: str) -> type:
 
 
 # --------------------------------------------------------------------------- patch / unpatch
+
 
 @dataclass
 class PatchReport:
@@ -179,14 +244,17 @@ def _resolve_norm_types(norm_types) -> dict[type | str, str]:
                 raise ValueError(f"norm_types[{cls.__name__}] must be one of {STYLES}, got {style!r}")
         return dict(norm_types)
     if not isinstance(norm_types, Iterable) or isinstance(norm_types, (str, type)):
-        raise TypeError("norm_types must be None, an iterable of norm classes or a mapping {class: style}, "
-                        f"got {norm_types!r}")
+        raise TypeError(
+            f"norm_types must be None, an iterable of norm classes or a mapping {{class: style}}, got {norm_types!r}"
+        )
     chosen = {}
     for cls in norm_types:
         style = known.get(cls, known.get(_path(cls))) if isinstance(cls, type) else None
         if style is None:
-            raise ValueError(f"norm_types: {cls!r} is not a norm addnorm knows; pass a mapping "
-                             f"{{cls: style}} with style one of {STYLES} if it computes one of them")
+            raise ValueError(
+                f"norm_types: {cls!r} is not a norm addnorm knows; pass a mapping "
+                f"{{cls: style}} with style one of {STYLES} if it computes one of them"
+            )
         chosen[cls] = style
     return chosen
 
@@ -227,8 +295,7 @@ def _fuse_block(m: nn.Module) -> str | None:
     return None
 
 
-def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False,
-          backend: str = "auto") -> PatchReport:
+def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, backend: str = "auto") -> PatchReport:
     """Make every norm of ``model`` run addnorm's ops, in place; returns a :class:`PatchReport`.
 
     Args:

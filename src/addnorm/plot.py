@@ -52,6 +52,7 @@ def _save(fig, path: Path) -> Path:
 
 # --------------------------------------------------------------------------- hist
 
+
 def hist_data(points: int, d_model: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The seeds' setup: ``randn(points, 1, d_model)·√d_model`` + positional encoding, and
     its LayerNorm (addnorm's, eps 1e-5, γ=1, β=0)."""
@@ -72,8 +73,7 @@ def plot_hist(out: str | None, points: int, d_model: int, seed: int) -> Path:
     before, after = (t[:, 0].detach().double() for t in hist_data(points, d_model, seed))
     fig = _figure(figsize=(3.4 * points + 0.6, 6.4), layout="constrained")
     axs = fig.subplots(2, points, squeeze=False, sharey="row")
-    rows = [("before: positionally encoded input", before, "tab:blue"),
-            ("after LayerNorm", after, "tab:orange")]
+    rows = [("before: positionally encoded input", before, "tab:blue"), ("after LayerNorm", after, "tab:orange")]
     for r, (label, values, color) in enumerate(rows):
         lim = values.abs().max().item()
         bins = torch.linspace(-lim, lim, 31).tolist()
@@ -81,17 +81,22 @@ def plot_hist(out: str | None, points: int, d_model: int, seed: int) -> Path:
             v = values[i]
             ax = axs[r][i]
             ax.hist(v.tolist(), bins=bins, color=color, alpha=0.8)
-            ax.set_title(f"point #{i}: mean {_num(v.mean().item())}\nstd {_num(v.std(correction=0).item())}",
-                         fontsize=10)
+            ax.set_title(
+                f"point #{i}: mean {_num(v.mean().item())}\nstd {_num(v.std(correction=0).item())}", fontsize=10
+            )
             ax.set_xlabel("feature value (unitless)")
             if i == 0:
                 ax.set_ylabel(f"{label}\n# of features")
-    fig.suptitle(f"{points} data points × {d_model} features (randn·√{d_model} + sinusoidal positional "
-                 f"encoding, seed {seed}), before and after LayerNorm (eps 1e-5, γ=1, β=0)", fontsize=11)
+    fig.suptitle(
+        f"{points} data points × {d_model} features (randn·√{d_model} + sinusoidal positional "
+        f"encoding, seed {seed}), before and after LayerNorm (eps 1e-5, γ=1, β=0)",
+        fontsize=11,
+    )
     return _save(fig, _out_path(out, "hist.png"))
 
 
 # --------------------------------------------------------------------------- bench
+
 
 def read_bench_rows(path: Path) -> list[dict]:
     if not path.is_file():
@@ -113,12 +118,16 @@ def read_bench_rows(path: Path) -> list[dict]:
     return rows
 
 
-def plot_bench(out: str | None, results: str | None, op: str | None, dtype: str | None,
-               passes: str | None) -> Path:
+def plot_bench(out: str | None, results: str | None, op: str | None, dtype: str | None, passes: str | None) -> Path:
     path = Path(results) if results else DEFAULT_BENCH
     rows = read_bench_rows(path)
-    keep = [r for r in rows if (op is None or r["op"] == op) and (dtype is None or r["dtype"] == dtype)
-            and (passes is None or r["pass"] == passes)]
+    keep = [
+        r
+        for r in rows
+        if (op is None or r["op"] == op)
+        and (dtype is None or r["dtype"] == dtype)
+        and (passes is None or r["pass"] == passes)
+    ]
     if not keep:
         ops, dtypes = sorted({r["op"] for r in rows}), sorted({r["dtype"] for r in rows})
         raise UsageError(f"--results: no rows in {str(path)!r} match (ops {ops}, dtypes {dtypes})")
@@ -148,8 +157,7 @@ def draw_bench(rows: list[dict], out: str | None, source: str) -> Path:
             ys = [cells[(*s, impl)]["gbps"] for s in shapes if (*s, impl) in cells]
             bars = ax.bar(xs, ys, width=width, label=impl, color=colors[impl])
             ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
-        ax.set_xticks(range(len(shapes)), [f"{rw}×{c}" for rw, c in shapes],
-                      rotation=30 if len(shapes) > 6 else 0)
+        ax.set_xticks(range(len(shapes)), [f"{rw}×{c}" for rw, c in shapes], rotation=30 if len(shapes) > 6 else 0)
         ax.set_xlabel("shape (rows × cols)")
         ax.set_ylabel("throughput (GB/s, higher is better)")
         ax.set_title(f"{op_name} {pass_name}, {dt} — {machine} ({device}, {threads} threads)", fontsize=11)
@@ -161,6 +169,7 @@ def draw_bench(rows: list[dict], out: str | None, source: str) -> Path:
 
 
 # --------------------------------------------------------------------------- train
+
 
 def plot_train(out: str | None, results: str) -> list[Path]:
     path = Path(results)
@@ -189,6 +198,7 @@ def plot_train(out: str | None, results: str) -> list[Path]:
 
 # --------------------------------------------------------------------------- command
 
+
 def run(args) -> int:
     if args.what == "hist":
         if args.points < 1 or args.points > 8 or args.d_model < 2 or args.d_model % 2:
@@ -202,8 +212,11 @@ def run(args) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("plot", help="PNG plots: feature histograms, benchmark GB/s, training curves",
-                       description="Write PNG plots (matplotlib, no display needed).")
+    p = sub.add_parser(
+        "plot",
+        help="PNG plots: feature histograms, benchmark GB/s, training curves",
+        description="Write PNG plots (matplotlib, no display needed).",
+    )
     kinds = p.add_subparsers(dest="what", metavar="KIND", required=True)
     h = kinds.add_parser("hist", help="histograms of features per data point, before and after LayerNorm")
     h.add_argument("--points", type=int, default=4, help="data points (default 4)")

@@ -147,8 +147,9 @@ def forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms
     return {"mean": mean, "var": (var_k / (k * k))[:, 0], "rstd": (rstd_k * k)[:, 0], "xhat": xhat, "y": y}
 
 
-def backward_rows(dyf: Tensor, dstreamf: Tensor | None, sf: Tensor, w: Tensor | None,
-                  mean: Tensor | None, rstd: Tensor, rms: bool) -> dict[str, Tensor | None]:
+def backward_rows(
+    dyf: Tensor, dstreamf: Tensor | None, sf: Tensor, w: Tensor | None, mean: Tensor | None, rstd: Tensor, rms: bool
+) -> dict[str, Tensor | None]:
     """The backward formulas on rows already in the statistics dtype, every step kept (``mean``
     is not read for RMSNorm).
 
@@ -167,12 +168,26 @@ def backward_rows(dyf: Tensor, dstreamf: Tensor | None, sf: Tensor, w: Tensor | 
     ds = inner * rstd[:, None]
     if dstreamf is not None:
         ds = ds + dstreamf
-    return {"xhat": xhat, "g": g, "mean_g": mean_g, "mean_gxhat": mean_gxhat, "ds": ds,
-            "dweight": (dyf * xhat).sum(dim=0), "dbias": dyf.sum(dim=0)}
+    return {
+        "xhat": xhat,
+        "g": g,
+        "mean_g": mean_g,
+        "mean_gxhat": mean_gxhat,
+        "ds": ds,
+        "dweight": (dyf * xhat).sum(dim=0),
+        "dbias": dyf.sum(dim=0),
+    }
 
 
-def forward_steps(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None,
-                  eps: float, rms: bool, residual_dtype: torch.dtype | None) -> dict[str, Tensor | None]:
+def forward_steps(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    residual_dtype: torch.dtype | None,
+) -> dict[str, Tensor | None]:
     """:func:`forward` on all rows at once, keeping every step (``s`` too), for ``addnorm explain``."""
     s = stream(x, residual, residual_dtype)
     cd = stats_dtype(s.dtype)
@@ -180,14 +195,29 @@ def forward_steps(x: Tensor, residual: Tensor | None, weight: Tensor | None, bia
     return dict(st, s=s)
 
 
-def backward_steps(dy: Tensor, dstream: Tensor | None, s: Tensor, weight: Tensor | None,
-                   mean: Tensor | None, rstd: Tensor, *, rms: bool, has_bias: bool) -> dict[str, Tensor | None]:
+def backward_steps(
+    dy: Tensor,
+    dstream: Tensor | None,
+    s: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    *,
+    rms: bool,
+    has_bias: bool,
+) -> dict[str, Tensor | None]:
     """:func:`backward` on all rows at once, keeping every step, for ``addnorm explain``."""
     cd = rstd.dtype
-    st = backward_rows(dy.to(cd), None if dstream is None else dstream.to(cd), s.to(cd),
-                       None if weight is None else weight.to(cd), mean, rstd, rms)
-    return dict(st, dweight=st["dweight"] if weight is not None else None,
-                dbias=st["dbias"] if has_bias else None)
+    st = backward_rows(
+        dy.to(cd),
+        None if dstream is None else dstream.to(cd),
+        s.to(cd),
+        None if weight is None else weight.to(cd),
+        mean,
+        rstd,
+        rms,
+    )
+    return dict(st, dweight=st["dweight"] if weight is not None else None, dbias=st["dbias"] if has_bias else None)
 
 
 # The reference as a backend (addnorm.backend): any device, and post-norm saves ``s`` (its backward
@@ -291,8 +321,15 @@ def backward(
     return ds.view(s_parts[0].shape), dweight, dbias
 
 
-def composite(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float,
-              rms: bool, residual_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+def composite(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    residual_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor]:
     """``(y, s)`` by :func:`forward_rows` on all rows at once, as differentiable torch ops (no
     in-place writes): what runs under ``torch.func`` transforms and forward-mode AD, where
     torch's autograd differentiates these formulas (to any order)."""
@@ -302,8 +339,9 @@ def composite(x: Tensor, residual: Tensor | None, weight: Tensor | None, bias: T
     return st["y"].to(x.dtype), s
 
 
-def differentiable_backward(dy: Tensor, dstream: Tensor | None, s: Tensor, weight: Tensor | None, eps: float,
-                            rms: bool, has_bias: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def differentiable_backward(
+    dy: Tensor, dstream: Tensor | None, s: Tensor, weight: Tensor | None, eps: float, rms: bool, has_bias: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """:func:`backward` on all rows at once as differentiable torch ops, for a second derivative
     (``create_graph=True``): the statistics are recomputed from ``s`` by the forward formulas, so
     that the gradient's dependence on ``s`` through ``mean`` and ``rstd`` is part of the graph."""
@@ -312,5 +350,4 @@ def differentiable_backward(dy: Tensor, dstream: Tensor | None, s: Tensor, weigh
     w = weight.to(cd) if weight is not None else None
     st = forward_rows(sf, w, None, eps, rms)
     bt = backward_rows(dy.to(cd), None if dstream is None else dstream.to(cd), sf, w, st["mean"], st["rstd"], rms)
-    return (bt["ds"].to(s.dtype), bt["dweight"] if weight is not None else None,
-            bt["dbias"] if has_bias else None)
+    return (bt["ds"].to(s.dtype), bt["dweight"] if weight is not None else None, bt["dbias"] if has_bias else None)

@@ -49,8 +49,7 @@ Sublayer = tuple[Callable[[Tensor], Tensor], AddNorm | None]
 def sinusoidal_table(max_len: int, d_model: int) -> Tensor:
     r"""``pe[p, 2i] = sin(p / 10000^(2i/d))``, ``pe[p, 2i+1] = cos(p / 10000^(2i/d))``."""
     position = torch.arange(max_len, dtype=torch.float32).unsqueeze(1)
-    angular_speed = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32)
-                              * (-math.log(10000.0) / d_model))
+    angular_speed = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
     pe = torch.zeros(max_len, d_model)
     pe[:, 0::2] = torch.sin(position * angular_speed)
     pe[:, 1::2] = torch.cos(position * angular_speed)[:, : d_model // 2]
@@ -97,8 +96,7 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: Tensor, memory: Tensor, *, causal: bool = False) -> Tensor:
         k, v = self.kv(memory).chunk(2, dim=-1)
-        o = F.scaled_dot_product_attention(self._heads(self.q(query)), self._heads(k), self._heads(v),
-                                           is_causal=causal)
+        o = F.scaled_dot_product_attention(self._heads(self.q(query)), self._heads(k), self._heads(v), is_causal=causal)
         return self.out(o.transpose(1, 2).reshape(query.shape))
 
 
@@ -109,8 +107,7 @@ class FeedForward(nn.Sequential):
         super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), nn.Linear(d_ff, d_model))
 
 
-def residual_stack(x: Tensor, sublayers: list[Sublayer], position: str,
-                   final: AddNorm | None = None) -> Tensor:
+def residual_stack(x: Tensor, sublayers: list[Sublayer], position: str, final: AddNorm | None = None) -> Tensor:
     """Run ``sublayers`` (pairs ``(fn, add_norm)``) on the residual stream ``x`` (see the module doc).
 
     In pre-norm, ``final`` is the norm after the last sublayer; without it the stream itself
@@ -140,9 +137,12 @@ class _Layer(nn.Module):
         _check_choice("norm", norm, NORMS)
         self.norm_position = norm_position
         self.norms = nn.ModuleList(
-            [] if norm_position == "none" else
-            [AddNorm(d_model, norm=norm, prenorm=norm_position == "pre", backend=backend)
-             for _ in range(n_sublayers)])
+            []
+            if norm_position == "none"
+            else [
+                AddNorm(d_model, norm=norm, prenorm=norm_position == "pre", backend=backend) for _ in range(n_sublayers)
+            ]
+        )
 
     def _norm(self, i: int) -> AddNorm | None:
         return self.norms[i] if len(self.norms) else None
@@ -151,8 +151,16 @@ class _Layer(nn.Module):
 class EncoderLayer(_Layer):
     """Self-attention, then feed-forward, each with its Add & Norm."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, norm_position: str = "post",
-                 norm: str = "layer", backend: str = "auto") -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        norm_position: str = "post",
+        norm: str = "layer",
+        backend: str = "auto",
+    ) -> None:
         super().__init__(d_model, 2, norm_position, norm, backend)
         self.self_attn = MultiHeadAttention(d_model, n_heads)
         self.ffn = FeedForward(d_model, d_ff)
@@ -168,17 +176,27 @@ class EncoderLayer(_Layer):
 class DecoderLayer(_Layer):
     """Causal self-attention, cross-attention to the encoder's output, feed-forward."""
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, *, norm_position: str = "post",
-                 norm: str = "layer", backend: str = "auto") -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        norm_position: str = "post",
+        norm: str = "layer",
+        backend: str = "auto",
+    ) -> None:
         super().__init__(d_model, 3, norm_position, norm, backend)
         self.self_attn = MultiHeadAttention(d_model, n_heads)
         self.cross_attn = MultiHeadAttention(d_model, n_heads)
         self.ffn = FeedForward(d_model, d_ff)
 
     def sublayers(self, memory: Tensor) -> list[Sublayer]:
-        return [(lambda h: self.self_attn(h, h, causal=True), self._norm(0)),
-                (lambda h: self.cross_attn(h, memory), self._norm(1)),
-                (self.ffn, self._norm(2))]
+        return [
+            (lambda h: self.self_attn(h, h, causal=True), self._norm(0)),
+            (lambda h: self.cross_attn(h, memory), self._norm(1)),
+            (self.ffn, self._norm(2)),
+        ]
 
     def forward(self, x: Tensor, memory: Tensor) -> Tensor:
         """One layer alone; in pre-norm this returns the (un-normalized) residual stream."""
@@ -196,9 +214,21 @@ class Seq2SeqTransformer(nn.Module):
     Linear weights are initialised Xavier-uniform, as ``torch.nn.Transformer`` and Xiong et al.
     """
 
-    def __init__(self, n_features: int = 2, d_model: int = 32, n_heads: int = 4, d_ff: int = 64,
-                 n_encoder: int = 6, n_decoder: int = 6, *, norm_position: str = "post", norm: str = "layer",
-                 positional: str = "sinusoidal", max_len: int = 16, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        n_features: int = 2,
+        d_model: int = 32,
+        n_heads: int = 4,
+        d_ff: int = 64,
+        n_encoder: int = 6,
+        n_decoder: int = 6,
+        *,
+        norm_position: str = "post",
+        norm: str = "layer",
+        positional: str = "sinusoidal",
+        max_len: int = 16,
+        backend: str = "auto",
+    ) -> None:
         super().__init__()
         layer = dict(norm_position=norm_position, norm=norm, backend=backend)
         self.norm_position = norm_position

@@ -79,17 +79,18 @@ BLOCKS_PER_THREAD = 8
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
 
 
-
 def unavailable_reason(x: Tensor | None) -> str | None:
     return None  # numba is a dependency of addnorm; the device is checked against CAPABILITIES
 
 
 # --------------------------------------------------------------------------- 16-bit floats
 
+
 @intrinsic
 def _f32_from_bits(typingctx, bits):
     def codegen(context, builder, sig, args):
         return builder.bitcast(args[0], ir.FloatType())
+
     return types.float32(types.uint32), codegen
 
 
@@ -97,6 +98,7 @@ def _f32_from_bits(typingctx, bits):
 def _bits_from_f32(typingctx, value):
     def codegen(context, builder, sig, args):
         return builder.bitcast(args[0], ir.IntType(32))
+
     return types.uint32(types.float32), codegen
 
 
@@ -104,6 +106,7 @@ def _bits_from_f32(typingctx, value):
 def _f32_from_half(typingctx, bits):
     def codegen(context, builder, sig, args):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
     return types.float32(types.int16), codegen
 
 
@@ -111,26 +114,31 @@ def _f32_from_half(typingctx, bits):
 def _half_from_f32(typingctx, value):
     def codegen(context, builder, sig, args):  # fptrunc rounds to nearest-even
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
     return types.int16(types.float32), codegen
 
 
 @intrinsic
 def _claim(typingctx, counters, k):
     """Atomically add 1 to ``counters[k]`` (an int64 array) and return its previous value."""
+
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
         return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "seq_cst")
+
     return types.int64(counters, types.intp), codegen
 
 
 @intrinsic
 def _read(typingctx, counters, k):
     """Atomic load of ``counters[k]``: a value another thread is updating."""
+
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])
         ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
         return builder.load_atomic(ptr, "seq_cst", 8)
+
     return types.int64(counters, types.intp), codegen
 
 
@@ -170,20 +178,26 @@ def _load_impl(a, j):
 @overload(_put)
 def _put_impl(a, j, v):
     if a.dtype == types.uint16:
+
         def put_bf16(a, j, v):
             bits = _bf16_bits_jit(v)
             a[j] = bits
             return _f32_from_bits(np.uint32(bits) << np.uint32(16))
+
         return put_bf16
     if a.dtype == types.int16:
+
         def put_half(a, j, v):
             bits = _half_from_f32(np.float32(v))
             a[j] = bits
             return _f32_from_half(bits)
+
         return put_half
+
     def put(a, j, v):
         a[j] = v
         return a[j]
+
     return put
 
 
@@ -367,6 +381,7 @@ def _stream_row_impl(si, ri, sbuf):
         for j in range(sbuf.shape[0]):
             sbuf[j] = _round(si, _load(si, j) + _load(ri, j))
         return sbuf, None
+
     return recompute
 
 
@@ -445,6 +460,7 @@ def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, d
 # ``sched[0]``, counts each block it finishes in ``sched[1]``, and returns once all are done
 # (see _launch).
 
+
 @numba.njit
 def _claim_rows(sched, block_rows, m):
     """``(block, lo, hi)``: the next unclaimed block of rows, or block -1 when none is left."""
@@ -465,15 +481,33 @@ def _wait_all(sched, block_rows, m):
 
 
 @numba.njit(nogil=True, error_model="numpy")
-def _forward_kernel(x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, sched, block_rows,
-                    direct):
+def _forward_kernel(
+    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, sched, block_rows, direct
+):
     m, n = x.shape
     buf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
-        _forward_rows(x[lo:hi], r[lo:hi], w, b, eps, nf, has_residual, write_s, write_stats, rms, y[lo:hi],
-                      s[lo:hi], mean[lo:hi], rstd[lo:hi], buf, kbuf, direct)
+        _forward_rows(
+            x[lo:hi],
+            r[lo:hi],
+            w,
+            b,
+            eps,
+            nf,
+            has_residual,
+            write_s,
+            write_stats,
+            rms,
+            y[lo:hi],
+            s[lo:hi],
+            mean[lo:hi],
+            rstd[lo:hi],
+            buf,
+            kbuf,
+            direct,
+        )
         _claim(sched, 1)
         blk, lo, hi = _claim_rows(sched, block_rows, m)
     _wait_all(sched, block_rows, m)
@@ -488,13 +522,26 @@ def _backward_kernel(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds,
     kbuf = np.empty(1, w.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
-        _backward_rows(dy[lo:hi], dstream[lo:hi], s[lo:hi], _part(r, slice(lo, hi)), w, mean[lo:hi], rstd[lo:hi], nf,
-                       has_dstream, rms, ds[lo:hi], dw[blk], db[blk], sbuf, kbuf)
+        _backward_rows(
+            dy[lo:hi],
+            dstream[lo:hi],
+            s[lo:hi],
+            _part(r, slice(lo, hi)),
+            w,
+            mean[lo:hi],
+            rstd[lo:hi],
+            nf,
+            has_dstream,
+            rms,
+            ds[lo:hi],
+            dw[blk],
+            db[blk],
+            sbuf,
+            kbuf,
+        )
         _claim(sched, 1)
         blk, lo, hi = _claim_rows(sched, block_rows, m)
     _wait_all(sched, block_rows, m)
-
-
 
 
 # --------------------------------------------------------------------------- C entry points
@@ -506,15 +553,21 @@ def _backward_kernel(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds,
 # tens of µs per call.
 _SLOTS = 17
 _SCHED = _SLOTS - 2  # [next block to claim, blocks done]
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.bfloat16: np.uint16,
-                 torch.float16: np.int16}
+_NUMPY_DTYPES = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.bfloat16: np.uint16,
+    torch.float16: np.int16,
+}
 
 
 @intrinsic
 def _ptr(typingctx, address):
     """The int64 ``address`` as a pointer, for ``carray``."""
+
     def codegen(context, builder, sig, args):
         return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
     return types.voidptr(types.int64), codegen
 
 
@@ -524,8 +577,9 @@ def _compile_entry(fn):
     try:
         return numba.cfunc(sig, cache=True)(fn)
     except RuntimeError as err:  # no writable cache directory: compile per process instead
-        warnings.warn(f"addnorm: numba cache unavailable ({err}); kernels compile on first use",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"addnorm: numba cache unavailable ({err}); kernels compile on first use", RuntimeWarning, stacklevel=3
+        )
         return numba.cfunc(sig)(fn)
 
 
@@ -540,12 +594,26 @@ def _forward_entry(sd, yd):
         a = carray(block, _SLOTS, np.int64)
         m, n, flags = a[8], a[9], a[11]
         stats_rows = m if flags & 8 else 0
-        _forward_kernel(carray(_ptr(a[0]), (m, n), sd), carray(_ptr(a[1]), (m, n), sd), carray(_ptr(a[2]), n, cd),
-                        carray(_ptr(a[3]), n, cd), cd(carray(block, _SLOTS, np.float64)[12]), cd(n),
-                        flags & 1 != 0, flags & 2 != 0, flags & 8 != 0, flags & 4 != 0,
-                        carray(_ptr(a[4]), (m, n), yd), carray(_ptr(a[5]), (m, n if flags & 2 else 0), sd),
-                        carray(_ptr(a[6]), stats_rows, cd), carray(_ptr(a[7]), stats_rows, cd), a[_SCHED:], a[10],
-                        direct)
+        _forward_kernel(
+            carray(_ptr(a[0]), (m, n), sd),
+            carray(_ptr(a[1]), (m, n), sd),
+            carray(_ptr(a[2]), n, cd),
+            carray(_ptr(a[3]), n, cd),
+            cd(carray(block, _SLOTS, np.float64)[12]),
+            cd(n),
+            flags & 1 != 0,
+            flags & 2 != 0,
+            flags & 8 != 0,
+            flags & 4 != 0,
+            carray(_ptr(a[4]), (m, n), yd),
+            carray(_ptr(a[5]), (m, n if flags & 2 else 0), sd),
+            carray(_ptr(a[6]), stats_rows, cd),
+            carray(_ptr(a[7]), stats_rows, cd),
+            a[_SCHED:],
+            a[10],
+            direct,
+        )
+
     return _compile_entry(entry)
 
 
@@ -559,12 +627,24 @@ def _backward_entry(sd, gd, td, summed):
         a = carray(block, _SLOTS, np.int64)
         m, n, flags, blocks = a[9], a[10], a[12], a[13]
         r = carray(_ptr(a[14]), (m, n), sd) if summed else None  # pruned when compiling: a constant
-        _backward_kernel(carray(_ptr(a[0]), (m, n), gd), carray(_ptr(a[1]), (m, n), td),
-                         carray(_ptr(a[2]), (m, n), sd), r,
-                         carray(_ptr(a[3]), n, cd), carray(_ptr(a[4]), m, cd), carray(_ptr(a[5]), m, cd), cd(n),
-                         flags & 1 != 0, flags & 2 != 0, carray(_ptr(a[6]), (m, n), sd),
-                         carray(_ptr(a[7]), (blocks, n), cd), carray(_ptr(a[8]), (blocks, n), cd), a[_SCHED:],
-                         a[11])
+        _backward_kernel(
+            carray(_ptr(a[0]), (m, n), gd),
+            carray(_ptr(a[1]), (m, n), td),
+            carray(_ptr(a[2]), (m, n), sd),
+            r,
+            carray(_ptr(a[3]), n, cd),
+            carray(_ptr(a[4]), m, cd),
+            carray(_ptr(a[5]), m, cd),
+            cd(n),
+            flags & 1 != 0,
+            flags & 2 != 0,
+            carray(_ptr(a[6]), (m, n), sd),
+            carray(_ptr(a[7]), (blocks, n), cd),
+            carray(_ptr(a[8]), (blocks, n), cd),
+            a[_SCHED:],
+            a[11],
+        )
+
     return _compile_entry(entry)
 
 
@@ -600,6 +680,7 @@ def _eps_bits(eps: float) -> int:
 
 
 # --------------------------------------------------------------------------- launchers
+
 
 def _plan(rows: int, cols: int, max_blocks: int | None = None) -> tuple[int, int]:
     """``(threads, block_rows)`` for one call: torch's thread count (one for small inputs), and
@@ -702,8 +783,20 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def forward(x, residual, weight, bias, *, eps, rms, residual_dtype, write_stream=True, write_stats=True, out=None,
-            residual_out=None):
+def forward(
+    x,
+    residual,
+    weight,
+    bias,
+    *,
+    eps,
+    rms,
+    residual_dtype,
+    write_stream=True,
+    write_stats=True,
+    out=None,
+    residual_out=None,
+):
     """:func:`addnorm.reference.forward` in one pass over the rows; ``y`` and ``s`` are written
     straight into ``out``/``residual_out`` when given."""
     n = x.shape[-1]
@@ -731,10 +824,21 @@ def forward(x, residual, weight, bias, *, eps, rms, residual_dtype, write_stream
         threads, block_rows = _plan(m, n)
         flags = (residual is not None) | write_s << 1 | rms << 2 | write_stats << 3
         w, b = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)  # held: the kernel reads them
-        block = _BLOCK(x.data_ptr(), r.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(),
-                       s.data_ptr() if write_s else 0,
-                       0 if mean is None else mean.data_ptr(), 0 if rstd is None else rstd.data_ptr(), m, n,
-                       block_rows, flags, _eps_bits(eps))
+        block = _BLOCK(
+            x.data_ptr(),
+            r.data_ptr(),
+            w.data_ptr(),
+            b.data_ptr(),
+            y.data_ptr(),
+            s.data_ptr() if write_s else 0,
+            0 if mean is None else mean.data_ptr(),
+            0 if rstd is None else rstd.data_ptr(),
+            m,
+            n,
+            block_rows,
+            flags,
+            _eps_bits(eps),
+        )
         _launch(_forward_entry_for(sd, y.dtype), threads, block)
     if y.dtype is not y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
@@ -765,10 +869,23 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias):
     if m:
         dst = dstream if dstream is not None else s
         w = _param(weight, n, cd, 1.0)  # held: the kernel reads it
-        block = _BLOCK(dy.data_ptr(), dst.data_ptr(), s.data_ptr(), w.data_ptr(),
-                       (rstd if rms else mean).data_ptr(), rstd.data_ptr(), ds.data_ptr(), dw_part.data_ptr(),
-                       db_part.data_ptr(), m, n, block_rows, (dstream is not None) | rms << 1, blocks,
-                       0 if residual is None else residual.data_ptr())
+        block = _BLOCK(
+            dy.data_ptr(),
+            dst.data_ptr(),
+            s.data_ptr(),
+            w.data_ptr(),
+            (rstd if rms else mean).data_ptr(),
+            rstd.data_ptr(),
+            ds.data_ptr(),
+            dw_part.data_ptr(),
+            db_part.data_ptr(),
+            m,
+            n,
+            block_rows,
+            (dstream is not None) | rms << 1,
+            blocks,
+            0 if residual is None else residual.data_ptr(),
+        )
         _launch(_backward_entry_for(s.dtype, dy.dtype, dst.dtype, residual is not None), threads, block)
     # the per-block partial rows summed by torch (no atomics, a fixed order for a given shape):
     # bit-identical from run to run for a given thread count

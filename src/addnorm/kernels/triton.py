@@ -84,7 +84,6 @@ INTERPRETER_MAX_BLOCK_M = 256
 INTERPRETER_PROGRAMS = 4  # backward programs under the interpreter (no SM count on CPU)
 
 
-
 def _interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -103,6 +102,7 @@ def unavailable_reason(x: Tensor | None) -> str | None:
 
 
 # --------------------------------------------------------------------------- kernels
+
 
 @triton.jit
 def _round(v, DT: tl.constexpr):
@@ -196,10 +196,28 @@ def _store_y(xhat, w, b, Y, rows, cols, mask, N, HAS_WEIGHT: tl.constexpr, HAS_B
 
 
 @triton.jit
-def _forward_kernel(X, R, W, B, Y, S, MEAN, RSTD, M, N, sx, sr, eps,
-                    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    IS_RMS: tl.constexpr, CHUNKED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _forward_kernel(
+    X,
+    R,
+    W,
+    B,
+    Y,
+    S,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    sx,
+    sr,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     CD: tl.constexpr = RSTD.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -254,8 +272,7 @@ def _forward_kernel(X, R, W, B, Y, S, MEAN, RSTD, M, N, sx, sr, eps,
         tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
     tl.store(RSTD + rows, rstd_k * k, mask=row_ok)
     if not CHUNKED:
-        _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, cols, mask, N,
-                 HAS_WEIGHT, HAS_BIAS)
+        _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
     else:
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
@@ -263,8 +280,7 @@ def _forward_kernel(X, R, W, B, Y, S, MEAN, RSTD, M, N, sx, sr, eps,
             sk = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL) * k[:, None]
             w = _load_param(W, ccols, N, CD, HAS_WEIGHT)
             b = _load_param(B, ccols, N, CD, HAS_BIAS)
-            _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, ccols, mask, N,
-                     HAS_WEIGHT, HAS_BIAS)
+            _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, ccols, mask, N, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
@@ -281,8 +297,9 @@ def _load_dy(DY, rows, cols, mask, sdy, CD: tl.constexpr):
 
 
 @triton.jit
-def _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N,
-                CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr):
+def _grad_terms(
+    s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N, CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr
+):
     """``(xhat, g = dy * weight, rstd)`` of one tile; ``xhat`` is ``(s * k - mean * k) *
     (rstd / k)`` with the forward's row scale ``k``, which cannot overflow. ``dy`` (so ``g``) is
     loaded as zero outside the tile's mask and ``xhat`` is finite there, so products with it
@@ -301,9 +318,24 @@ def _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N,
 
 
 @triton.jit
-def _coef_kernel(DY, S, W, MEAN, RSTD, K, C1, C2, M, N, sdy, ss,
-                 HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _coef_kernel(
+    DY,
+    S,
+    W,
+    MEAN,
+    RSTD,
+    K,
+    C1,
+    C2,
+    M,
+    N,
+    sdy,
+    ss,
+    HAS_WEIGHT: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Chunked path: the row scale ``k`` (a pass for max|s|), then the row coefficients
     ``mean(g * xhat)`` and ``mean(g)`` of wide rows."""
     CD: tl.constexpr = RSTD.dtype.element_ty
@@ -320,8 +352,7 @@ def _coef_kernel(DY, S, W, MEAN, RSTD, K, C1, C2, M, N, sdy, ss,
         cols = start + tl.arange(0, BLOCK_N)
         s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         dy = _load_dy(DY, rows, cols, mask, sdy, CD)
-        xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N,
-                                        CD, HAS_WEIGHT, IS_RMS)
+        xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N, CD, HAS_WEIGHT, IS_RMS)
         c1 += tl.sum(g * xhat, axis=1)
         c2 += tl.sum(g, axis=1)
     tl.store(K + rows, k, mask=row_ok)
@@ -330,11 +361,33 @@ def _coef_kernel(DY, S, W, MEAN, RSTD, K, C1, C2, M, N, sdy, ss,
 
 
 @triton.jit
-def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, K, C1, C2, DS, DW, DB, M, N, rows_per_program,
-                     sdy, sdst, ss,
-                     HAS_DSTREAM: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     IS_RMS: tl.constexpr, CHUNKED: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _backward_kernel(
+    DY,
+    DSTREAM,
+    S,
+    W,
+    MEAN,
+    RSTD,
+    K,
+    C1,
+    C2,
+    DS,
+    DW,
+    DB,
+    M,
+    N,
+    rows_per_program,
+    sdy,
+    sdst,
+    ss,
+    HAS_DSTREAM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """``ds`` of rows ``[pid * rows_per_program, ...)`` and their partial dweight/dbias sums.
 
     Grid ``(programs, column chunks)``; without ``CHUNKED`` one chunk holds the whole row and
@@ -355,8 +408,7 @@ def _backward_kernel(DY, DSTREAM, S, W, MEAN, RSTD, K, C1, C2, DS, DW, DB, M, N,
             k = tl.load(K + rows, mask=row_ok, other=1.0)
         else:
             k = _row_scale(tl.max(tl.abs(s), axis=1))
-        xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N,
-                                        CD, HAS_WEIGHT, IS_RMS)
+        xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N, CD, HAS_WEIGHT, IS_RMS)
         if CHUNKED:
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)
             c2 = tl.load(C2 + rows, mask=row_ok, other=0.0)
@@ -396,14 +448,17 @@ def _sum_partials_kernel(P, OUT, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl
 
 # --------------------------------------------------------------------------- launchers
 
-def _config(n: int, device: torch.device, elem_size: int, bytes_per_thread: int,
-            max_fused_n: int) -> tuple[int, int, int, bool]:
+
+def _config(
+    n: int, device: torch.device, elem_size: int, bytes_per_thread: int, max_fused_n: int
+) -> tuple[int, int, int, bool]:
     """``(BLOCK_M, BLOCK_N, num_warps, chunked)`` for rows of ``n`` features of ``elem_size`` bytes,
     each thread holding about ``bytes_per_thread`` of the tile (module docstring)."""
     chunked = n > max_fused_n
     block_n = CHUNK_N if chunked else triton.next_power_of_2(n)
-    tile, max_m = (TILE_ELEMS, MAX_BLOCK_M) if device.type == "cuda" else (
-        INTERPRETER_TILE_ELEMS, INTERPRETER_MAX_BLOCK_M)
+    tile, max_m = (
+        (TILE_ELEMS, MAX_BLOCK_M) if device.type == "cuda" else (INTERPRETER_TILE_ELEMS, INTERPRETER_MAX_BLOCK_M)
+    )
     block_m = 1 if chunked else max(1, min(max_m, tile // block_n))
     bytes_per_thread = CHUNKED_BYTES_PER_THREAD if chunked else bytes_per_thread
     num_warps = max(1, min(32, block_m * block_n * elem_size // (32 * bytes_per_thread)))
@@ -466,14 +521,32 @@ def forward(
     rstd = torch.empty((m,), dtype=cd, device=x.device)
     if m == 0:
         return y, s, mean, rstd
-    block_m, block_n, num_warps, chunked = _config(n, x.device, x.element_size(), FORWARD_BYTES_PER_THREAD,
-                                                  FORWARD_MAX_FUSED_N)
+    block_m, block_n, num_warps, chunked = _config(
+        n, x.device, x.element_size(), FORWARD_BYTES_PER_THREAD, FORWARD_MAX_FUSED_N
+    )
     with _device(x):
         _forward_kernel[(triton.cdiv(m, block_m),)](
-            x, residual, _rows(weight), _rows(bias), y, s, mean, rstd, m, n,
-            x.stride(0), residual.stride(0) if residual is not None else 0, eps,
-            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            IS_RMS=rms, CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            x,
+            residual,
+            _rows(weight),
+            _rows(bias),
+            y,
+            s,
+            mean,
+            rstd,
+            m,
+            n,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            IS_RMS=rms,
+            CHUNKED=chunked,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
         )
     return y, s, mean, rstd
 
@@ -484,8 +557,9 @@ def _sum_partials(partials: Tensor) -> Tensor:
         return partials[0]
     out = torch.empty((n,), dtype=partials.dtype, device=partials.device)
     block_n = min(triton.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](partials, out, programs, n, BLOCK_P=64, BLOCK_N=block_n,
-                                                      num_warps=4)
+    _sum_partials_kernel[(triton.cdiv(n, block_n),)](
+        partials, out, programs, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4
+    )
     return out
 
 
@@ -520,14 +594,29 @@ def _backward(dy, dstream, s, weight, mean, rstd, rms, has_bias):
     if m == 0:
         zeros = torch.zeros((n,), dtype=cd, device=s.device)
         return ds, (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
-    block_m, block_n, num_warps, chunked = _config(n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD,
-                                                  BACKWARD_MAX_FUSED_N)
+    block_m, block_n, num_warps, chunked = _config(
+        n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD, BACKWARD_MAX_FUSED_N
+    )
     k = c1 = c2 = None
     if chunked:
         k, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(3))
         _coef_kernel[(triton.cdiv(m, block_m),)](
-            dy, s, weight, mean, rstd, k, c1, c2, m, n, dy.stride(0), s.stride(0),
-            HAS_WEIGHT=weight is not None, IS_RMS=rms, BLOCK_M=block_m, BLOCK_N=block_n,
+            dy,
+            s,
+            weight,
+            mean,
+            rstd,
+            k,
+            c1,
+            c2,
+            m,
+            n,
+            dy.stride(0),
+            s.stride(0),
+            HAS_WEIGHT=weight is not None,
+            IS_RMS=rms,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
             num_warps=num_warps,
         )
     programs = _backward_programs(m, num_warps, s.device)
@@ -536,10 +625,32 @@ def _backward(dy, dstream, s, weight, mean, rstd, rms, has_bias):
     dw = torch.empty((programs, n), dtype=cd, device=s.device) if weight is not None else None
     db = torch.empty((programs, n), dtype=cd, device=s.device) if has_bias else None
     _backward_kernel[(programs, triton.cdiv(n, block_n))](
-        dy, dstream, s, weight, mean, rstd, k, c1, c2, ds, dw, db, m, n, rows_per_program,
-        dy.stride(0), dstream.stride(0) if dstream is not None else 0, s.stride(0),
-        HAS_DSTREAM=dstream is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
-        IS_RMS=rms, CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        dy,
+        dstream,
+        s,
+        weight,
+        mean,
+        rstd,
+        k,
+        c1,
+        c2,
+        ds,
+        dw,
+        db,
+        m,
+        n,
+        rows_per_program,
+        dy.stride(0),
+        dstream.stride(0) if dstream is not None else 0,
+        s.stride(0),
+        HAS_DSTREAM=dstream is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=has_bias,
+        IS_RMS=rms,
+        CHUNKED=chunked,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     dweight = _sum_partials(dw) if dw is not None else None
     return ds, dweight, (_sum_partials(db) if db is not None else None)
