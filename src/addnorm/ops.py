@@ -479,21 +479,29 @@ def add_norm(
     elif needs_grad:
         out = _eager_apply(x, residual, weight, bias, (eps, rms, residual_dtype, backend, prenorm))
         y, s = out if type(out) is tuple else (out, None)
-    else:  # inference: no autograd, nothing saved, the stream only when it is returned
-        y, s, _, _ = backends.resolve(backend, x).forward(
-            x,
-            residual,
-            weight,
-            bias,
-            eps=eps,
-            rms=rms,
-            residual_dtype=residual_dtype,
-            write_stream=prenorm or residual_out is not None,
-            write_stats=False,
-            out=out,
-            residual_out=residual_out,
-        )
+    else:
+        y, s = _infer(args, out, residual_out)
     return (y, s) if prenorm else y
+
+
+def _infer(args, out, residual_out) -> tuple[Tensor, Tensor | None]:
+    """Inference: the backend's forward alone, no autograd, nothing saved, the stream only when
+    it is returned, into ``out``/``residual_out`` when given."""
+    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm = args
+    y, s, _, _ = backends.resolve(backend, x).forward(
+        x,
+        residual,
+        weight,
+        bias,
+        eps=eps,
+        rms=rms,
+        residual_dtype=residual_dtype,
+        write_stream=prenorm or residual_out is not None,
+        write_stats=False,
+        out=out,
+        residual_out=residual_out,
+    )
+    return y, s
 
 
 def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tensor, Tensor | None]:
@@ -517,19 +525,7 @@ def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tens
         return y.view(x.shape), s.view(x.shape)
     _check_subclass(x, residual, weight, bias)
     if buffers:  # written eagerly, outside any graph (no autograd: _check_out)
-        return backends.resolve(backend, x).forward(
-            x,
-            residual,
-            weight,
-            bias,
-            eps=eps,
-            rms=rms,
-            residual_dtype=residual_dtype,
-            write_stream=prenorm or residual_out is not None,
-            write_stats=False,
-            out=out,
-            residual_out=residual_out,
-        )[:2]
+        return _infer(args, out, residual_out)
     y, s, _, _ = _forward_op(*args)
     return y, s
 
