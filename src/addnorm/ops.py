@@ -50,10 +50,9 @@ _RMS_DEFAULT_EPS = {
 
 
 class Plan(NamedTuple):
-    """What one call's forward writes and what its backward gets."""
+    """What a training call's forward writes (besides y, mean and rstd) and what it saves."""
 
     write_stream: bool  # the forward writes s = x + residual
-    write_stats: bool  # the forward writes mean and rstd
     save_inputs: bool  # training saves x and residual (the backward recomputes s), else s (or x)
 
 
@@ -63,19 +62,16 @@ def plan(
     residual: Tensor | None,
     residual_dtype: torch.dtype | None,
     prenorm: bool,
-    training: bool,
 ) -> Plan:
-    """One plan for every way a call runs (eager, custom op, inference).
+    """One plan for both ways a training call runs (eager and the custom op).
 
     Training saves ``s`` (``x`` without a residual), ``mean``, ``rstd`` and the weight. Post-norm
     on a backend that ``recomputes_stream`` saves ``x`` and ``residual`` instead and the forward
     never writes ``s``: in a Transformer the memory kept is the same (``residual`` is kept anyway
     as the input of the next sublayer), and a fresh output fewer is written. Only when both
-    already have the stream dtype, so that the sum is bit for bit the forward's. Inference
-    writes the stream only when it is returned, and no statistics.
+    already have the stream dtype, so that the sum is bit for bit the forward's. (Inference,
+    :func:`_infer`, writes the stream only when it is returned, and no statistics.)
     """
-    if not training:
-        return Plan(residual is not None and prenorm, False, False)
     save_inputs = (
         residual is not None
         and not prenorm
@@ -83,7 +79,7 @@ def plan(
         and x.dtype == residual.dtype
         and residual_dtype in (None, x.dtype)
     )
-    return Plan(residual is not None and not save_inputs, True, save_inputs)
+    return Plan(residual is not None and not save_inputs, save_inputs)
 
 
 # --------------------------------------------------------------------------- custom ops and autograd
@@ -105,7 +101,7 @@ def _forward_impl(
     prenorm: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = backends.resolve(backend, x)
-    p = plan(impl, x, residual, residual_dtype, prenorm, training=True)
+    p = plan(impl, x, residual, residual_dtype, prenorm)
     y, s, mean, rstd = impl.forward(
         x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype, write_stream=p.write_stream
     )
@@ -115,6 +111,12 @@ def _forward_impl(
         s.contiguous() if p.write_stream else _empty(x, x.dtype),
         mean if mean is not None else _empty(x, cd),
         rstd,
+    )
+
+
+def _run_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend):
+    return backends.resolve(backend, s_parts[0]).backward(
+        dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms, has_bias=has_bias
     )
 
 
@@ -129,19 +131,12 @@ def _backward_impl(
     has_bias: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    impl = backends.resolve(backend, s_parts[0])
-    ds, dweight, dbias = impl.backward(dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms, has_bias=has_bias)
+    ds, dweight, dbias = _run_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend)
     cd = rstd.dtype
     return (
         ds.contiguous(),
         dweight if dweight is not None else _empty(ds, cd),
         dbias if dbias is not None else _empty(ds, cd),
-    )
-
-
-def _eager_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend):
-    return backends.resolve(backend, s_parts[0]).backward(
-        dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms, has_bias=has_bias
     )
 
 
@@ -151,7 +146,7 @@ _backward_op = torch.library.custom_op("addnorm::backward", _backward_impl, muta
 
 @_forward_op.register_fake
 def _forward_fake(x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm):
-    p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm, training=True)
+    p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm)
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     sd = reference.stream_dtype(x, residual, residual_dtype)
     cd = reference.stats_dtype(sd)
@@ -193,7 +188,7 @@ def _setup_context(ctx, inputs, output):
     """The custom op's autograd: the plan its forward made, the statistics saved as tensors."""
     x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm = inputs
     y, s, mean, rstd = output
-    p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm, training=True)
+    p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm)
     ctx.save_for_backward(weight, None if rms else mean, rstd, *_saved(x, residual, s, p))
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
@@ -237,24 +232,22 @@ class _EagerAddNorm(torch.autograd.Function):
     """Eager-mode twin of ``addnorm::forward``: the same implementation, plan and backward, no op
     dispatch, and less autograd bookkeeping: the outputs are ``y`` (and ``s`` for pre-norm) alone
     (the statistics are saved, not returned), the arguments that are no tensors travel as one
-    tuple. (The old-style ``forward(ctx, ...)``
-    on purpose: with a separate ``setup_context``, ``Function.apply`` binds the arguments with
-    ``inspect.signature`` on every call.)"""
+    tuple. (The old-style ``forward(ctx, ...)`` on purpose: with a separate ``setup_context``,
+    ``Function.apply`` binds the arguments with ``inspect.signature`` on every call.)"""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, options):
         eps, rms, residual_dtype, backend, prenorm = options
         impl = backends.resolve(backend, x)
-        p = plan(impl, x, residual, residual_dtype, prenorm, training=True)
+        p = plan(impl, x, residual, residual_dtype, prenorm)
         y, s, mean, rstd = impl.forward(
             x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype, write_stream=p.write_stream
         )
         ctx.save_for_backward(weight, mean, rstd, *_saved(x, residual, s, p))
-        # s is an output whenever it is saved, so that a second derivative reaches x and residual
-        # through it; post-norm discards it
-        stream_output = residual is not None and not p.save_inputs
-        ctx.meta = _meta(x, residual, bias, eps, rms, backend, stream_output)
-        if not stream_output:
+        # s is an output whenever it is written (and so saved), so that a second derivative
+        # reaches x and residual through it; post-norm discards it
+        ctx.meta = _meta(x, residual, bias, eps, rms, backend, p.write_stream)
+        if not p.write_stream:
             return y
         ctx.set_materialize_grads(False)
         return y, s
@@ -262,7 +255,7 @@ class _EagerAddNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dstream=None):
         weight, mean, rstd, *s_parts = ctx.saved_tensors
-        return (*_grads(dy, dstream, weight, mean, rstd, s_parts, ctx.meta, _eager_backward), None)
+        return (*_grads(dy, dstream, weight, mean, rstd, s_parts, ctx.meta, _run_backward), None)
 
 
 # Function.apply's Python wrapper binds setup_context arguments and unwraps functorch tensors:

@@ -333,10 +333,8 @@ def composite(
     """``(y, s)`` by :func:`forward_rows` on all rows at once, as differentiable torch ops (no
     in-place writes): what runs under ``torch.func`` transforms and forward-mode AD, where
     torch's autograd differentiates these formulas (to any order)."""
-    s = stream(x, residual, residual_dtype)
-    cd = stats_dtype(s.dtype)
-    st = forward_rows(s.to(cd), *(None if t is None else t.to(cd) for t in (weight, bias)), eps, rms)
-    return st["y"].to(x.dtype), s
+    st = forward_steps(x, residual, weight, bias, eps, rms, residual_dtype)
+    return st["y"].to(x.dtype), st["s"]
 
 
 def differentiable_backward(
@@ -345,9 +343,6 @@ def differentiable_backward(
     """:func:`backward` on all rows at once as differentiable torch ops, for a second derivative
     (``create_graph=True``): the statistics are recomputed from ``s`` by the forward formulas, so
     that the gradient's dependence on ``s`` through ``mean`` and ``rstd`` is part of the graph."""
-    cd = stats_dtype(s.dtype)
-    sf = s.to(cd)
-    w = weight.to(cd) if weight is not None else None
-    st = forward_rows(sf, w, None, eps, rms)
-    bt = backward_rows(dy.to(cd), None if dstream is None else dstream.to(cd), sf, w, st["mean"], st["rstd"], rms)
-    return (bt["ds"].to(s.dtype), bt["dweight"] if weight is not None else None, bt["dbias"] if has_bias else None)
+    st = forward_steps(s, None, None, None, eps, rms, None)
+    bt = backward_steps(dy, dstream, s, weight, st["mean"], st["rstd"], rms=rms, has_bias=has_bias)
+    return bt["ds"].to(s.dtype), bt["dweight"], bt["dbias"]
