@@ -1,10 +1,13 @@
-"""Training runs for tests/test_distributed.py: single-process, or one rank of DDP / FSDP2 on gloo."""
+"""The ranks of tests/test_distributed.py on gloo: DDP / FSDP2 training runs against a single
+process, then the tensor-parallel checks of tensor_parallel_worker.py."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import sys
+import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,8 +46,29 @@ def single_process() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def ddp_and_fsdp(rank: int, world: int, out_dir: str) -> None:
+    """DDP, then FSDP2 (fully_shard per block, then the root); rank 0 saves the full weights."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(new_model())
+    train(ddp, rank, world)
+    results = {"ddp": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
+
+    model = new_model()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    train(model, rank, world)
+    results["fsdp"] = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+
+
 def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
-    """One rank: DDP, then FSDP2 (fully_shard per block, then the root); rank 0 saves full weights."""
+    """One rank of every distributed check, in one process group: starting the processes costs
+    more than the checks on CI's 2 cores. A check that fails leaves ``<check>.rank<r>.failed``
+    (its traceback) and the next one runs; ``rank<r>.done`` says the rank got through them all."""
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -56,23 +80,25 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         timeout=datetime.timedelta(seconds=60),
     )
     try:
-        from torch.distributed.fsdp import fully_shard
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.distributed.device_mesh import init_device_mesh
 
-        ddp = DistributedDataParallel(new_model())
-        train(ddp, rank, world)
-        results = {"ddp": {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}}
+        import tensor_parallel_worker as tp
 
-        model = new_model()
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        train(model, rank, world)
-        results["fsdp"] = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-        if rank == 0:
-            torch.save(results, os.path.join(out_dir, "results.pt"))
+        mesh = init_device_mesh("cpu", (world,))
+        grid = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        checks = {
+            "ddp_fsdp": lambda: ddp_and_fsdp(rank, world, out_dir),
+            "placements": lambda: tp.placements(mesh, grid),
+            "tensor_parallel": lambda: tp.tensor_parallel(mesh),
+            "fsdp_tensor_parallel": lambda: tp.fsdp_and_tensor_parallel(grid),
+        }
+        for name, check in checks.items():
+            try:
+                check()
+            except Exception:
+                Path(out_dir, f"{name}.rank{rank}.failed").write_text(traceback.format_exc())
         # this rank's work is complete; past the barrier, so is every other rank's
-        open(os.path.join(out_dir, f"rank{rank}.done"), "w").close()
+        Path(out_dir, f"rank{rank}.done").touch()
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Tensors that are not plain strided tensors never reach a kernel's raw pointers.
 
 Each kind gets a correct result or a clear error saying what is supported: jagged nested
-tensors (normalized over their last dim, as torch's layer_norm), FakeTensor, DTensor,
+tensors (normalized over their last dim, as torch's layer_norm), FakeTensor, DTensor (sharding rules),
 ``torch.jit.trace`` and ``torch.jit.script``, a pickled model. Sizes past 2**20 elements where
 a size threshold could change the path.
 """
@@ -100,26 +100,40 @@ def test_pickled_model_round_trips(tmp_path):
 
 
 _DTENSOR = textwrap.dedent("""
-    import os, torch, torch.distributed as dist, addnorm
+    import copy, os, torch, torch.distributed as dist, addnorm
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import distribute_tensor, Replicate
+    from torch.distributed.tensor import distribute_module, distribute_tensor, Shard
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
     dist.init_process_group("gloo", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
-    x = distribute_tensor(torch.randn(1100, 1024), mesh, [Replicate()])
+    ln = addnorm.LayerNorm(1024)
+    with torch.no_grad():
+        ln.weight.normal_(), ln.bias.normal_()
+    x, dy = torch.randn(1100, 1024), torch.randn(1100, 1024)
+    grads = []
+    for sharded in (False, True):
+        norm = distribute_module(copy.deepcopy(ln), mesh) if sharded else ln  # parameters replicated
+        t = distribute_tensor(x, mesh, [Shard(0)]) if sharded else x.clone()
+        y = norm(t.requires_grad_())
+        y.backward(distribute_tensor(dy, mesh, y.placements) if sharded else dy)
+        grads.append([y.detach(), t.grad, norm.weight.grad, norm.bias.grad])
+    print("RESULT", type(y).__name__, y.placements)
+    for ours, plain in zip(grads[1], grads[0]):
+        torch.testing.assert_close(ours.full_tensor(), plain)
     try:
-        y = addnorm.LayerNorm(1024)(x)
-        print("RESULT", type(y).__name__)
-    except (TypeError, RuntimeError, NotImplementedError) as err:
-        print("ERROR", type(err).__name__, err)
+        addnorm.layer_norm(y.detach(), 1024, out=torch.empty(1100, 1024))
+    except ValueError as err:
+        print("ERROR", err)
     dist.destroy_process_group()
 """)
 
 
-def test_dtensor_never_crashes_the_process():
-    """A DTensor goes through the custom op, where DTensor's dispatch applies its sharding rules
-    (or says there are none): never a kernel reading its raw pointers. In a child process, so
-    that a crash fails this test instead of the run."""
+def test_dtensor_runs_the_sharding_rules_never_the_raw_pointer_path():
+    """A DTensor goes through the custom op, where DTensor's dispatch applies addnorm's sharding
+    rules (addnorm.sharding) and runs the kernels on the local shard, never a kernel reading the
+    DTensor's own pointers: the result is a DTensor of the input's placement, with the plain
+    tensor's values and gradients. In a child process, so that a crash fails this test instead
+    of the run (tests/test_distributed.py runs the rules across ranks)."""
     import socket
 
     with socket.socket() as sock:
@@ -128,5 +142,5 @@ def test_dtensor_never_crashes_the_process():
     env = {**os.environ, "PORT": str(port), "PYTHONPATH": str(Path(addnorm.__file__).parents[1])}
     done = subprocess.run([sys.executable, "-c", _DTENSOR], capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    line = next(line for line in done.stdout.splitlines() if line.startswith(("RESULT", "ERROR")))
-    assert line == "RESULT DTensor" or line.startswith("ERROR NotImplementedError addnorm's ops have no DTensor"), line
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("RESULT", "ERROR"))]
+    assert lines == ["RESULT DTensor (Shard(dim=0),)", "ERROR out= and residual_out= take plain tensors, not DTensors"]

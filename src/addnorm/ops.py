@@ -10,7 +10,8 @@ same numerics) and runs it one of five ways, all computing the same formulas:
   saved, the stream and the statistics not even written unless returned;
 - compiled graphs (``torch.compile``/``torch.export``), tensor subclasses (FakeTensor, DTensor,
   ...) and ``torch.jit.trace``: the custom ops ``addnorm::forward``/``addnorm::backward``, whose
-  fake kernels, autograd registration and the dispatcher take care of each;
+  fake kernels, autograd registration and the dispatcher take care of each (DTensor through the
+  sharding rules of :mod:`addnorm.sharding`, which run the ops on each rank's local shard);
 - ``torch.func`` transforms and forward-mode AD: :func:`addnorm.reference.composite`, the
   reference formulas as differentiable torch ops, so that every transform composes;
 - jagged nested tensors: the norm of their packed values.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -89,6 +91,13 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.empty((0,), dtype=dtype, device=like.device)
 
 
+def _rows(x: Tensor) -> tuple[int, ...]:
+    """The shape of the forward op's statistics: one per row, ``x.shape[:-1]``. Its placeholders
+    (RMSNorm's mean, a stream not written) are empty, of shape ``_rows(x) + (0,)``. Keeping x's
+    leading dims lets a DTensor shard them like x's (:mod:`addnorm.sharding`)."""
+    return x.shape[:-1]
+
+
 def _forward_impl(
     x: Tensor,
     residual: Tensor | None,
@@ -108,9 +117,9 @@ def _forward_impl(
     cd = rstd.dtype
     return (
         y.contiguous(),
-        s.contiguous() if p.write_stream else _empty(x, x.dtype),
-        mean if mean is not None else _empty(x, cd),
-        rstd,
+        s.contiguous() if p.write_stream else x.new_empty((*_rows(x), 0)),
+        mean.view(_rows(x)) if mean is not None else x.new_empty((*_rows(x), 0), dtype=cd),
+        rstd.view(_rows(x)),
     )
 
 
@@ -131,7 +140,9 @@ def _backward_impl(
     has_bias: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    ds, dweight, dbias = _run_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend)
+    # the op's statistics keep x's leading dims (_rows); a backend takes them flat
+    mean = None if mean is None else mean.reshape(-1)
+    ds, dweight, dbias = _run_backward(dy, dstream, s_parts, weight, mean, rstd.reshape(-1), rms, has_bias, backend)
     cd = rstd.dtype
     return (
         ds.contiguous(),
@@ -147,12 +158,11 @@ _backward_op = torch.library.custom_op("addnorm::backward", _backward_impl, muta
 @_forward_op.register_fake
 def _forward_fake(x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm):
     p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm)
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     sd = reference.stream_dtype(x, residual, residual_dtype)
     cd = reference.stats_dtype(sd)
-    s = x.new_empty(x.shape, dtype=sd) if p.write_stream else _empty(x, x.dtype)
-    mean = x.new_empty((m,), dtype=cd) if not rms else _empty(x, cd)
-    return x.new_empty(x.shape), s, mean, x.new_empty((m,), dtype=cd)
+    s = x.new_empty(x.shape, dtype=sd) if p.write_stream else x.new_empty((*_rows(x), 0))
+    mean = x.new_empty((*_rows(x), 0) if rms else _rows(x), dtype=cd)
+    return x.new_empty(x.shape), s, mean, x.new_empty(_rows(x), dtype=cd)
 
 
 @_backward_op.register_fake
@@ -202,8 +212,8 @@ def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
 def _grads(dy, dstream, weight, mean, rstd, s_parts, meta, backward_fn) -> tuple:
     """``(dx, dresidual, dweight, dbias)``: the one backward of both autograd wrappers."""
     x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_written = meta
-    if dy is None:  # only the stream output was used
-        dy = torch.zeros(s_parts[0].shape, dtype=x_dtype, device=s_parts[0].device)
+    if dy is None:  # only the stream output was used (zeros_like: a DTensor's zeros are one too)
+        dy = torch.zeros_like(s_parts[0], dtype=x_dtype)
     if not stream_written:  # no stream output, or an empty placeholder (its gradient too)
         dstream = None
     has_bias = bias_dtype is not None
@@ -516,20 +526,22 @@ def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tens
             residual_dtype,
         )
         return y.view(x.shape), s.view(x.shape)
-    _check_subclass(x, residual, weight, bias)
-    if buffers:  # written eagerly, outside any graph (no autograd: _check_out)
+    if _has_dtensor(x, residual, weight, bias):
+        if buffers:
+            raise ValueError("out= and residual_out= take plain tensors, not DTensors")
+        from . import sharding
+
+        sharding.register()  # once: DTensor's dispatch then runs the ops on local shards
+    elif buffers:  # written eagerly, outside any graph (no autograd: _check_out)
         return _infer(args, out, residual_out)
     y, s, _, _ = _forward_op(*args)
     return y, s
 
 
-def _check_subclass(*tensors: Tensor | None) -> None:
-    """DTensor has no sharding rules for addnorm's ops yet: say so, and what works instead."""
-    if any(type(t).__name__ == "DTensor" for t in tensors):
-        raise NotImplementedError(
-            "addnorm's ops have no DTensor sharding rules yet: call them on local shards (dtensor.to_local(), "
-            "weights replicated) or use torch.nn.LayerNorm / torch.nn.RMSNorm on DTensors"
-        )
+def _has_dtensor(*tensors: Tensor | None) -> bool:
+    # a DTensor exists only once torch.distributed.tensor is imported: never import it here
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in tensors)
 
 
 def _nested(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out):
