@@ -151,11 +151,13 @@ def reference(kind: str, scale: float = 1.0) -> tuple[torch.Tensor, dict[str, to
 
 def tensor_parallel(mesh) -> None:
     """The model under a tensor-parallel plan, with and without sequence parallelism, for
-    LayerNorm and RMSNorm: output and every parameter gradient equal one process's."""
+    LayerNorm and RMSNorm: output, every parameter gradient and the parameters after an SGD step
+    equal one process's."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     for kind in ("layer", "rms"):
         expected_out, expected_grads = reference(kind)
+        expected_params = dict(new_model(kind).named_parameters())
         x, target = data()
         for sequence_parallel in (False, True):
             model = new_model(kind)
@@ -167,6 +169,10 @@ def tensor_parallel(mesh) -> None:
             check(f"{case}: output", out, expected_out)
             for name, p in model.named_parameters():
                 check(f"{case}: {name}.grad", p.grad, expected_grads[name])
+            # the optimizer reduces the norms' partial gradients itself (DTensor's add)
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            for name, p in model.named_parameters():
+                check(f"{case}: {name} after a step", p.detach(), expected_params[name] - 0.1 * expected_grads[name])
 
 
 def fsdp_and_tensor_parallel(grid) -> None:

@@ -109,7 +109,14 @@ _DTENSOR = textwrap.dedent("""
     ln = addnorm.LayerNorm(1024)
     with torch.no_grad():
         ln.weight.normal_(), ln.bias.normal_()
-    x, dy = torch.randn(1100, 1024), torch.randn(1100, 1024)
+    # first compiled (the rules then get registered while torch.compile traces), then eager
+    add_norm = addnorm.AddNorm(1024, norm="rms", prenorm=True)
+    compiled = torch.compile(distribute_module(copy.deepcopy(add_norm), mesh), fullgraph=True, backend="aot_eager")
+    x, r, dy = torch.randn(1100, 1024), torch.randn(1100, 1024), torch.randn(1100, 1024)
+    sharded = [distribute_tensor(t, mesh, [Shard(0)]) for t in (x, r)]
+    for ours, plain in zip(compiled(*sharded), add_norm(x, r)):
+        assert ours.placements == (Shard(0),)
+        torch.testing.assert_close(ours.full_tensor(), plain)
     grads = []
     for sharded in (False, True):
         norm = distribute_module(copy.deepcopy(ln), mesh) if sharded else ln  # parameters replicated

@@ -512,6 +512,7 @@ def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tens
     subclasses (module docstring)."""
     x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm = args
     if (_is_compiling() or _is_exporting()) and not buffers:
+        _dtensor_rules()
         y, s, _, _ = _forward_op(*args)
         return y, s
     if _functorch_level() is not None or forward_ad._current_level >= 0:
@@ -526,22 +527,30 @@ def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tens
             residual_dtype,
         )
         return y.view(x.shape), s.view(x.shape)
-    if _has_dtensor(x, residual, weight, bias):
-        if buffers:
+    if buffers:  # written eagerly, outside any graph (no autograd: _check_out)
+        if _dtensor_rules() and any(_is_dtensor(t) for t in (x, residual, weight, bias)):
             raise ValueError("out= and residual_out= take plain tensors, not DTensors")
-        from . import sharding
-
-        sharding.register()  # once: DTensor's dispatch then runs the ops on local shards
-    elif buffers:  # written eagerly, outside any graph (no autograd: _check_out)
         return _infer(args, out, residual_out)
+    _dtensor_rules()
     y, s, _, _ = _forward_op(*args)
     return y, s
 
 
-def _has_dtensor(*tensors: Tensor | None) -> bool:
-    # a DTensor exists only once torch.distributed.tensor is imported: never import it here
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in tensors)
+@torch.compiler.assume_constant_result  # torch.compile calls it while tracing, not in the graph
+def _dtensor_rules() -> bool:
+    """Whether DTensor is loaded; if so, addnorm's sharding rules are registered with it (once,
+    :mod:`addnorm.sharding`), so that DTensor's dispatch runs the ops on local shards. A DTensor
+    exists only once ``torch.distributed.tensor`` is imported: it is never imported here."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from . import sharding
+
+    sharding.register()
+    return True
+
+
+def _is_dtensor(t: Tensor | None) -> bool:
+    return isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)  # loaded: _dtensor_rules()
 
 
 def _nested(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out):

@@ -38,8 +38,6 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Ru
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs, is_tensor_shardable
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from . import ops  # noqa: F401  (defines the custom ops)
-
 ROWS = "rows"  # one entry per row of x (its leading dims): placed as x, on a leading dim or replicated
 FEATURES = "features"  # one entry per feature (shape (N,)): replicated on every rank
 FEATURE_SUM = "feature-sum"  # an output summed over the rows (dweight): Partial("sum") where rows are split
