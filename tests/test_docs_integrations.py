@@ -18,7 +18,7 @@ def test_integrations_doc_blocks_run():
     pytest.importorskip("transformers")
     pytest.importorskip("onnxruntime")
     blocks = python_blocks(DOC.read_text())
-    assert len(blocks) == 7
+    assert len(blocks) == 8
     namespace: dict = {"__name__": "docs_integrations"}
     for i, code in enumerate(blocks):
         exec(compile(code, f"{DOC.name}[block {i}]", "exec"), namespace)
