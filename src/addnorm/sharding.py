@@ -20,8 +20,10 @@ the op on the local shards (which runs the usual backend, the numba kernels on C
   for torch's own ``layer_norm``/``rms_norm`` (a drop-in does not fail where torch works); the
   output is then sharded on the rows or replicated, not on the features.
 
-Each op's arguments have one role in :data:`ROLES`, the one place to extend when an op gains a
-tensor argument (scalar arguments need no entry: they are part of DTensor's cache key anyway).
+Each op's tensor arguments and outputs have one role in :data:`ROLES`, the one place to extend
+when an op gains a tensor argument or output: one entry each (``register`` refuses an op with a
+tensor argument that has none). Scalar arguments need no entry: :func:`_schema_info` makes every
+one of them part of DTensor's cache key.
 """
 
 from __future__ import annotations
@@ -73,20 +75,21 @@ def _is_tensor(arg: torch._C.Argument) -> bool:
     return "Tensor" in str(arg.type)  # Tensor, Tensor?, Tensor[]
 
 
-def _entries(roles: Roles, name: str, value: object) -> list[tuple[str, str, OpStrategy]]:
-    """``(name, role, strategy)`` per DTensor in argument ``name`` (each entry of a list)."""
+def _entries(roles: Roles, name: str, value: object) -> list[tuple[str, OpStrategy]]:
+    """``(role, strategy)`` per DTensor in argument ``name`` (each entry of a list)."""
     entries = value.children if isinstance(value, TupleStrategy) else [value]
-    return [(name, roles.inputs[name], e) for e in entries if isinstance(e, OpStrategy)]
+    return [(roles.inputs[name], e) for e in entries if isinstance(e, OpStrategy)]
 
 
 def _strategy(roles: Roles, op_schema: OpSchema) -> OpStrategy:
     """Every placement of the rows over the mesh (replicated or on a leading dim, per mesh dim),
     as DTensor's :class:`OpStrategy`: the specs each input must have and the outputs then get."""
+    # (torch.library allows no keyword-only tensor: every tensor comes positionally, which DTensor
+    # redistributes; keyword arguments are scalars)
     inputs = [
         e for a, v in zip(op_schema.op._schema.arguments, op_schema.args_schema) for e in _entries(roles, a.name, v)
     ]
-    keyword = [e for name, v in op_schema.kwargs_schema.items() for e in _entries(roles, name, v)]
-    first = inputs[0][2]  # x (forward) or dy (backward): every tensor is a DTensor, as DTensor requires
+    first = inputs[0][1]  # x (forward) or dy (backward): every tensor is a DTensor, as DTensor requires
     mesh, ndim = first.mesh, first.ndim
     choices = [Replicate(), *(Shard(d) for d in range(ndim - 1))]  # never the normalized (last) dim
     current = first.strategies[0].output_spec.placements
@@ -94,22 +97,13 @@ def _strategy(roles: Roles, op_schema: OpSchema) -> OpStrategy:
     for rows in itertools.product(choices, repeat=mesh.ndim):
         wanted = [
             DTensorSpec(mesh, _placements(role, rows), tensor_meta=s.strategies[0].output_spec.tensor_meta)
-            for _, role, s in inputs
+            for role, s in inputs
         ]
         if not all(is_tensor_shardable(spec.tensor_meta.shape, spec) for spec in wanted):
             continue
-        # DTensor redistributes positional arguments only: a keyword tensor must be placed already
-        if any(s.strategies[0].output_spec.placements != _placements(role, rows) for _, role, s in keyword):
-            continue
         outputs = tuple(DTensorSpec(mesh, _placements(role, rows)) for role in roles.outputs)
-        costs = [generate_redistribute_costs(s, spec) for (_, _, s), spec in zip(inputs, wanted)]
+        costs = [generate_redistribute_costs(s, spec) for (_, s), spec in zip(inputs, wanted)]
         specs.append(OpSpec(outputs, wanted, costs))
-    if not specs:
-        names = ", ".join(name for name, _, _ in keyword)
-        raise ValueError(
-            f"{op_schema.op}: no placement of the rows fits the keyword arguments {names}, which DTensor "
-            "does not redistribute: place them as x (per-row tensors) or replicated (per-feature tensors)"
-        )
     specs.sort(key=lambda spec: spec.input_specs[0].placements != current)  # a tie in cost: x's placement
     return OpStrategy(specs)
 
