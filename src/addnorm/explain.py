@@ -790,18 +790,16 @@ def _print_textbook(doc: dict, pr: _Printer) -> None:
     c = pr.console
     eps, worked_error, cases = doc["eps"], doc["worked_example_error"], doc["cases"]
     c.print(
-        "LayerNorm as a learner writes it (addnorm.textbook: the seeds' formulas, in the input's dtype) "
-        "beside the exact form (addnorm.reference), both against torch in float64; eps = "
-        f"{eps:g} (RMSNorm: the dtype's machine epsilon)."
-    )
-    c.print(
-        f"On the seeds' worked example both are right (max error: textbook {worked_error['textbook']:.1e}, "
-        f"reference {worked_error['reference']:.1e}). On these rows the textbook breaks:\n"
+        "addnorm.textbook:  LayerNorm as a learner writes it (the seeds' formulas, in the input's dtype)\n"
+        "addnorm.reference: the exact form, which every backend runs\n"
+        f"error: max |y − torch's LayerNorm in float64|, eps = {eps:g} (RMSNorm: the dtype's machine epsilon)\n"
+        f"On the seeds' worked example both are right (error: textbook {worked_error['textbook']:.1e}, "
+        f"reference {worked_error['reference']:.1e}).\nOn these rows the textbook breaks:\n"
     )
     for i, case in enumerate(cases, 1):
         pr.title(f"{i}. {case['name']}")
         table = Table()
-        for col in ("", "values", "LayerNorm max error", "RMSNorm max error"):
+        for col in ("", "values", "LayerNorm error", "RMSNorm error"):
             table.add_column(col, justify="left" if col in ("", "values") else "right")
         digits = _EXACT_DIGITS[case["dtype"]]
         x_text = "[" + ", ".join(f"{v:.{digits}g}" for v in case["x"].tolist()) + "]"
