@@ -4,7 +4,7 @@ Every function normalizes over the trailing ``normalized_shape`` dims of ``x``, 
 its statistics in float32 (float64 for float64 input), returns ``y`` in the dtype of
 ``x``, and is differentiable through a hand-written backward (see
 :mod:`addnorm.reference` for the formulas). ``backend`` picks the implementation:
-``"auto"`` (by device, dtype and size at call time), ``"reference"``, or a kernel
+``"auto"`` (by device at call time: every size keeps the same numerics), ``"reference"``, or a kernel
 backend when installed (``addnorm info`` lists them).
 
 For inference loops, ``out=`` (and ``residual_out=`` for the stream ``s`` of the Add & Norm

@@ -70,6 +70,11 @@ from ..backend import Capabilities, Grads, check_s_parts
 # fewer values live than the backward (benchmarks/triton_tune.py measured both on an H100)
 FORWARD_MAX_FUSED_N = 16384
 BACKWARD_MAX_FUSED_N = 8192
+# with the sublayer branch the backward also keeps x and the keep mask live: with these limits it
+# compiles for sm_90 without spills from 2048 to 4096 features, where the plain limits spilled
+# (python benchmarks/triton_registers.py: chosen by registers, not yet timed on a GPU)
+BRANCH_BACKWARD_MAX_FUSED_N = 4096
+BRANCH_BACKWARD_BYTES_PER_THREAD = 16
 CHUNK_N = 4096  # columns per chunk on the chunked path (a power of two)
 TILE_ELEMS = 4096  # elements per program tile when short rows are stacked
 MAX_BLOCK_M = 32  # at most this many rows per tile
@@ -753,8 +758,9 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
     if m == 0:
         zeros = lambda present: torch.zeros((n,), dtype=cd, device=s.device) if present else None  # noqa: E731
         return Grads(ds, zeros(weight is not None), zeros(has_bias), dx, zeros(layer_scaled))
+    max_fused_n = BACKWARD_MAX_FUSED_N if branch is None else BRANCH_BACKWARD_MAX_FUSED_N
     block_m, block_n, num_warps, chunked = _config(
-        n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD, BACKWARD_MAX_FUSED_N
+        n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD, max_fused_n
     )
     branch_args = _branch_args(branch, m, n, cd, s.device)
     sr = residual.stride(0) if residual is not None else 0
