@@ -303,20 +303,36 @@ def _stats(buf, nf, rms):
 
 # --------------------------------------------------------------------------- the sublayer branch
 
-# reference.mask_hash in 32-bit unsigned arithmetic (held in uint64, masked after each multiply)
+# reference.mask_hash in 32-bit lanes: an LLVM intrinsic, so that the loop over a row vectorizes
+# with 32-bit multiplies (numba would widen every integer operation to 64 bits)
 _M32 = np.uint64(0xFFFFFFFF)
 _GOLDEN = np.uint64(reference._GOLDEN)
-_FMIX0, _FMIX1 = (np.uint64(c) for c in reference._FMIX)
-_U16, _U13, _U32 = np.uint64(16), np.uint64(13), np.uint64(32)
+_U32 = np.uint64(32)
 
 
-@numba.njit(inline="always")
-def _fmix32(h):
-    h ^= h >> _U16
-    h = (h * _FMIX0) & _M32
-    h ^= h >> _U13
-    h = (h * _FMIX1) & _M32
-    return h ^ (h >> _U16)
+def _fmix32_codegen(combine):
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        h = combine(builder, args[0], args[1])
+        for shift, factor in ((16, reference._FMIX[0]), (13, reference._FMIX[1]), (16, None)):
+            h = builder.xor(h, builder.lshr(h, ir.Constant(i32, shift)))
+            if factor is not None:
+                h = builder.mul(h, ir.Constant(i32, factor - (1 << 32)))  # the same bits, as a signed i32
+        return h
+
+    return codegen
+
+
+@intrinsic
+def _fmix32_xor(typingctx, a, b):
+    """``fmix32(a ^ b)`` of two uint32 values (reference.fmix32)."""
+    return types.uint32(types.uint32, types.uint32), _fmix32_codegen(lambda bld, a, b: bld.xor(a, b))
+
+
+@intrinsic
+def _fmix32_add(typingctx, a, b):
+    """``fmix32(a + b mod 2**32)`` of two uint32 values."""
+    return types.uint32(types.uint32, types.uint32), _fmix32_codegen(lambda bld, a, b: bld.add(a, b))
 
 
 def _branch_keys(br, n):
@@ -333,9 +349,10 @@ def _branch_keys_impl(br, n):
     def keys(br, n):
         seed, threshold, scale, layer_scale, rowscale = br
         k0, k1 = np.uint64(seed) & _M32, (np.uint64(seed) >> _U32) & _M32
-        cols = np.empty(n, np.uint64)
+        k0, k1, k0g = np.uint32(k0), np.uint32(k1), np.uint32(k0 ^ _GOLDEN)
+        cols = np.empty(n, np.uint32)
         for j in range(n):
-            cols[j] = _fmix32((_fmix32(np.uint64(j) ^ k1) + (k0 ^ _GOLDEN)) & _M32)
+            cols[j] = _fmix32_add(_fmix32_xor(np.uint32(j), k1), k0g)
         return k0, k1, np.uint64(threshold), scale, layer_scale, rowscale, cols
 
     return keys
@@ -345,16 +362,17 @@ def _branch_keys_impl(br, n):
 def _branch_row(xi, ri, sbuf, keep, bk, row):
     """``sbuf`` = the stream of row ``row`` (its index in the call) through the branch, rounded to
     the residual's dtype, in the statistics dtype, and ``keep`` its dropout mask:
-    :func:`addnorm.reference.stream` with :func:`addnorm.reference.branch_terms`, bit for bit."""
+    :func:`addnorm.reference.stream` with :func:`addnorm.reference.branch_terms`, bit for bit.
+    (Two loops, the integer one and the float one, so that each vectorizes.)"""
     k0, k1, threshold, scale, layer_scale, rowscale, cols = bk
-    a = _fmix32((_fmix32(np.uint64(row) ^ k0) + k1) & _M32)
+    a = _fmix32_add(_fmix32_xor(np.uint32(row), k0), k1)
+    for j in range(sbuf.shape[0]):
+        keep[j] = np.uint64(_fmix32_add(a, cols[j])) >= threshold
     rs = rowscale[row]
     zero = scale - scale
     for j in range(sbuf.shape[0]):
-        kept = _fmix32((a + cols[j]) & _M32) >= threshold
-        keep[j] = kept
-        dropped = _load(xi, j) * scale if kept else zero
-        sbuf[j] = _round(ri, _load(ri, j) + dropped * layer_scale[j] * rs)
+        xs = _load(xi, j) * scale  # loaded whatever keep says: a select, not a branch, vectorizes
+        sbuf[j] = _round(ri, _load(ri, j) + (xs if keep[j] else zero) * layer_scale[j] * rs)
 
 
 @numba.njit
@@ -555,8 +573,9 @@ def _backward_rows_branch(
                 v += _load(dsti, j)
             v = _put(dsi, j, v)  # the gradient as stored, as autograd would read it
             kept = keep[j]
+            xs = _load(xi, j) * scale  # loaded whatever keep says (see _branch_row)
             _put(dxi, j, (v * scale if kept else zero) * layer_scale[j] * rsc)
-            dls[j] += v * ((_load(xi, j) * scale if kept else zero) * rsc)
+            dls[j] += v * ((xs if kept else zero) * rsc)
 
 
 # The kernels: every calling thread claims blocks of ``block_rows`` rows from the shared counter
