@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import backend as backends
 from . import reference
-from .cli import UsageError
+from .cli import UsageError, output_file
 
 OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
 PASSES = ["fwd", "bwd", "fwd+bwd"]
@@ -404,6 +404,13 @@ def run(args) -> int:
         raise UsageError(f"--rounds must be at least 3, got {args.rounds}")
     if args.out_buffers and passes != ["fwd"]:
         raise UsageError("--out-buffers measures inference: use it with --pass fwd")
+    # outputs are checked before the first measurement: a run must not end failing to write them
+    path = output_file(args.results, "--results") if args.save else None
+    if args.plot:
+        from .plot import new_figure, png_path
+
+        new_figure()  # a clear error now if matplotlib is missing
+        plot_path = png_path(args.plot, "bench.png", "--plot")
 
     console = Console()
     copy_gbps = copy_bandwidth(args.device)
@@ -422,11 +429,7 @@ def run(args) -> int:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    save = None
-    if args.save:  # rows are appended as each configuration finishes: a run cut short keeps them
-        path = Path(args.results)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save = path.open("a")
+    save = path.open("a") if path is not None else None  # rows appended as each configuration finishes
     results, skipped = [], {}
     try:
         with Progress(console=console, transient=True) as progress:
@@ -452,10 +455,12 @@ def run(args) -> int:
     )
     if save is not None:
         console.print(f"appended {len(results)} rows to {path}")
-    if args.plot:
+    if args.plot and not results:
+        console.print(f"no implementation ran: nothing to draw in {plot_path}")
+    elif args.plot:
         from .plot import draw_bench
 
-        draw_bench([{**common, **row} for row in results], args.plot, "this run")  # prints where it wrote
+        draw_bench([{**common, **row} for row in results], plot_path, "this run")  # prints where it wrote
     return 0
 
 
@@ -488,5 +493,5 @@ def register(sub) -> None:
     )
     p.add_argument("--save", action="store_true", help="append the rows as JSON lines to --results")
     p.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)")
-    p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this file")
+    p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this .png file (or folder)")
     p.set_defaults(func=run)
