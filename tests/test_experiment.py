@@ -124,6 +124,10 @@ def test_cli_reports_bad_data_and_arms(tmp_path, capsys):
     assert "--epochs must be at least 1" in capsys.readouterr().err
     assert cli.main(["train", "--lr", "-1", "--out", str(tmp_path)]) == 2
     assert "--lr" in capsys.readouterr().err
+    assert cli.main(["train", "--threads", "100000", "--out", str(tmp_path)]) == 2
+    assert "--threads must be between 1 and" in capsys.readouterr().err
+    assert cli.main(["train", "--data", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "is a folder, not a file" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
 

@@ -263,6 +263,7 @@ ERRORS = [
     (["--normalized-shape", "0,3"], "--normalized-shape must be positive ints"),
     (["--normalized-shape", "a"], "--normalized-shape must be positive ints"),
     (["--gamma", "1,2"], "--gamma needs 1 or 3 values"),
+    (["--gamma", "abc"], "--gamma: non-numeric value 'abc'; expected one number, or one per feature"),
     (["--norm", "rms", "--beta", "1"], "RMSNorm has no bias"),
     (["--residual", "[[1,2]]"], "--residual must have the input's shape [2, 3]"),
     (["--grad", "[[1,1,1],[1,1,1]]"], "add --backward"),

@@ -207,6 +207,13 @@ def test_bench_rows_with_bad_values(tmp_path, capsys, field, value, message):
     assert error_line(capsys).endswith(f"{results}:2: {message}")
 
 
+def test_results_that_are_folders(tmp_path, capsys):
+    assert cli.main(["plot", "bench", "--results", str(tmp_path)]) == 2
+    assert "is a folder; expected the JSONL file" in error_line(capsys)
+    assert cli.main(["plot", "train", "--results", str(tmp_path)]) == 2
+    assert "is a folder; expected the results.json in it" in error_line(capsys)
+
+
 def test_bench_results_not_text(tmp_path, capsys):
     binary = tmp_path / "bench.jsonl"
     binary.write_bytes(bytes(range(256)))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import backend as backends
 from . import reference
-from .cli import UsageError, output_file
+from .cli import UsageError, check_threads, output_file
 
 OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
 PASSES = ["fwd", "bwd", "fwd+bwd"]
@@ -397,8 +397,7 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here")
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be a positive int, got {args.threads}")
+        check_threads(args.threads)
         torch.set_num_threads(args.threads)
     if args.rounds < 3:
         raise UsageError(f"--rounds must be at least 3, got {args.rounds}")
@@ -472,7 +471,7 @@ def register(sub) -> None:
         "median and p20/p80 per call, GB/s from explicit byte counts, the fraction of the "
         "copy bandwidth measured in the same run, and the ratio to torch eager.",
     )
-    p.add_argument("--op", default="add_layer_norm", help=f"comma-separated, of {', '.join(OPS)}")
+    p.add_argument("--op", default="add_layer_norm", help=f"comma-separated, of {', '.join(OPS)} (default %(default)s)")
     p.add_argument(
         "--shapes",
         "--shape",
@@ -480,18 +479,28 @@ def register(sub) -> None:
         metavar="ROWSxCOLS[,...]",
         help=f"shapes to measure (repeatable); default {DEFAULT_SHAPES}",
     )
-    p.add_argument("--dtype", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
-    p.add_argument("--pass", dest="pass_", default="fwd,fwd+bwd", help=f"comma-separated, of {', '.join(PASSES)}")
+    p.add_argument(
+        "--dtype", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)} (default %(default)s)"
+    )
+    p.add_argument(
+        "--pass",
+        dest="pass_",
+        metavar="PASS",
+        default="fwd,fwd+bwd",
+        help=f"comma-separated, of {', '.join(PASSES)} (default %(default)s)",
+    )
     p.add_argument("--impl", help="comma-separated implementations (default: all): " + ", ".join(all_impls()))
     p.add_argument("--threads", type=int, help="torch (and addnorm-cpu) threads; default: torch's")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per implementation")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per implementation (default 15)")
     p.add_argument(
         "--out-buffers",
         action="store_true",
         help="forward into preallocated buffers (out=; inference without allocation)",
     )
     p.add_argument("--save", action="store_true", help="append the rows as JSON lines to --results")
-    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)")
+    p.add_argument(
+        "--results", metavar="FILE", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)"
+    )
     p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this .png file (or folder)")
     p.set_defaults(func=run)

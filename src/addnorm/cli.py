@@ -130,6 +130,13 @@ def _silence_stdout() -> None:
         pass
 
 
+def check_threads(threads: int, flag: str = "--threads") -> None:
+    """A thread count between 1 and the CPUs here (far more threads crash OpenMP's start-up)."""
+    cpus = os.cpu_count() or 1
+    if not 1 <= threads <= cpus:
+        raise UsageError(f"{flag} must be between 1 and {cpus} (the CPUs here), got {threads}")
+
+
 # --------------------------------------------------------------------------- output paths
 # Checked before any work: a run must not end by failing to write what it computed.
 

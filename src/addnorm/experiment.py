@@ -66,7 +66,7 @@ def load_sequences(path: str | pathlib.Path) -> np.ndarray:
     """
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f"--data {path}: no such file")
+        raise ValueError(f"--data {path}: {'is a folder, not a file' if path.is_dir() else 'no such file'}")
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
@@ -737,16 +737,17 @@ QUICK = dict(epochs=2, depth=1, seeds=[0])  # the whole pipeline in seconds (tes
 
 
 def config_from_args(args) -> Config:
-    from .cli import UsageError
+    from .cli import UsageError, check_threads
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else list(ARMS)
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise UsageError(f"--arms: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
-    for name in ("seeds", "epochs", "depth", "threads"):
+    for name in ("seeds", "epochs", "depth"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be at least 1, got {value}")
+    check_threads(args.threads)
     if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
     cfg = Config(arms=list(dict.fromkeys(arms)), norm=args.norm, data=args.data, threads=args.threads)

@@ -24,6 +24,7 @@ from .cli import UsageError
 from .info import WORKED_INPUT
 
 MATRIX_HELP = 'a matrix literal like "[[0.2,0.1,0.3],[0.5,0.1,0.1]]" or a .npy, .pt or .csv file'
+PARAM_HELP = "one number, or one per feature like 1.5,-0.5,2"
 FILE_SUFFIXES = (".npy", ".pt", ".pth", ".csv")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what addnorm's ops take
 _TOKEN = re.compile(r"\s*(?:([\[\],])|([^\s\[\],]+))")
@@ -32,8 +33,9 @@ _TOKEN = re.compile(r"\s*(?:([\[\],])|([^\s\[\],]+))")
 # --------------------------------------------------------------------------- parsing user input
 
 
-def parse_literal(text: str, what: str) -> float | list:
-    """Parse a number or nested list of numbers (``[[1, 2], [3, 4]]``) without ``eval``."""
+def parse_literal(text: str, what: str, expected: str = MATRIX_HELP) -> float | list:
+    """Parse a number or nested list of numbers (``[[1, 2], [3, 4]]``) without ``eval``;
+    ``expected`` says what ``what`` takes, in the error messages."""
     tokens = []
     pos = 0
     text = text.strip()
@@ -42,7 +44,7 @@ def parse_literal(text: str, what: str) -> float | list:
         tokens.append(m.group(1) or m.group(2))
         pos = m.end()
     if not tokens:
-        raise UsageError(f"{what} is empty; expected {MATRIX_HELP}")
+        raise UsageError(f"{what} is empty; expected {expected}")
 
     def value(i: int) -> tuple[float | list, int]:
         tok = tokens[i] if i < len(tokens) else None
@@ -64,7 +66,7 @@ def parse_literal(text: str, what: str) -> float | list:
         try:
             number = float(tok)
         except ValueError:
-            raise UsageError(f"{what}: non-numeric value {tok!r}; expected {MATRIX_HELP}") from None
+            raise UsageError(f"{what}: non-numeric value {tok!r}; expected {expected}") from None
         if not math.isfinite(number):
             raise UsageError(f"{what}: {tok!r} is not a finite number")
         return number, i + 1
@@ -186,7 +188,7 @@ def parse_param(text: str | None, shape: tuple[int, ...], what: str, default: fl
     stripped = text.strip()
     if not stripped.startswith("[") and "," in stripped:
         stripped = f"[{stripped}]"
-    value = parse_literal(stripped, what)
+    value = parse_literal(stripped, what, PARAM_HELP)
     _shape_of(value, what)
     t = torch.tensor(value, dtype=torch.float64)
     if t.dim() == 0:
@@ -789,7 +791,7 @@ def register(sub) -> None:
         "of eps; the hand-derived backward (--backward); BatchNorm beside it (--compare). "
         "Default input: the worked example [[0.2,0.1,0.3],[0.5,0.1,0.1]].",
     )
-    p.add_argument("--input", metavar="MATRIX|FILE", help=MATRIX_HELP)
+    p.add_argument("--input", metavar="MATRIX|FILE", help=MATRIX_HELP + " (a literal is read in float64)")
     p.add_argument(
         "--normalized-shape",
         metavar="DIMS",
@@ -809,5 +811,5 @@ def register(sub) -> None:
     p.add_argument("--grad", metavar="MATRIX|FILE", help="upstream gradient for --backward (default: ones)")
     p.add_argument("--compare", choices=["batchnorm"], help="put BatchNorm beside LayerNorm")
     p.add_argument("--json", action="store_true", help="print the same numbers as JSON (full precision)")
-    p.add_argument("--precision", type=int, default=4, help="digits after the point in tables (default 4)")
+    p.add_argument("--precision", metavar="N", type=int, default=4, help="digits after the point in tables (default 4)")
     p.set_defaults(func=run)

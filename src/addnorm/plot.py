@@ -116,6 +116,8 @@ def _bad_field(row: dict) -> str | None:
 
 def read_bench_rows(path: Path) -> list[dict]:
     """The rows of a JSONL file that ``addnorm bench --save`` wrote, each checked."""
+    if path.is_dir():
+        raise UsageError(f"--results: {str(path)!r} is a folder; expected the JSONL file of `addnorm bench --save`")
     if not path.is_file():
         raise UsageError(f"--results: {str(path)!r} not found; run `addnorm bench --save` first")
     try:
@@ -250,6 +252,8 @@ def plot_train(out_dir: Path, results: str) -> list[Path]:
     from .experiment import plot_results
 
     path = Path(results)
+    if path.is_dir():
+        raise UsageError(f"--results: {str(path)!r} is a folder; expected the results.json in it")
     if not path.is_file():
         raise UsageError(f"--results: {str(path)!r} not found; run the training experiment first")
     not_results = f"--results: {str(path)!r} is not a results.json written by 'addnorm train'"
