@@ -128,17 +128,20 @@ def test_plain_torch_model_norms_device_dtype_and_state_dict():
     torch.testing.assert_close(model(ids), original(ids), rtol=1e-12, atol=1e-12)
 
 
+class MyRMSNorm(nn.Module):
+    """A Llama-style norm addnorm does not know (at module level: models holding it pickle)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(n) + 0.5)
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
 def test_norm_types_selects_and_extends():
-    class MyRMSNorm(nn.Module):  # a Llama-style norm addnorm does not know
-        def __init__(self, n):
-            super().__init__()
-            self.weight = nn.Parameter(torch.rand(n) + 0.5)
-            self.variance_epsilon = 1e-6
-
-        def forward(self, x):
-            xf = x.float()
-            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
     model = nn.Sequential(nn.LayerNorm(16), nn.RMSNorm(16), MyRMSNorm(16))
     report = addnorm.patch(copy.deepcopy(model))
     assert [n for n, _, _ in report.replaced] == ["0", "1"]
@@ -158,19 +161,6 @@ class ScaledNorm(nn.LayerNorm):
 
     def forward(self, x):
         return 2 * super().forward(x)
-
-
-class LlamaStyleNorm(nn.Module):
-    """A Llama-style RMSNorm addnorm does not know (patched through norm_types)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.weight = nn.Parameter(torch.rand(n) + 0.5)
-        self.variance_epsilon = 1e-6
-
-    def forward(self, x):
-        xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 def test_subclasses_of_torch_norms_are_reported_as_skipped():
@@ -209,11 +199,11 @@ def test_patched_models_pickle():
     assert addnorm.unpatch(loaded) == len(report.replaced) + len(report.fused)
     assert type(loaded.model.layers[0]).__name__ == "LlamaDecoderLayer"
 
-    custom = nn.Sequential(nn.Linear(16, 16), LlamaStyleNorm(16), nn.LayerNorm(16))
-    addnorm.patch(custom, norm_types={LlamaStyleNorm: "llama", nn.LayerNorm: "layer"})
+    custom = nn.Sequential(nn.Linear(16, 16), MyRMSNorm(16), nn.LayerNorm(16))
+    addnorm.patch(custom, norm_types={MyRMSNorm: "llama", nn.LayerNorm: "layer"})
     loaded = _round_trip(custom)
     x = torch.randn(3, 16)
-    assert torch.equal(loaded(x), custom(x)) and isinstance(loaded[1], LlamaStyleNorm)
+    assert torch.equal(loaded(x), custom(x)) and isinstance(loaded[1], MyRMSNorm)
     assert norm_style(loaded[1]) == "llama" and loaded[1].backend == "auto"
 
 
