@@ -31,7 +31,10 @@ from . import backend as backends
 from . import reference
 from .cli import UsageError, check_threads, output_file
 
-OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
+# "*_dropout": Add & Norm with residual dropout at DROPOUT_P (the original Transformer's P_drop),
+# fused in addnorm, against what one writes with torch: dropout, then the add, then the norm
+OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "add_layer_norm_dropout", "add_rms_norm_dropout"]
+DROPOUT_P = 0.1
 PASSES = ["fwd", "bwd", "fwd+bwd"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DEFAULT_SHAPES = "8x768,4096x768,4096x1024,2048x4096,16384x1024,512x65536"
@@ -101,9 +104,10 @@ def bytes_moved(op: str, rows: int, cols: int, dtype: torch.dtype, pass_: str) -
 
 def _torch_norm(op: str) -> Callable:
     rms = "rms" in op
+    p = DROPOUT_P if op.endswith("_dropout") else 0.0
 
     def f(x, r, w, b):
-        s = x + r if r is not None else x
+        s = (F.dropout(x, p) if p else x) + r if r is not None else x
         return F.rms_norm(s, (s.shape[-1],), w, None) if rms else F.layer_norm(s, (s.shape[-1],), w, b, EPS)
 
     return f
@@ -112,6 +116,11 @@ def _torch_norm(op: str) -> Callable:
 def _addnorm_norm(op: str, backend: str) -> Callable:
     from . import functional
 
+    if op.endswith("_dropout"):
+        fn = getattr(functional, op.removesuffix("_dropout"))
+        if "rms" in op:
+            return lambda x, r, w, b, **out: fn(x, r, x.shape[-1], w, dropout_p=DROPOUT_P, backend=backend, **out)
+        return lambda x, r, w, b, **out: fn(x, r, x.shape[-1], w, b, dropout_p=DROPOUT_P, backend=backend, **out)
     fn = getattr(functional, op)
     # one plain call per op, as lean as _torch_norm's: at 8x768 each µs is ~10 % of the norm
     if op == "layer_norm":
@@ -138,6 +147,9 @@ def _reference_norm(op: str) -> Callable:
 def _other_norm(name: str, op: str, device: str) -> Callable:
     """Liger / Apex / flash-attn norms; ImportError when not installed, RuntimeError when unusable."""
     rms = "rms" in op
+    p = DROPOUT_P if op.endswith("_dropout") else 0.0
+    if p and name != "flash-attn":
+        raise RuntimeError("no fused dropout")
     if name == "liger":
         from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
 
@@ -153,7 +165,7 @@ def _other_norm(name: str, op: str, device: str) -> Callable:
         from flash_attn.ops.triton.layer_norm import layer_norm_fn
 
         def f(x, r, w, b):
-            return layer_norm_fn(x, w, None if rms else b, residual=r, eps=EPS, is_rms_norm=rms)
+            return layer_norm_fn(x, w, None if rms else b, residual=r, eps=EPS, dropout_p=p, is_rms_norm=rms)
 
         norm = None
     if device != "cuda":
@@ -171,7 +183,8 @@ def make_impl(name: str, op: str, device: str) -> Callable:
         # a fresh compile per configuration: past dynamo's recompile limit (8) it would
         # silently run the reference eagerly
         torch._dynamo.reset()
-        return torch.compile(_reference_norm(op))
+        # with dropout: the torch code one would write, compiled (the reference has no dropout)
+        return torch.compile(_torch_norm(op) if op.endswith("_dropout") else _reference_norm(op))
     if name == "addnorm":
         return _addnorm_norm(op, "auto")
     if name.startswith("addnorm-"):
@@ -191,7 +204,7 @@ def _out_variant(name: str, op: str, fn: Callable, x, r, w, b) -> Callable | Non
     if name.startswith("addnorm"):
         out = {"out": y, "residual_out": s} if s is not None else {"out": y}
         return lambda x, r, w, b: fn(x, r, w, b, **out)
-    if name == "torch-eager" and "rms" not in op:
+    if name == "torch-eager" and "rms" not in op and not op.endswith("_dropout"):
         m = x.new_empty((x.shape[0], 1))  # aten wants the statistics in x.dtype here
         rs = torch.empty_like(m)
 

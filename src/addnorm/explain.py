@@ -5,6 +5,8 @@ Every intermediate is computed in float64 by :func:`addnorm.reference.forward_st
 library runs, and is printed with its shape. addnorm's own op (in the input's dtype) and
 torch's are then run on the same input, and their difference from the steps is shown.
 ``--compare batchnorm`` puts BatchNorm beside LayerNorm on the same rows.
+``--textbook`` puts the textbook form (:mod:`addnorm.textbook`) beside the exact one on rows
+where the textbook breaks, and names the step of the reference that prevents each.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import math
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -686,15 +689,193 @@ def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
     )
 
 
+# --------------------------------------------------------------------------- --textbook
+
+
+@dataclass(frozen=True)
+class TextbookRow:
+    """A row where :mod:`addnorm.textbook` breaks: what it is, and the two lines that explain it
+    (format strings over the measurements of :func:`textbook_comparison`)."""
+
+    name: str
+    values: list[float]
+    dtype: torch.dtype
+    wrong: str
+    prevented: str
+
+
+# Each built from the seeds' first row [0.2, 0.1, 0.3]; each breaks the textbook's LayerNorm.
+TEXTBOOK_ROWS = [
+    TextbookRow(
+        "float32 row at a 1e6 offset (the seeds' row 0 + 1e6)",
+        [1e6 + 0.2, 1e6 + 0.1, 1e6 + 0.3],
+        torch.float32,
+        "float32 mean {mean:.4f}, not {exact_mean:.4f}: every x − μ is shifted by {shift_sigma:+.2f}σ",
+        "the mean correction (forward_rows) subtracts mean(x − μ), the first mean's rounding error",
+    ),
+    TextbookRow(
+        "constant row (three features of 1e6 + 0.1)",
+        [1e6 + 0.1] * 3,
+        torch.float32,
+        "float32 mean {mean:.4f}, not {exact_mean:.4f}: x − μ = {centered:g} ≫ √ε, so y = {y0:.4f}, not 0",
+        "the mean correction makes x − μ exactly 0, and ε inside the square root keeps 0/√ε = 0",
+    ),
+    TextbookRow(
+        "bfloat16 row near 1e20 (the seeds' row 0 × 1e21)",
+        [2e20, 1e20, 3e20],
+        torch.bfloat16,
+        "(x − μ)² reaches {max_square:.2g} > {dtype_max:.3g}, bfloat16's and float32's max: var = inf, y = 0",
+        "row_scale: the row is scaled by 2^-{scale_exponent} before squaring (float32 alone: off by "
+        "{float32_error:.2g})",
+    ),
+    TextbookRow(
+        "float16 row with one huge element (the seeds' row 0 and 1000)",
+        [0.2, 0.1, 0.3, 1000.0],
+        torch.float16,
+        "(x − μ)² reaches {max_square:.3g} > {dtype_max:.5g}, float16's max: var = inf, 1/std = 0, y = 0",
+        "statistics in float32 (stats_dtype; off by {float32_error:.1e}); row_scale (2^-{scale_exponent}) alone "
+        "also does",
+    ),
+]
+
+
+def _textbook_layer_norm(x: Tensor, eps: float) -> tuple[Tensor, tuple]:
+    from . import textbook
+
+    n = x.shape[-1]
+    return textbook.layer_norm_forward(x, torch.ones(n, dtype=x.dtype), torch.zeros(n, dtype=x.dtype), eps)
+
+
+def _exact(x: Tensor, eps: float, rms: bool = False) -> Tensor:
+    return reference.forward(x, None, None, None, eps=eps, rms=rms, residual_dtype=None)[0]
+
+
+def textbook_comparison(eps: float = 1e-5) -> dict:
+    """:mod:`addnorm.textbook` beside :func:`addnorm.reference.forward` (γ = 1, β = 0), both
+    against torch's LayerNorm in float64 (the oracle): on the seeds' worked example
+    (``worked_example_error``), then on each of :data:`TEXTBOOK_ROWS` (``cases``).
+
+    Per row: the input, the oracle, both forms' outputs and max errors, the same errors for
+    RMSNorm (ε the dtype's machine epsilon, as torch), what the textbook computed on the way
+    (its mean, its var from 1/std) and the two lines that explain it.
+    """
+    from . import textbook
+
+    x = torch.tensor(WORKED_INPUT)
+    oracle = TF.layer_norm(x.double(), x.shape[-1:], eps=eps)
+    worked = {
+        "textbook": _maxdiff(_textbook_layer_norm(x, eps)[0], oracle),
+        "reference": _maxdiff(_exact(x, eps), oracle),
+    }
+    cases = []
+    for row in TEXTBOOK_ROWS:
+        x = torch.tensor([row.values], dtype=row.dtype)
+        x64 = x.double()
+        oracle = TF.layer_norm(x64, x.shape[-1:], eps=eps)
+        tb_y, (_, _, tb_mean, tb_rstd) = _textbook_layer_norm(x, eps)
+        ref_y = _exact(x, eps)
+        rms_eps = torch.finfo(reference.stats_dtype(x.dtype)).eps
+        rms_oracle = TF.rms_norm(x64, x.shape[-1:], eps=rms_eps)
+        rms_tb = textbook.rms_norm_forward(x, torch.ones(x.shape[-1], dtype=x.dtype), rms_eps)[0]
+        exact_mean, exact_var = x64.mean().item(), x64.var(correction=0).item()
+        mean = tb_mean.double().item()
+        measured = {
+            "mean": mean,
+            "exact_mean": exact_mean,
+            "var": tb_rstd.double().item() ** -2 - eps if tb_rstd.item() != 0 else math.inf,
+            "exact_var": exact_var,
+            "shift_sigma": (mean - exact_mean) / math.sqrt(exact_var + eps),
+            "centered": (x[0, 0] - tb_mean[0, 0]).item(),
+            "y0": tb_y[0, 0].item(),
+            "max_square": ((x64 - exact_mean) ** 2).max().item(),
+            "dtype_max": torch.finfo(x.dtype).max,
+            "float32_error": _maxdiff(_textbook_layer_norm(x.float(), eps)[0], oracle),
+            "scale_exponent": round(-math.log2(reference.row_scale(x.float()).item())),
+        }
+        cases.append(
+            {
+                "name": row.name,
+                "dtype": str(x.dtype).removeprefix("torch."),
+                "x": x64[0],
+                "oracle": oracle[0],
+                "textbook": tb_y.double()[0],
+                "reference": ref_y.double()[0],
+                "textbook_error": _maxdiff(tb_y, oracle),
+                "reference_error": _maxdiff(ref_y, oracle),
+                "rms_textbook_error": _maxdiff(rms_tb, rms_oracle),
+                "rms_reference_error": _maxdiff(_exact(x, rms_eps, rms=True), rms_oracle),
+                "measured": measured,
+                "wrong": row.wrong.format(**measured),
+                "prevented": row.prevented.format(**measured),
+            }
+        )
+    return {"eps": eps, "worked_example_error": worked, "cases": cases}
+
+
+# significant digits that show each input value exactly (1000000.1875, not 1000000.2)
+_EXACT_DIGITS = {"float32": 12, "float16": 6, "bfloat16": 4}
+
+
+def _print_textbook(doc: dict, pr: _Printer) -> None:
+    from rich.table import Table
+
+    c = pr.console
+    eps, worked_error, cases = doc["eps"], doc["worked_example_error"], doc["cases"]
+    c.print(
+        "addnorm.textbook:  LayerNorm as a learner writes it (the seeds' formulas, in the input's dtype)\n"
+        "addnorm.reference: the exact form, which every backend runs\n"
+        f"error: max |y − torch's LayerNorm in float64|, eps = {eps:g} (RMSNorm: the dtype's machine epsilon)\n"
+        f"On the seeds' worked example both are right (error: textbook {worked_error['textbook']:.1e}, "
+        f"reference {worked_error['reference']:.1e}).\nOn these rows the textbook breaks:\n"
+    )
+    for i, case in enumerate(cases, 1):
+        pr.title(f"{i}. {case['name']}")
+        table = Table()
+        for col in ("", "values", "LayerNorm error", "RMSNorm error"):
+            table.add_column(col, justify="left" if col in ("", "values") else "right")
+        digits = _EXACT_DIGITS[case["dtype"]]
+        x_text = "[" + ", ".join(f"{v:.{digits}g}" for v in case["x"].tolist()) + "]"
+        table.add_row(f"x ({case['dtype']})", x_text, "", "")
+        table.add_row("float64 oracle", _vec(case["oracle"], pr), "", "")
+        for form, label in (("textbook", "textbook"), ("reference", "addnorm.reference")):
+            table.add_row(
+                label, _vec(case[form], pr), f"{case[f'{form}_error']:.1e}", f"{case[f'rms_{form}_error']:.1e}"
+            )
+        c.print(table)
+        c.print(f"textbook:  {case['wrong']}\nreference: {case['prevented']}\n")
+    c.print(
+        "RMSNorm has no mean to round, so rows 1-2 are right in its textbook form too; "
+        "its x² overflows as LayerNorm's (x − μ)² does in rows 3-4."
+    )
+
+
+def run_textbook(args) -> int:
+    """``addnorm explain --textbook``: :func:`textbook_comparison`, as tables or ``--json``."""
+    given = [k for k in TEXTBOOK_CONFLICTS if getattr(args, k) is not None and getattr(args, k) is not False]
+    extra = [f"--{k.replace('_', '-')}" for k in given] + (["--norm rms"] if args.norm != "layer" else [])
+    if extra:
+        raise UsageError(f"--textbook runs its own rows; drop {', '.join(extra)}")
+    if args.precision < 0 or args.precision > 12:
+        raise UsageError(f"--precision must be between 0 and 12, got {args.precision}")
+    doc = textbook_comparison()
+    if args.json:
+        print(json.dumps(_plain(doc), indent=1))
+    else:
+        _print_textbook(doc, _Printer(args.precision, (1,), (1,)))
+    return 0
+
+
+# the options of `addnorm explain` that --textbook does not take (it has its own rows)
+TEXTBOOK_CONFLICTS = ("input", "normalized_shape", "eps", "gamma", "beta", "residual", "backward", "grad", "compare")
+
+
 # --------------------------------------------------------------------------- command
 
 
 def run(args) -> int:
-    x = (
-        load_matrix(args.input, "--input")
-        if args.input is not None
-        else torch.tensor(WORKED_INPUT, dtype=torch.float64)
-    )
+    if args.textbook:
+        return run_textbook(args)
+    x = torch.tensor(WORKED_INPUT, dtype=torch.float64) if args.input is None else load_matrix(args.input, "--input")
     normalized_shape = parse_shape(args.normalized_shape) if args.normalized_shape else (x.shape[-1],)
     k = len(normalized_shape)
     if x.dim() < k or tuple(x.shape[-k:]) != normalized_shape:
@@ -810,6 +991,11 @@ def register(sub) -> None:
     p.add_argument("--backward", action="store_true", help="the hand-derived backward beside autograd's")
     p.add_argument("--grad", metavar="MATRIX|FILE", help="upstream gradient for --backward (default: ones)")
     p.add_argument("--compare", choices=["batchnorm"], help="put BatchNorm beside LayerNorm")
+    p.add_argument(
+        "--textbook",
+        action="store_true",
+        help="the textbook form (addnorm.textbook) beside the exact one on rows where the textbook breaks",
+    )
     p.add_argument("--json", action="store_true", help="print the same numbers as JSON (full precision)")
     p.add_argument("--precision", metavar="N", type=int, default=4, help="digits after the point in tables (default 4)")
     p.set_defaults(func=run)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import nn as addnorm_nn
-from .ops import add_norm, check_backend
+from .ops import Sublayer, add_norm, check_backend
 
 STYLES = ("layer", "rms", "llama", "gemma")
 
@@ -122,8 +122,9 @@ def add_norm_forward(norm: nn.Module, x: Tensor, residual: Tensor | None = None)
         bias = norm.bias if style == "layer" else None
         return add_norm(x, residual, norm.normalized_shape, norm.weight, bias, norm.eps, rms=style == "rms", **common)
     w = norm.weight
-    if style == "gemma":  # the (1 + w) offset in float32, the cast last
-        return add_norm(x, residual, w.shape, 1.0 + w.float(), None, _eps(norm), rms=True, **common)
+    if style == "gemma":  # the (1 + w) offset in float32 (zero_centered_weight), the cast last
+        gemma = Sublayer(zero_centered_weight=True)
+        return add_norm(x, residual, w.shape, w, None, _eps(norm), rms=True, sublayer=gemma, **common)
     if style != "llama":
         raise TypeError(f"norm must be a module patched by addnorm, got {type(norm).__name__}")
     if x.dtype == w.dtype == torch.float32 and (residual is None or residual.dtype == torch.float32):
