@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from . import backend as backends
 from . import reference
-from .cli import UsageError
+from .cli import UsageError, check_threads, output_file
 
 # "*_dropout": Add & Norm with residual dropout at DROPOUT_P (the original Transformer's P_drop),
 # fused in addnorm, against what one writes with torch: dropout, then the add, then the norm
@@ -410,13 +410,19 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here")
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be a positive int, got {args.threads}")
+        check_threads(args.threads)
         torch.set_num_threads(args.threads)
     if args.rounds < 3:
         raise UsageError(f"--rounds must be at least 3, got {args.rounds}")
     if args.out_buffers and passes != ["fwd"]:
         raise UsageError("--out-buffers measures inference: use it with --pass fwd")
+    # outputs are checked before the first measurement: a run must not end failing to write them
+    path = output_file(args.results, "--results") if args.save else None
+    if args.plot:
+        from .plot import new_figure, png_path
+
+        new_figure()  # a clear error now if matplotlib is missing
+        plot_path = png_path(args.plot, "bench.png", "--plot")
 
     console = Console()
     copy_gbps = copy_bandwidth(args.device)
@@ -435,11 +441,7 @@ def run(args) -> int:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    save = None
-    if args.save:  # rows are appended as each configuration finishes: a run cut short keeps them
-        path = Path(args.results)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save = path.open("a")
+    save = path.open("a") if path is not None else None  # rows appended as each configuration finishes
     results, skipped = [], {}
     try:
         with Progress(console=console, transient=True) as progress:
@@ -465,10 +467,12 @@ def run(args) -> int:
     )
     if save is not None:
         console.print(f"appended {len(results)} rows to {path}")
-    if args.plot:
+    if args.plot and not results:
+        console.print(f"no implementation ran: nothing to draw in {plot_path}")
+    elif args.plot:
         from .plot import draw_bench
 
-        draw_bench([{**common, **row} for row in results], args.plot, "this run")  # prints where it wrote
+        draw_bench([{**common, **row} for row in results], plot_path, "this run")  # prints where it wrote
     return 0
 
 
@@ -480,7 +484,7 @@ def register(sub) -> None:
         "median and p20/p80 per call, GB/s from explicit byte counts, the fraction of the "
         "copy bandwidth measured in the same run, and the ratio to torch eager.",
     )
-    p.add_argument("--op", default="add_layer_norm", help=f"comma-separated, of {', '.join(OPS)}")
+    p.add_argument("--op", default="add_layer_norm", help=f"comma-separated, of {', '.join(OPS)} (default %(default)s)")
     p.add_argument(
         "--shapes",
         "--shape",
@@ -488,18 +492,28 @@ def register(sub) -> None:
         metavar="ROWSxCOLS[,...]",
         help=f"shapes to measure (repeatable); default {DEFAULT_SHAPES}",
     )
-    p.add_argument("--dtype", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
-    p.add_argument("--pass", dest="pass_", default="fwd,fwd+bwd", help=f"comma-separated, of {', '.join(PASSES)}")
+    p.add_argument(
+        "--dtype", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)} (default %(default)s)"
+    )
+    p.add_argument(
+        "--pass",
+        dest="pass_",
+        metavar="PASS",
+        default="fwd,fwd+bwd",
+        help=f"comma-separated, of {', '.join(PASSES)} (default %(default)s)",
+    )
     p.add_argument("--impl", help="comma-separated implementations (default: all): " + ", ".join(all_impls()))
     p.add_argument("--threads", type=int, help="torch (and addnorm-cpu) threads; default: torch's")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per implementation")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per implementation (default 15)")
     p.add_argument(
         "--out-buffers",
         action="store_true",
         help="forward into preallocated buffers (out=; inference without allocation)",
     )
     p.add_argument("--save", action="store_true", help="append the rows as JSON lines to --results")
-    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)")
-    p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this file")
+    p.add_argument(
+        "--results", metavar="FILE", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)"
+    )
+    p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this .png file (or folder)")
     p.set_defaults(func=run)

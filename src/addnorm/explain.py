@@ -27,15 +27,18 @@ from .cli import UsageError
 from .info import WORKED_INPUT
 
 MATRIX_HELP = 'a matrix literal like "[[0.2,0.1,0.3],[0.5,0.1,0.1]]" or a .npy, .pt or .csv file'
+PARAM_HELP = "one number, or one per feature like 1.5,-0.5,2"
 FILE_SUFFIXES = (".npy", ".pt", ".pth", ".csv")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what addnorm's ops take
 _TOKEN = re.compile(r"\s*(?:([\[\],])|([^\s\[\],]+))")
 
 
 # --------------------------------------------------------------------------- parsing user input
 
 
-def parse_literal(text: str, what: str) -> float | list:
-    """Parse a number or nested list of numbers (``[[1, 2], [3, 4]]``) without ``eval``."""
+def parse_literal(text: str, what: str, expected: str = MATRIX_HELP) -> float | list:
+    """Parse a number or nested list of numbers (``[[1, 2], [3, 4]]``) without ``eval``;
+    ``expected`` says what ``what`` takes, in the error messages."""
     tokens = []
     pos = 0
     text = text.strip()
@@ -44,7 +47,7 @@ def parse_literal(text: str, what: str) -> float | list:
         tokens.append(m.group(1) or m.group(2))
         pos = m.end()
     if not tokens:
-        raise UsageError(f"{what} is empty; expected {MATRIX_HELP}")
+        raise UsageError(f"{what} is empty; expected {expected}")
 
     def value(i: int) -> tuple[float | list, int]:
         tok = tokens[i] if i < len(tokens) else None
@@ -66,7 +69,7 @@ def parse_literal(text: str, what: str) -> float | list:
         try:
             number = float(tok)
         except ValueError:
-            raise UsageError(f"{what}: non-numeric value {tok!r}; expected {MATRIX_HELP}") from None
+            raise UsageError(f"{what}: non-numeric value {tok!r}; expected {expected}") from None
         if not math.isfinite(number):
             raise UsageError(f"{what}: {tok!r} is not a finite number")
         return number, i + 1
@@ -100,13 +103,16 @@ def _shape_of(value: float | list, what: str, path: str = "") -> tuple[int, ...]
 
 
 def literal_tensor(text: str, what: str) -> Tensor:
+    """A matrix literal as float64: Python's own parsing of each number, so ``0.1`` stays 0.1
+    and ``1e300`` or ``1e-300`` keep their value."""
     value = parse_literal(text, what)
     _shape_of(value, what)
-    return torch.tensor(value, dtype=torch.float32)
+    return torch.tensor(value, dtype=torch.float64)
 
 
 def load_matrix(text: str, what: str) -> Tensor:
-    """A tensor from a matrix literal or a ``.npy``/``.pt``/``.csv`` file (floats kept, ints -> float32)."""
+    """A tensor from a matrix literal (float64) or a ``.npy``/``.pt``/``.csv`` file (a floating
+    dtype is kept, integers become float64)."""
     stripped = text.strip()
     if stripped.startswith("[") or _is_number(stripped):
         t = literal_tensor(stripped, what)
@@ -118,8 +124,13 @@ def load_matrix(text: str, what: str) -> Tensor:
         raise UsageError(f"{what} must have at least one dimension (a row of features), got a scalar")
     if t.numel() == 0:
         raise UsageError(f"{what} is empty (shape {tuple(t.shape)})")
+    if t.dtype not in FLOAT_DTYPES and (t.is_floating_point() or t.is_complex() or t.is_quantized):
+        raise UsageError(
+            f"{what} is {str(t.dtype).removeprefix('torch.')}; expected real numbers "
+            f"({', '.join(str(d).removeprefix('torch.') for d in FLOAT_DTYPES)} or integers)"
+        )
     if not t.is_floating_point():
-        t = t.to(torch.float32)
+        t = t.to(torch.float64)
     if not bool(torch.isfinite(t).all()):
         raise UsageError(f"{what} contains NaN or infinite values")
     return t
@@ -146,11 +157,17 @@ def _load_file(path: Path, what: str) -> Tensor:
             import numpy as np
 
             return torch.from_numpy(np.loadtxt(path, delimiter=",", ndmin=2, dtype="float64"))
-        t = torch.load(path, weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse/nested tensors are in beta": rejected below anyway
+            t = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # any reader's complaint becomes one line
         raise UsageError(f"{what}: cannot read {str(path)!r}: {str(err).splitlines()[0]}") from None
     if not isinstance(t, Tensor):
         raise UsageError(f"{what}: {str(path)!r} holds a {type(t).__name__}, expected one tensor")
+    if t.is_nested or t.layout != torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        hint = "" if t.is_nested else " (save t.to_dense())"
+        raise UsageError(f"{what}: {str(path)!r} holds a {kind} tensor; expected a dense one{hint}")
     return t.detach()
 
 
@@ -174,7 +191,7 @@ def parse_param(text: str | None, shape: tuple[int, ...], what: str, default: fl
     stripped = text.strip()
     if not stripped.startswith("[") and "," in stripped:
         stripped = f"[{stripped}]"
-    value = parse_literal(stripped, what)
+    value = parse_literal(stripped, what, PARAM_HELP)
     _shape_of(value, what)
     t = torch.tensor(value, dtype=torch.float64)
     if t.dim() == 0:
@@ -241,8 +258,8 @@ def explain(
     dt = x.dtype
     xt = x.detach().clone().requires_grad_(backward)
     rt = residual.to(dt).detach().clone().requires_grad_(backward) if residual is not None else None
-    wt = gamma.to(dt).requires_grad_(backward)
-    bt = beta.to(dt).requires_grad_(backward) if beta is not None else None
+    wt = gamma.to(dt).detach().clone().requires_grad_(backward)  # a copy even when dt is already float64
+    bt = beta.to(dt).detach().clone().requires_grad_(backward) if beta is not None else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if rt is None:
@@ -363,6 +380,19 @@ def compare_batchnorm(x2: Tensor, eps: float) -> dict:
 # --------------------------------------------------------------------------- JSON
 
 
+MAX_JSON_NUMBERS = 1_000_000  # ~20 MB of JSON; explain is for examples a reader can follow
+
+
+def _count_numbers(value) -> int:
+    if isinstance(value, Tensor):
+        return value.numel()
+    if isinstance(value, dict):
+        return sum(_count_numbers(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_count_numbers(v) for v in value)
+    return 1
+
+
 def _plain(value):
     """Tensors -> nested lists; NaN/inf -> None, so that the JSON is strict."""
     if isinstance(value, Tensor):
@@ -391,6 +421,8 @@ class _Printer:
     def num(self, v: float) -> str:
         if math.isnan(v):
             return "nan"
+        if abs(v) >= 1e6 and math.isfinite(v):  # 1e300 as 1.0000e+300, not 301 digits
+            return f"{v:.{self.p}e}"
         text = f"{v:.{self.p}f}"
         return text[1:] if text.startswith("-") and not text.strip("-0.") else text  # no "-0.0000"
 
@@ -843,7 +875,7 @@ TEXTBOOK_CONFLICTS = ("input", "normalized_shape", "eps", "gamma", "beta", "resi
 def run(args) -> int:
     if args.textbook:
         return run_textbook(args)
-    x = load_matrix(args.input, "--input") if args.input is not None else torch.tensor(WORKED_INPUT)
+    x = torch.tensor(WORKED_INPUT, dtype=torch.float64) if args.input is None else load_matrix(args.input, "--input")
     normalized_shape = parse_shape(args.normalized_shape) if args.normalized_shape else (x.shape[-1],)
     k = len(normalized_shape)
     if x.dim() < k or tuple(x.shape[-k:]) != normalized_shape:
@@ -856,6 +888,11 @@ def run(args) -> int:
         raise UsageError("--beta: RMSNorm has no bias (β); drop --beta or use --norm layer")
     if args.compare and (rms or args.residual is not None or args.backward):
         raise UsageError("--compare batchnorm compares plain LayerNorm; drop --norm rms, --residual and --backward")
+    if args.compare and x.numel() // math.prod(normalized_shape) < 2:
+        raise UsageError(
+            "--compare batchnorm needs at least 2 rows: BatchNorm normalizes each feature over the "
+            "rows of the batch, and a single row leaves it nothing to normalize over"
+        )
     if args.grad is not None and not args.backward:
         raise UsageError("--grad is the upstream gradient of --backward; add --backward")
     if args.precision < 0 or args.precision > 12:
@@ -904,6 +941,13 @@ def run(args) -> int:
             doc["backward"] = r["backward"]
         if cmp is not None:
             doc["compare_batchnorm"] = cmp
+        count = _count_numbers(doc)
+        if count > MAX_JSON_NUMBERS:
+            raise UsageError(
+                f"--json would print {count:,} numbers (about {count * 20 / 1e6:.0f} MB); explain shows "
+                f"small examples in full: give a smaller --input (at most {MAX_JSON_NUMBERS:,} numbers "
+                "in all), or drop --json (the tables elide the middle of large inputs)"
+            )
         print(json.dumps(_plain(doc), indent=1))
         return 0
     pr = _Printer(args.precision, tuple(x.shape[:-k]), normalized_shape)
@@ -928,7 +972,7 @@ def register(sub) -> None:
         "of eps; the hand-derived backward (--backward); BatchNorm beside it (--compare). "
         "Default input: the worked example [[0.2,0.1,0.3],[0.5,0.1,0.1]].",
     )
-    p.add_argument("--input", metavar="MATRIX|FILE", help=MATRIX_HELP)
+    p.add_argument("--input", metavar="MATRIX|FILE", help=MATRIX_HELP + " (a literal is read in float64)")
     p.add_argument(
         "--normalized-shape",
         metavar="DIMS",
@@ -953,5 +997,5 @@ def register(sub) -> None:
         help="the textbook form (addnorm.textbook) beside the exact one on rows where the textbook breaks",
     )
     p.add_argument("--json", action="store_true", help="print the same numbers as JSON (full precision)")
-    p.add_argument("--precision", type=int, default=4, help="digits after the point in tables (default 4)")
+    p.add_argument("--precision", metavar="N", type=int, default=4, help="digits after the point in tables (default 4)")
     p.set_defaults(func=run)
