@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
+import addnorm
 from addnorm import cli
 from addnorm.explain import parse_literal
 
@@ -365,3 +366,40 @@ def test_json_into_a_closed_pipe_is_quiet(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1
     assert err == "", err
+
+
+def test_dropout_shows_the_mask_the_op_uses(capsys):
+    """--dropout P --seed S: the keep mask is the one addnorm's op draws from a generator seeded S
+    (the op's output agrees with these steps to rounding), and s = residual + kept x / (1 - p)."""
+    x = [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [6.0, 5.0, 4.0, 3.0, 2.0, 1.5]]
+    res = [[0.5] * 6, [-1.0] * 6]
+    r = run_json(capsys, "--input", str(x), "--residual", str(res), "--dropout", "0.5", "--seed", "3", "--backward")
+    _, mask = addnorm.add_layer_norm(
+        torch.tensor(x),
+        torch.tensor(res),
+        6,
+        dropout_p=0.5,
+        generator=torch.Generator().manual_seed(3),
+        return_dropout_mask=True,
+    )
+    keep = torch.tensor(r["keep"], dtype=torch.bool)
+    assert torch.equal(keep, mask) and 0 < keep.sum() < keep.numel()
+    expected_s = torch.tensor(res, dtype=torch.float64) + torch.where(keep, torch.tensor(x, dtype=torch.float64) * 2, 0)
+    assert torch.equal(torch.tensor(r["s"]), expected_s)
+    assert r["op_maxdiff"] < 1e-12 and r["torch_maxdiff"] < 1e-12
+    assert max(r["backward"]["op_maxdiff"].values()) < 1e-12
+    assert cli.main(["explain", "--dropout", "0.5", "--residual", str(res), "--input", str(x)]) == 0
+    out = capsys.readouterr().out
+    assert "Dropout keep mask" in out and "s = residual + dropout(x)" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dropout", "0.1"], "--dropout drops the sublayer output x before it is added to --residual"),
+        (["--dropout", "1", "--residual", "[[1,2,3]]", "--input", "[[1,2,3]]"], r"--dropout must be a probability"),
+    ],
+)
+def test_dropout_errors(capsys, args, message):
+    assert cli.main(["explain", *args]) == 2
+    assert message in capsys.readouterr().err

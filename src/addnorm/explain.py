@@ -23,6 +23,7 @@ import torch.nn.functional as TF
 from torch import Tensor
 
 from . import backend, functional, reference
+from .backend import Branch
 from .cli import UsageError
 from .info import WORKED_INPUT
 
@@ -223,17 +224,25 @@ def explain(
     residual: Tensor | None = None,
     grad: Tensor | None = None,
     backward: bool = False,
+    dropout: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """Every step of the norm of ``x`` over its trailing ``normalized_shape`` dims, as tensors.
 
-    Values are (rows, features) float64 tensors, per-row statistics are ``(rows,)``.
+    Values are (rows, features) float64 tensors, per-row statistics are ``(rows,)``. With
+    ``dropout`` (and a residual), the sublayer output ``x`` is dropped before the add, with the
+    keep mask addnorm's op draws from a generator seeded ``seed``.
     """
     n = math.prod(normalized_shape)
     x2 = _rows(x, n)
     r2 = _rows(residual, n) if residual is not None else None
     w = gamma.reshape(n)
     b = beta.reshape(n) if beta is not None else None
-    st = reference.forward_steps(x2, r2, w, b, eps, rms, None)
+    branch = None
+    if dropout:  # the seed the op below draws from torch.Generator().manual_seed(seed)
+        key = torch.randint(0, 2**62, (), dtype=torch.int64, generator=torch.Generator().manual_seed(seed))
+        branch = Branch(dropout, key, None, None)
+    st = reference.forward_steps(x2, r2, w, b, eps, rms, None, branch)
     bare = reference.forward_steps(st["s"], None, None, None, 0.0, rms, None)
     out = {
         "x": x2,
@@ -249,7 +258,11 @@ def explain(
         "y": st["y"],
         "std_no_eps": torch.sqrt(bare["var"]),
         "xhat_no_eps": bare["xhat"],
+        "dropout": dropout,
     }
+    if branch is not None:
+        terms = reference.branch_terms(x2, branch, torch.arange(x2.shape[0]))
+        out["keep"], out["dropped"] = terms["keep"], terms["dropped"]
     out["check_mean"] = st["xhat"].mean(dim=-1)
     xh = st["xhat"]
     out["check_std"] = (xh * xh).mean(dim=-1).sqrt() if rms else xh.std(dim=-1, correction=0)
@@ -269,10 +282,11 @@ def explain(
                 else functional.layer_norm(xt, normalized_shape, wt, bt, eps)
             )
         else:
+            drop = dict(dropout_p=dropout, generator=torch.Generator().manual_seed(seed)) if dropout else {}
             y_op = (
-                functional.add_rms_norm(xt, rt, normalized_shape, wt, eps)
+                functional.add_rms_norm(xt, rt, normalized_shape, wt, eps, **drop)
                 if rms
-                else functional.add_layer_norm(xt, rt, normalized_shape, wt, bt, eps)
+                else functional.add_layer_norm(xt, rt, normalized_shape, wt, bt, eps, **drop)
             )
     out["warnings"] = [str(c.message) for c in caught]
     s64 = st["s"].reshape(x.shape).clone().requires_grad_(backward)
@@ -303,7 +317,7 @@ def explain(
         out["backward"]["autograd"] = auto
         out["backward"]["autograd_maxdiff"] = {k: _maxdiff(v, bs[k]) for k, v in auto.items() if v is not None}
         op_grads = {
-            "ds": xt.grad.reshape(-1, n),
+            "ds": (rt if rt is not None else xt).grad.reshape(-1, n),  # x's is ds only without dropout
             "dweight": wt.grad.reshape(n),
             "dbias": bt.grad.reshape(n) if bt is not None else None,
         }
@@ -533,7 +547,17 @@ def _print_explanation(
     )
     if r["residual"] is not None:
         pr.matrix("residual (the sublayer's input, carried around it)", r["residual"], shape)
-        pr.matrix("Add: s = x + residual  (the norm sees s)", r["s"], shape)
+        if r["dropout"]:
+            p = r["dropout"]
+            pr.matrix(
+                f"Dropout keep mask (1 kept, 0 dropped; p = {p:g}): a hash of (seed, row, column)",
+                r["keep"].double(),
+                shape,
+            )
+            pr.matrix(f"dropout(x) = kept x / (1 − p) = x × {1 / (1 - p):.4g}, else 0", r["dropped"], shape)
+            pr.matrix("Add: s = residual + dropout(x)  (the norm sees s)", r["s"], shape)
+        else:
+            pr.matrix("Add: s = x + residual  (the norm sees s)", r["s"], shape)
     src = "s" if r["residual"] is not None else "x"
     if rms:
         stats = {
@@ -893,6 +917,10 @@ def run(args) -> int:
             "--compare batchnorm needs at least 2 rows: BatchNorm normalizes each feature over the "
             "rows of the batch, and a single row leaves it nothing to normalize over"
         )
+    if args.dropout and args.residual is None:
+        raise UsageError("--dropout drops the sublayer output x before it is added to --residual: add --residual")
+    if not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout must be a probability in [0, 1), got {args.dropout}")
     if args.grad is not None and not args.backward:
         raise UsageError("--grad is the upstream gradient of --backward; add --backward")
     if args.precision < 0 or args.precision > 12:
@@ -924,6 +952,8 @@ def run(args) -> int:
         residual=residual,
         grad=grad,
         backward=args.backward,
+        dropout=args.dropout,
+        seed=args.seed,
     )
     cmp = compare_batchnorm(r["x"], eps) if args.compare else None
     if args.json:
@@ -988,6 +1018,14 @@ def register(sub) -> None:
     p.add_argument("--beta", metavar="VALUES", help="bias β: one number, or one per feature (default 0)")
     p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="LayerNorm (default) or RMSNorm")
     p.add_argument("--residual", metavar="MATRIX|FILE", help="Add & Norm: normalize s = input + residual")
+    p.add_argument(
+        "--dropout",
+        metavar="P",
+        type=float,
+        default=0.0,
+        help="with --residual: residual dropout of x before the add, as the original Transformer (P_drop 0.1)",
+    )
+    p.add_argument("--seed", metavar="S", type=int, default=0, help="the generator seed of --dropout's mask")
     p.add_argument("--backward", action="store_true", help="the hand-derived backward beside autograd's")
     p.add_argument("--grad", metavar="MATRIX|FILE", help="upstream gradient for --backward (default: ones)")
     p.add_argument("--compare", choices=["batchnorm"], help="put BatchNorm beside LayerNorm")
