@@ -49,7 +49,13 @@ def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
     return f"warps={num_warps:2d} regs={regs:3d} spill_stack={m.group(2):>3} warps/SM={per_sm * num_warps}"
 
 
-def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool) -> str:
+def branch_sig(branch: bool, cd: torch.dtype) -> dict:
+    """The sublayer branch's arguments: pointers and the keep threshold, or None constants."""
+    kinds = ("*i64", PTR[cd], PTR[cd], PTR[cd], "i64") if branch else ("constexpr",) * 4 + ("i64",)
+    return dict(zip(("SEED", "SCALE", "LS", "RSC", "threshold"), kinds, strict=True))
+
+
+def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool, branch: bool = False) -> str:
     cd = torch.float64 if stream == torch.float64 else torch.float32
     block_m, block_n, warps, chunked = K._config(
         n, torch.device("cuda"), dtype.itemsize, K.FORWARD_BYTES_PER_THREAD, K.FORWARD_MAX_FUSED_N
@@ -68,6 +74,7 @@ def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool) -> str:
         "sx": "i64",
         "sr": "i64",
         "eps": "fp32",
+        **branch_sig(branch, cd),
     }
     const = {
         "HAS_RESIDUAL": True,
@@ -75,17 +82,21 @@ def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool) -> str:
         "HAS_BIAS": not rms,
         "IS_RMS": rms,
         "CHUNKED": chunked,
+        "BRANCH": branch,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
     return resources(K._forward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
 
 
-def backward(n: int, dtype: torch.dtype, rms: bool) -> str:
+def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str:
     cd = torch.float64 if dtype == torch.float64 else torch.float32
-    block_m, block_n, warps, chunked = K._config(
-        n, torch.device("cuda"), dtype.itemsize, K.BACKWARD_BYTES_PER_THREAD, K.BACKWARD_MAX_FUSED_N
+    limits = (
+        (K.BRANCH_BACKWARD_BYTES_PER_THREAD, K.BRANCH_BACKWARD_MAX_FUSED_N)
+        if branch
+        else (K.BACKWARD_BYTES_PER_THREAD, K.BACKWARD_MAX_FUSED_N)
     )
+    block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"), dtype.itemsize, *limits)
     coef = PTR[cd] if chunked else "constexpr"
     sig = {
         "DY": PTR[dtype],
@@ -100,12 +111,17 @@ def backward(n: int, dtype: torch.dtype, rms: bool) -> str:
         "DS": PTR[dtype],
         "DW": PTR[cd],
         "DB": "constexpr" if rms else PTR[cd],
+        "DX": PTR[dtype] if branch else "constexpr",
+        "DLS": PTR[cd] if branch else "constexpr",
         "M": "i32",
         "N": "i32",
         "rows_per_program": "i32",
         "sdy": "i64",
         "sdst": "i64",
         "ss": "i64",
+        "sr": "i64",
+        "R": PTR[dtype] if branch else "constexpr",
+        **branch_sig(branch, cd),
     }
     const = {
         "HAS_DSTREAM": True,
@@ -113,13 +129,15 @@ def backward(n: int, dtype: torch.dtype, rms: bool) -> str:
         "HAS_BIAS": not rms,
         "IS_RMS": rms,
         "CHUNKED": chunked,
+        "BRANCH": branch,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
     out = resources(K._backward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
     if chunked:
-        keys = ("DY", "S", "W", "MEAN", "RSTD", "K", "C1", "C2", "M", "N", "sdy", "ss")
-        cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BLOCK_M", "BLOCK_N")}
+        keys = ("DY", "S", "R", "W", "MEAN", "RSTD", "K", "C1", "C2", "M", "N", "sdy", "ss", "sr")
+        keys += ("SEED", "SCALE", "LS", "RSC", "threshold")
+        cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BRANCH", "BLOCK_M", "BLOCK_N")}
         out += "  coef: " + resources(
             K._coef_kernel, {**{k: sig[k] for k in keys}, **dict.fromkeys(cconst, "constexpr")}, cconst, warps
         )
@@ -136,6 +154,8 @@ def main(widths: list[int]) -> None:
             print(f"  {str(dtype)[6:]:8s} fwd add_rms_norm    {forward(n, dtype, stream, True)}")
             print(f"  {str(dtype)[6:]:8s} bwd layer_norm      {backward(n, dtype, False)}")
             print(f"  {str(dtype)[6:]:8s} bwd rms_norm        {backward(n, dtype, True)}")
+            print(f"  {str(dtype)[6:]:8s} fwd add_ln+dropout  {forward(n, dtype, stream, False, branch=True)}")
+            print(f"  {str(dtype)[6:]:8s} bwd add_ln+dropout  {backward(n, dtype, False, branch=True)}")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ def run_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         checks = {
             "ddp_fsdp": lambda: ddp_and_fsdp(rank, world, out_dir),
             "placements": lambda: tp.placements(mesh, grid),
+            "dropout": lambda: tp.dropout(mesh),
             "tensor_parallel": lambda: tp.tensor_parallel(mesh),
             "fsdp_tensor_parallel": lambda: tp.fsdp_and_tensor_parallel(grid),
         }

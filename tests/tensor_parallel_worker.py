@@ -136,7 +136,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def check(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
-    rtol, atol = TOLERANCES[expected.dtype]
+    rtol, atol = TOLERANCES.get(expected.dtype, (0, 0))  # exact for masks
     torch.testing.assert_close(full(got), expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
@@ -198,8 +198,10 @@ def fsdp_and_tensor_parallel(grid) -> None:
 
 
 def placements(mesh, grid) -> None:
-    """The op on DTensors of each placement pair, on a 1-D and a 2-D mesh: values, gradients and
-    the placements the outputs get (module docstring of addnorm.sharding)."""
+    """The ops on DTensors of each placement pair, on a 1-D and a 2-D mesh: values, gradients and
+    the placements the outputs get (module docstring of addnorm.sharding). The LayerNorm cases
+    carry the sublayer branch's ``layer_scale`` (replicated, its gradient a sum over the rows) and
+    ``rowscale`` (per row, placed as x where it can be, else replicated)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     cases = [  # (x, residual) placements -> the outputs' placements
@@ -217,23 +219,56 @@ def placements(mesh, grid) -> None:
     ]
     g = torch.Generator().manual_seed(2)
     x, r, dy, ds = (torch.randn(4, 6, WIDTH, generator=g) for _ in range(4))
-    w, b = (torch.randn(WIDTH, generator=g) for _ in range(2))
+    w, b, ls = (torch.randn(WIDTH, generator=g) for _ in range(3))
+    rs = torch.rand(4, 6, generator=g)
     for on, px, pr, expected in cases:
         for rms in (False, True):
             case = f"x {px}, residual {pr}, rms={rms}"
             fn = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
-            plain = [t.clone().requires_grad_() for t in (x, r, w) + (() if rms else (b,))]
+            norm_params = (w,) if rms else (w, b)
+            params = norm_params + (() if rms else (ls,))  # layer_scale last
+            plain = [t.clone().requires_grad_() for t in (x, r, *params)]
             spread = [_distribute(x, on, px), _distribute(r, on, pr)]
-            spread += [_distribute(t, on, (Replicate(),) * on.ndim) for t in plain[2:]]
+            spread += [_distribute(t, on, (Replicate(),) * on.ndim) for t in params]
+            rs_spread = _distribute(rs, on, tuple(p if p in (Shard(0), Shard(1)) else Replicate() for p in px))
             results = []
-            for ins in (plain, spread):
-                y, s = fn(ins[0], ins[1], WIDTH, *ins[2:], prenorm=True)
+            for ins, rowscale in ((plain, rs), (spread, rs_spread.detach())):
+                branch = {} if rms else dict(layer_scale=ins[-1], rowscale=rowscale)
+                y, s = fn(ins[0], ins[1], WIDTH, *ins[2 : 2 + len(norm_params)], prenorm=True, **branch)
                 torch.autograd.backward((y, s), (_like(dy, y), _like(ds, s)))
                 results.append([y, s, *(t.grad for t in ins)])
             y, s = results[1][:2]
             assert y.placements == s.placements == expected, f"{case}: {y.placements}, {s.placements}"
             for i, (got, want) in enumerate(zip(results[1], results[0])):
                 check(f"{case}: result {i}", got, want.detach())
+
+
+def dropout(mesh) -> None:
+    """Fused dropout on DTensors: on replicated rows, the mask and results of a plain call with
+    the same generator; on rows sharded over ranks, whose mask a shard cannot draw, a clear error."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    g = torch.Generator().manual_seed(3)
+    x, r, dy = (torch.randn(4, 6, WIDTH, generator=g) for _ in range(3))
+    w = torch.randn(WIDTH, generator=g)
+    results = []
+    for distributed in (False, True):
+        ins = [_distribute(t, mesh, (Replicate(),)) if distributed else t.clone().requires_grad_() for t in (x, r, w)]
+        y, mask = addnorm.add_rms_norm(
+            *ins[:2], WIDTH, ins[2], dropout_p=0.5, generator=torch.Generator().manual_seed(4), return_dropout_mask=True
+        )
+        # a sharded gradient: the backward must still draw the masks of all the rows
+        y.backward(_distribute(dy, mesh, (Shard(1),)) if distributed else dy)
+        results.append([y, mask, *(t.grad for t in ins)])
+    for i, (got, want) in enumerate(zip(results[1], results[0])):
+        check(f"dropout on replicated DTensors: result {i}", got, want.detach())
+    sharded = [_distribute(t, mesh, (Shard(1),)) for t in (x, r)]
+    try:
+        addnorm.add_rms_norm(*sharded, WIDTH, _distribute(w, mesh, (Replicate(),)), dropout_p=0.5)
+    except ValueError as err:
+        assert "dropout_p > 0 needs x and residual replicated" in str(err), err
+    else:
+        raise AssertionError("dropout on sequence-sharded DTensors ran")
 
 
 def _distribute(t: torch.Tensor, mesh, placements: tuple) -> torch.Tensor:

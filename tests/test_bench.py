@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,10 +97,53 @@ def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkey
         (["--op", "batch_norm"], "--op: expected"),
         (["--dtype", "int8"], "--dtype: expected"),
         (["--impl", "nope"], "--impl: expected"),
-        (["--threads", "0"], "--threads must be a positive int"),
+        (["--threads", "0"], "--threads must be between 1 and"),
+        (["--threads", "100000"], "--threads must be between 1 and"),  # set_num_threads(100000) crashes
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+TINY = ["bench", "--op", "layer_norm", "--shapes", "4x64", "--dtype", "float32", "--pass", "fwd", "--rounds", "3"]
+
+
+@pytest.fixture
+def no_measuring(monkeypatch):
+    """Measuring fails the test: the arguments must be refused before any work."""
+
+    def run_config(*args):
+        raise AssertionError("measured before checking the outputs")
+
+    monkeypatch.setattr(bench, "run_config", run_config)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: run_config())
+
+
+def test_unwritable_outputs_are_refused_before_measuring(tmp_path, capsys, no_measuring):
+    (tmp_path / "a_file").write_text("")
+    under_a_file = str(tmp_path / "a_file" / "x" / "b.jsonl")
+    folder, jpg, a_file = str(tmp_path), str(tmp_path / "fig.jpg"), str(tmp_path / "a_file")
+    cases = [
+        (["--save", "--results", under_a_file], "--results: cannot write into"),
+        (["--save", "--results", folder], f"--results: '{folder}' is a folder; expected a file name"),
+        (["--plot", jpg], f"--plot: '{jpg}': expected a .png file"),
+        (["--plot", a_file + "/b.png"], f"--plot: '{a_file}' is a file, not a folder"),
+    ]
+    if Path("/proc/self").is_dir():
+        cases.append((["--save", "--results", "/proc/x/b.jsonl"], "--results: cannot write into '/proc/x'"))
+    for argv, message in cases:
+        assert main([*TINY, *argv]) == 2
+        out, err = capsys.readouterr()
+        assert err.count("\n") == 1 and err.startswith("addnorm bench: error: ") and message in err, (argv, err)
+    assert not (tmp_path / "fig.jpg").exists()
+
+
+def test_plot_of_this_run(tmp_path, capsys):
+    from matplotlib.image import imread
+
+    assert main([*TINY, "--impl", "torch-eager,addnorm-reference", "--plot", str(tmp_path)]) == 0
+    assert f"wrote {tmp_path / 'bench.png'}" in capsys.readouterr().out
+    image = imread(tmp_path / "bench.png")
+    assert image.shape[0] > 300 and image.shape[1] > 600

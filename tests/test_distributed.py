@@ -75,9 +75,13 @@ def test_ddp_and_fsdp2_match_single_process(ranks):
 
 def test_dtensor_placements_give_single_process_values_and_gradients(ranks):
     """x and residual on every pair of placements tried (batch, sequence, replicated, different
-    dims, the normalized dim, a pending sum; 1-D and 2-D mesh): values and gradients as one
-    process, outputs placed as addnorm.sharding says."""
+    dims, the normalized dim, a pending sum; 1-D and 2-D mesh), with and without layer_scale and
+    rowscale: values and gradients as one process, outputs placed as addnorm.sharding says."""
     passed(ranks, "placements")
+
+
+def test_fused_dropout_on_dtensors_needs_replicated_rows(ranks):
+    passed(ranks, "dropout")
 
 
 def test_tensor_and_sequence_parallel_blocks_match_single_process(ranks):

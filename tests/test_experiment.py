@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from addnorm import cli
+from addnorm import cli, experiment
 from addnorm.experiment import (
     ARMS,
     FAIL_RATIO,
@@ -123,6 +124,10 @@ def test_cli_reports_bad_data_and_arms(tmp_path, capsys):
     assert "--epochs must be at least 1" in capsys.readouterr().err
     assert cli.main(["train", "--lr", "-1", "--out", str(tmp_path)]) == 2
     assert "--lr" in capsys.readouterr().err
+    assert cli.main(["train", "--threads", "100000", "--out", str(tmp_path)]) == 2
+    assert "--threads must be between 1 and" in capsys.readouterr().err
+    assert cli.main(["train", "--data", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "is a folder, not a file" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
 
@@ -180,6 +185,7 @@ def test_train_quick_end_to_end(tmp_path):
         assert all(math.isfinite(v) and v > 0 for v in norms["encoder"] + norms["decoder"])
     report = (out / "report.md").read_text()
     assert f"{results['floor']:.4f}" in report and "curves.png" in report and "grad_norms.png" in report
+    assert "predicting the exact corners (≈ σ² = 0.01)" in report
     # one verdict per prediction; the gradient-norm trend needs >= 2 layers (--quick has 1)
     assert report.count("Held") + report.count("Did not hold") == 5
     for png in ("curves.png", "grad_norms.png"):
@@ -199,9 +205,70 @@ def test_train_on_user_data(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["n_train"] + results["n_test"] == 30 and results["n_test"] == 10
     assert "mine.npy" in results["data"] and list(results["arms"]) == ["pre"]
+    report = (out / "report.md").read_text()  # the floor of the user's data, not of the generated task
+    assert f"**Noise floor: {results['floor']:.4f}**" in report and "σ²" not in report
+    assert "the corner of [-1, 1]² nearest to it" in report
 
 
 def test_missing_matplotlib_is_a_clear_usage_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert cli.main(["train", "--quick", "--out", str(tmp_path)]) == 2
     assert "pip install 'addnorm[plot]'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- outputs: checked first, never lost
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Training fails the test: the arguments must be refused before any work."""
+
+    def run_experiment(*args):
+        raise AssertionError("trained before checking --out")
+
+    monkeypatch.setattr(experiment, "run_experiment", run_experiment)
+
+
+def test_out_is_checked_before_training(tmp_path, capsys, no_training):
+    (tmp_path / "a_file").write_text("")
+    cases = [
+        (str(tmp_path / "a_file"), "is a file; train writes results.json, curves.png, grad_norms.png and report.md"),
+        (str(tmp_path / "a_file" / "sub"), "cannot write into"),
+        (str(tmp_path / "run.png"), "looks like a file name"),
+    ]
+    if os.path.isdir("/proc/self"):
+        cases.append(("/proc/run", "cannot write into '/proc/run'"))
+    for out, message in cases:
+        assert cli.main(["train", "--quick", "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("addnorm train: error: --out: ") and err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "run.png").exists()
+    assert cli.main(["train", "--quick", "--out", str(tmp_path / "lr0.001")]) == 1  # a folder: training starts
+    assert "trained before checking --out" in capsys.readouterr().err
+
+
+def test_results_survive_a_failed_write(tmp_path, capsys, monkeypatch):
+    """The folder was fine at the start but the write fails at the end: the results are kept."""
+    import tempfile
+
+    def write_outputs(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(experiment, "write_outputs", write_outputs)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    argv = ["train", "--quick", "--arms", "pre", "--epochs", "1", "--out", str(tmp_path / "run")]
+    assert cli.main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "pre-LN" in out  # the table was printed
+    assert err.startswith("addnorm train: error: --out: cannot write into") and "No space left on device" in err
+    saved = err.split("the results are saved in ")[1].split(":")[0]
+    results = json.loads(open(saved).read())
+    assert list(results["arms"]) == ["pre"] and results["command"].startswith("addnorm train --arms pre")
+    assert cli.main(["plot", "train", "--results", saved, "--out", str(tmp_path / "figs")]) == 0
+
+
+def test_data_on_the_exact_corners_has_no_floor(tmp_path, capsys, no_training):
+    corners = np.array([[[-1, -1], [-1, 1], [1, 1], [1, -1]]] * 6, dtype=np.float32)
+    np.save(tmp_path / "exact.npy", corners)
+    assert cli.main(["train", "--quick", "--data", str(tmp_path / "exact.npy"), "--out", str(tmp_path)]) == 2
+    assert "the noise floor is 0" in capsys.readouterr().err

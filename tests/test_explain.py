@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
+import addnorm
 from addnorm import cli
 from addnorm.explain import parse_literal
 
@@ -44,8 +45,8 @@ def test_default_is_the_seeds_example(capsys):
     assert close(r["y"], SEEDS_Y, 1e-4)
     assert close(r["xhat_no_eps"][0], SEEDS_HAND_XHAT_ROW0, 1e-4)
     assert close(r["std_no_eps"], [math.sqrt(v) for v in var_hand], 1e-7)
-    # against torch in float64 on the same (float32) input
-    x = torch.tensor(SEEDS_X).double()
+    # against torch in float64 on the same input (a literal is parsed in float64)
+    x = torch.tensor(SEEDS_X, dtype=torch.float64)
     assert close(r["y"], TF.layer_norm(x, (3,), eps=1e-5), 1e-12)
     # the check line's numbers: mean 0, std sqrt(var / (var + eps)), just under 1
     assert close(r["check_mean"], [0.0, 0.0], 1e-12)
@@ -96,7 +97,7 @@ def test_several_trailing_dims_gamma_beta_against_torch(capsys):
     r = run_json(
         capsys,
         "--input",
-        lit(x.float()),
+        lit(x),
         "--normalized-shape",
         "2,4",
         "--eps",
@@ -106,15 +107,15 @@ def test_several_trailing_dims_gamma_beta_against_torch(capsys):
         "--beta",
         ",".join(str(v) for v in b.flatten().tolist()),
     )
-    want = TF.layer_norm(x.float().double(), (2, 4), w, b, 1e-3)
+    want = TF.layer_norm(x, (2, 4), w, b, 1e-3)
     assert close(r["y"], want.reshape(3, 8), 1e-12)
     assert r["op_maxdiff"] < 1e-5
 
 
 def test_residual_is_the_add_and_norm_step(capsys):
     r = run_json(capsys, "--residual", "[[0.1,0.1,0.1],[0,0.2,-0.1]]", "--gamma", "2", "--beta", "0.5")
-    x = torch.tensor(SEEDS_X).double()
-    res = torch.tensor([[0.1, 0.1, 0.1], [0, 0.2, -0.1]]).float().double()
+    x = torch.tensor(SEEDS_X, dtype=torch.float64)
+    res = torch.tensor([[0.1, 0.1, 0.1], [0, 0.2, -0.1]], dtype=torch.float64)
     assert close(r["s"], x + res, 1e-12)
     assert close(
         r["y"],
@@ -125,9 +126,9 @@ def test_residual_is_the_add_and_norm_step(capsys):
 
 def test_rms_norm(capsys):
     r = run_json(capsys, "--norm", "rms")
-    eps = torch.finfo(torch.float32).eps
+    eps = torch.finfo(torch.float64).eps  # torch's default for RMSNorm: the input dtype's (float64 here)
     assert r["eps"] == eps and r["mean"] is None
-    x = torch.tensor(SEEDS_X).double()
+    x = torch.tensor(SEEDS_X, dtype=torch.float64)
     assert close(r["y"], TF.rms_norm(x, (3,), eps=eps), 1e-12)
     assert close(r["check_std"], [1.0, 1.0], 1e-5)  # root-mean-square of each row is 1
 
@@ -139,7 +140,7 @@ def test_backward_steps_match_autograd(capsys, rms):
     args = ["--backward", "--grad", json.dumps(dy.tolist()), "--gamma", "1.5,-0.5,2"]
     r = run_json(capsys, *args, *(["--norm", "rms"] if rms else []))
     eps = r["eps"]
-    x = torch.tensor(SEEDS_X).double().requires_grad_()
+    x = torch.tensor(SEEDS_X, dtype=torch.float64).requires_grad_()
     wg = w.clone().requires_grad_()
     bg = torch.zeros(3, dtype=torch.float64, requires_grad=True)
     y = TF.rms_norm(x, (3,), wg, eps) if rms else TF.layer_norm(x, (3,), wg, bg, eps)
@@ -177,7 +178,7 @@ def test_backward_default_all_ones_gives_zero_dx(capsys):
 
 def test_compare_batchnorm(capsys):
     r = run_json(capsys, "--compare", "batchnorm")["compare_batchnorm"]
-    x = torch.tensor(SEEDS_X).double()
+    x = torch.tensor(SEEDS_X, dtype=torch.float64)
     eps = 1e-5
     mean, var = x.mean(dim=0), x.var(dim=0, correction=0)
     assert close(r["batchnorm"], (x - mean) / torch.sqrt(var + eps), 1e-12)  # per feature over the batch
@@ -263,10 +264,16 @@ ERRORS = [
     (["--normalized-shape", "0,3"], "--normalized-shape must be positive ints"),
     (["--normalized-shape", "a"], "--normalized-shape must be positive ints"),
     (["--gamma", "1,2"], "--gamma needs 1 or 3 values"),
+    (["--gamma", "abc"], "--gamma: non-numeric value 'abc'; expected one number, or one per feature"),
     (["--norm", "rms", "--beta", "1"], "RMSNorm has no bias"),
     (["--residual", "[[1,2]]"], "--residual must have the input's shape [2, 3]"),
     (["--grad", "[[1,1,1],[1,1,1]]"], "add --backward"),
     (["--eps", "-1"], "--eps must be a non-negative number"),
+    (["--eps", "-1e-5"], "--eps must be a non-negative number, got -1e-05"),
+    (["--precision", "-1"], "--precision must be between 0 and 12"),
+    (["--input", "[[1,2,1e400]]"], "'1e400' is not a finite number"),
+    (["--compare", "batchnorm", "--input", "[[1,2,3]]"], "--compare batchnorm needs at least 2 rows"),
+    (["--compare", "batchnorm", "--input", "[1,2,3]"], "--compare batchnorm needs at least 2 rows"),
 ]
 
 
@@ -287,3 +294,112 @@ def test_unreadable_file(capsys, tmp_path):
         assert cli.main(["explain", "--input", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_unusable_tensor_files(capsys, tmp_path):
+    torch.save(torch.eye(3).to_sparse(), tmp_path / "sparse.pt")
+    torch.save(torch.ones(2, 3, dtype=torch.complex64), tmp_path / "complex.pt")
+    torch.save(torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged), tmp_path / "nested.pt")
+    np.save(tmp_path / "complex.npy", np.ones((2, 3), dtype=np.complex64))
+    for name, message in [
+        ("sparse.pt", "holds a sparse_coo tensor; expected a dense one (save t.to_dense())"),
+        ("complex.pt", "--input is complex64; expected real numbers"),
+        ("nested.pt", "holds a nested tensor; expected a dense one"),
+        ("complex.npy", "--input is complex64; expected real numbers"),
+    ]:
+        assert cli.main(["explain", "--input", str(tmp_path / name)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and message in err, (name, err)
+
+
+# --------------------------------------------------------------------------- float64 literals
+
+
+def test_literals_are_parsed_in_float64(capsys):
+    r = run_json(capsys, "--input", "[[0.1,0.2,0.3]]")
+    assert r["dtype"] == "float64" and r["x"] == [[0.1, 0.2, 0.3]]  # not 0.10000000149011612
+    assert "float64" in r["op_name"] and r["op_maxdiff"] < 1e-15
+    r = run_json(capsys, "--input", "[[1,2,1e-300]]")
+    assert r["x"] == [[1.0, 2.0, 1e-300]]  # float32 would have flushed it to 0
+    x = torch.tensor([[1.0, 2.0, 1e-300]], dtype=torch.float64)
+    assert close(r["y"], TF.layer_norm(x, (3,), eps=1e-5), 1e-12)
+
+
+def test_huge_values_are_normalized_not_rejected(capsys):
+    # 1e300 overflows float32 (the old "contains NaN or infinite values"); in float64 the row is
+    # [1, 2, 1e300]: x̂ is (-1, -1, 2)/√2 up to 1e-300 relative terms, whatever the huge scale
+    r = run_json(capsys, "--input", "[[1,2,1e300]]")
+    assert r["x"] == [[1.0, 2.0, 1e300]]
+    assert close(r["y"], [[-1 / math.sqrt(2), -1 / math.sqrt(2), math.sqrt(2)]], 1e-12)
+    assert r["op_maxdiff"] < 1e-12
+    assert cli.main(["explain", "--input", "[[1,2,1e300]]"]) == 0
+    out = capsys.readouterr().out
+    assert "1.0000e+300" in out and "3.3333e+299" in out and "1.4142" in out  # no 300-digit numbers
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_json_size_guard(capsys, monkeypatch):
+    from addnorm import explain
+
+    monkeypatch.setattr(explain, "MAX_JSON_NUMBERS", 400)
+    x = json.dumps(torch.arange(30.0).reshape(3, 10).tolist())
+    r = run_json(capsys, "--input", x)  # a forward of 30 values stays under 400 numbers
+    assert len(r["y"]) == 3
+    assert cli.main(["explain", "--json", "--backward", "--input", x]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("addnorm explain: error: --json would print ")
+    count = int(err.split("would print ")[1].split(" numbers")[0].replace(",", ""))
+    assert count > 400 and "at most 400 numbers" in err
+    assert cli.main(["explain", "--backward", "--input", x]) == 0  # the tables elide instead
+
+
+def test_json_into_a_closed_pipe_is_quiet(tmp_path):
+    """`addnorm explain --json ... | head -c 100`: the reader leaves early; no BrokenPipeError."""
+    import subprocess
+    import sys
+
+    torch.save(torch.randn(60, 60, generator=torch.Generator().manual_seed(0)), tmp_path / "x.pt")
+    argv = [sys.executable, "-m", "addnorm.cli", "explain", "--json", "--input", str(tmp_path / "x.pt")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(proc.stdout.read(100)) == 100
+    proc.stdout.close()  # as `head -c 100` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert err == "", err
+
+
+def test_dropout_shows_the_mask_the_op_uses(capsys):
+    """--dropout P --seed S: the keep mask is the one addnorm's op draws from a generator seeded S
+    (the op's output agrees with these steps to rounding), and s = residual + kept x / (1 - p)."""
+    x = [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [6.0, 5.0, 4.0, 3.0, 2.0, 1.5]]
+    res = [[0.5] * 6, [-1.0] * 6]
+    r = run_json(capsys, "--input", str(x), "--residual", str(res), "--dropout", "0.5", "--seed", "3", "--backward")
+    _, mask = addnorm.add_layer_norm(
+        torch.tensor(x),
+        torch.tensor(res),
+        6,
+        dropout_p=0.5,
+        generator=torch.Generator().manual_seed(3),
+        return_dropout_mask=True,
+    )
+    keep = torch.tensor(r["keep"], dtype=torch.bool)
+    assert torch.equal(keep, mask) and 0 < keep.sum() < keep.numel()
+    expected_s = torch.tensor(res, dtype=torch.float64) + torch.where(keep, torch.tensor(x, dtype=torch.float64) * 2, 0)
+    assert torch.equal(torch.tensor(r["s"]), expected_s)
+    assert r["op_maxdiff"] < 1e-12 and r["torch_maxdiff"] < 1e-12
+    assert max(r["backward"]["op_maxdiff"].values()) < 1e-12
+    assert cli.main(["explain", "--dropout", "0.5", "--residual", str(res), "--input", str(x)]) == 0
+    out = capsys.readouterr().out
+    assert "Dropout keep mask" in out and "s = residual + dropout(x)" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--dropout", "0.1"], "--dropout drops the sublayer output x before it is added to --residual"),
+        (["--dropout", "1", "--residual", "[[1,2,3]]", "--input", "[[1,2,3]]"], r"--dropout must be a probability"),
+    ],
+)
+def test_dropout_errors(capsys, args, message):
+    assert cli.main(["explain", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -128,17 +128,20 @@ def test_plain_torch_model_norms_device_dtype_and_state_dict():
     torch.testing.assert_close(model(ids), original(ids), rtol=1e-12, atol=1e-12)
 
 
+class MyRMSNorm(nn.Module):
+    """A Llama-style norm addnorm does not know (at module level: models holding it pickle)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(n) + 0.5)
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
 def test_norm_types_selects_and_extends():
-    class MyRMSNorm(nn.Module):  # a Llama-style norm addnorm does not know
-        def __init__(self, n):
-            super().__init__()
-            self.weight = nn.Parameter(torch.rand(n) + 0.5)
-            self.variance_epsilon = 1e-6
-
-        def forward(self, x):
-            xf = x.float()
-            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
     model = nn.Sequential(nn.LayerNorm(16), nn.RMSNorm(16), MyRMSNorm(16))
     report = addnorm.patch(copy.deepcopy(model))
     assert [n for n, _, _ in report.replaced] == ["0", "1"]
@@ -151,6 +154,57 @@ def test_norm_types_selects_and_extends():
     assert report.replaced == [("2", "MyRMSNorm", "llama")] and isinstance(custom[2], MyRMSNorm)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     assert torch.equal(custom[2].to(torch.bfloat16)(x), model[2].to(torch.bfloat16)(x))
+
+
+class ScaledNorm(nn.LayerNorm):
+    """A subclass of torch's LayerNorm with its own forward, and no "LayerNorm" in its name."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_subclasses_of_torch_norms_are_reported_as_skipped():
+    model = nn.Sequential(nn.LayerNorm(8), ScaledNorm(8), nn.Linear(8, 8))
+    report = addnorm.patch(model)
+    assert [n for n, _, _ in report.replaced] == ["0"]
+    assert report.skipped == [("1", "ScaledNorm", "unknown norm class; see norm_types")]
+
+
+def _round_trip(model: nn.Module) -> nn.Module:
+    """torch.save then torch.load, as in a fresh process: the classes patch() made are forgotten."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    cache = patch_module._SUBCLASSES
+    patch_module._SUBCLASSES = {}  # a new process has made none of them yet
+    try:
+        return torch.load(buffer, weights_only=False)
+    finally:
+        patch_module._SUBCLASSES = cache
+
+
+def test_patched_models_pickle():
+    llama = hf_model("llama").eval()
+    report = addnorm.patch(llama, fuse_residual=True)
+    assert len(report.fused) == 2
+    loaded = _round_trip(llama)
+    inputs = hf_inputs("llama")
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs).logits, llama(**inputs).logits)
+    layer = loaded.model.layers[0]
+    assert type(layer).__name__ == "AddnormLlamaDecoderLayer" and type(layer) is not type(llama.model.layers[0])
+    assert norm_style(layer.post_attention_layernorm) == "llama"
+    assert addnorm.unpatch(loaded) == len(report.replaced) + len(report.fused)
+    assert type(loaded.model.layers[0]).__name__ == "LlamaDecoderLayer"
+
+    custom = nn.Sequential(nn.Linear(16, 16), MyRMSNorm(16), nn.LayerNorm(16))
+    addnorm.patch(custom, norm_types={MyRMSNorm: "llama", nn.LayerNorm: "layer"})
+    loaded = _round_trip(custom)
+    x = torch.randn(3, 16)
+    assert torch.equal(loaded(x), custom(x)) and isinstance(loaded[1], MyRMSNorm)
+    assert norm_style(loaded[1]) == "llama" and loaded[1].backend == "auto"
 
 
 def test_bad_arguments():

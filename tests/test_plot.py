@@ -108,7 +108,7 @@ def test_bench_errors(tmp_path, capsys):
     partial = tmp_path / "partial.jsonl"
     partial.write_text(json.dumps({"op": "layer_norm"}) + "\n")
     assert cli.main(["plot", "bench", "--results", str(partial)]) == 2
-    assert "lacks field(s) machine" in error_line(capsys)
+    assert "lacks field(s) time, commit, machine" in error_line(capsys)
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(bench_rows()[0]) + "\n")
     assert cli.main(["plot", "bench", "--results", str(good), "--dtype", "bfloat16"]) == 2
@@ -135,3 +135,135 @@ def test_missing_matplotlib_is_a_usage_error(tmp_path, capsys, monkeypatch):
 def test_hist_bad_sizes(args, capsys):
     assert cli.main(["plot", "hist", *args]) == 2
     assert "even --d-model" in error_line(capsys)
+
+
+# --------------------------------------------------------------------------- --out
+
+
+def test_out_names_a_png_file_or_a_folder(tmp_path, capsys):
+    args = ["plot", "hist", "--points", "1", "--d-model", "8", "--out"]
+    assert cli.main([*args, str(tmp_path / "figs")]) == 0  # no suffix: a folder, created
+    assert_png(tmp_path / "figs" / "hist.png")
+    assert cli.main([*args, str(tmp_path / "mine.PNG")]) == 0
+    assert_png(tmp_path / "mine.PNG")
+    capsys.readouterr()
+    assert cli.main([*args, str(tmp_path / "fig.jpg")]) == 2
+    assert "fig.jpg': expected a .png file, or a folder" in error_line(capsys)
+    assert not (tmp_path / "fig.jpg").exists()  # no folder named like a file
+
+
+def test_plot_train_out_must_be_a_folder(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"floor": 0.01, "arms": {}}))
+    assert cli.main(["plot", "train", "--results", str(results), "--out", str(tmp_path / "curves.png")]) == 2
+    assert "looks like a file name; plot train writes curves.png and grad_norms.png into a folder" in error_line(capsys)
+    assert not (tmp_path / "curves.png").exists()
+    assert cli.main(["plot", "train", "--results", str(results), "--out", str(results)]) == 2
+    assert "is a file; plot train writes" in error_line(capsys)
+
+
+def test_plot_train_rejects_a_malformed_results_json(tmp_path, capsys):
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"floor": 0.01, "arms": {"pre": {"label": "pre-LN"}}}))
+    assert cli.main(["plot", "train", "--results", str(results), "--out", str(tmp_path)]) == 2
+    assert "is not a results.json written by 'addnorm train' (KeyError" in error_line(capsys)
+
+
+def unwritable(tmp_path) -> list[str]:
+    """Output paths that cannot be written: under a file, and (on Linux) in /proc."""
+    (tmp_path / "a_file").write_text("")
+    paths = [str(tmp_path / "a_file" / "sub" / "h.png")]
+    if Path("/proc/self").is_dir():
+        paths.append("/proc/h.png")
+    return paths
+
+
+def test_unwritable_out_is_a_one_line_error(tmp_path, capsys):
+    for out in unwritable(tmp_path):
+        assert cli.main(["plot", "hist", "--out", out]) == 2
+        assert "--out: cannot write into" in error_line(capsys)
+
+
+# --------------------------------------------------------------------------- bench rows
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("gbps", "fast", "'gbps' must be a positive number, got 'fast'"),
+        ("gbps", float("nan"), "'gbps' must be a positive number, got nan"),
+        ("gbps", True, "'gbps' must be a positive number, got True"),
+        ("gbps", 0, "'gbps' must be a positive number, got 0"),
+        ("rows", 2.5, "'rows' must be a positive integer, got 2.5"),
+        ("impl", None, "'impl' must be text, got None"),
+    ],
+)
+def test_bench_rows_with_bad_values(tmp_path, capsys, field, value, message):
+    rows = bench_rows()
+    rows[1][field] = value
+    results = tmp_path / "bench.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))  # NaN is written as NaN
+    assert cli.main(["plot", "bench", "--results", str(results), "--out", str(tmp_path)]) == 2
+    assert error_line(capsys).endswith(f"{results}:2: {message}")
+
+
+def test_results_that_are_folders(tmp_path, capsys):
+    assert cli.main(["plot", "bench", "--results", str(tmp_path)]) == 2
+    assert "is a folder; expected the JSONL file" in error_line(capsys)
+    assert cli.main(["plot", "train", "--results", str(tmp_path)]) == 2
+    assert "is a folder; expected the results.json in it" in error_line(capsys)
+
+
+def test_bench_results_not_text(tmp_path, capsys):
+    binary = tmp_path / "bench.jsonl"
+    binary.write_bytes(bytes(range(256)))
+    assert cli.main(["plot", "bench", "--results", str(binary), "--out", str(tmp_path)]) == 2
+    assert "is not text; expected the JSON lines of `addnorm bench --save`" in error_line(capsys)
+
+
+def two_runs() -> list[dict]:
+    """An older run (more shapes, another impl) and a newer one of another commit."""
+    old = [{**r, "time": "2026-01-01T00:00:00+00:00", "commit": "aaa1111"} for r in bench_rows()]
+    old += [{**r, "impl": "addnorm-cpu", "rows": 8} for r in old]
+    new = [{**r, "time": "2026-02-01T00:00:00+00:00", "commit": "bbb2222"} for r in bench_rows()]
+    return old + new
+
+
+def test_plot_bench_draws_the_latest_run(tmp_path, capsys, monkeypatch):
+    from matplotlib.image import imread
+
+    from addnorm import plot
+
+    drawn = []
+    real = plot.draw_bench
+    monkeypatch.setattr(plot, "draw_bench", lambda rows, *a: drawn.append(rows) or real(rows, *a))
+    results = tmp_path / "bench.jsonl"
+    rows = two_runs()
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["plot", "bench", "--results", str(results), "--out", str(tmp_path / "latest.png")]) == 0
+    assert {r["commit"] for r in drawn[-1]} == {"bbb2222"} and len(drawn[-1]) == 4
+    assert "drew the latest of 2 matching runs" in capsys.readouterr().out
+    assert (
+        cli.main(["plot", "bench", "--results", str(results), "--out", str(tmp_path / "a.png"), "--commit", "aaa"]) == 0
+    )
+    assert {r["commit"] for r in drawn[-1]} == {"aaa1111"} and len(drawn[-1]) == 8
+    for name in ("latest.png", "a.png"):
+        assert_png(tmp_path / name)
+        assert imread(tmp_path / name).shape[0] < 1000  # one panel, not one per run
+    assert cli.main(["plot", "bench", "--results", str(results), "--commit", "ccc"]) == 2
+    assert "commits aaa1111, bbb2222" in error_line(capsys)
+
+
+def test_plot_bench_lays_out_panels_in_a_grid(tmp_path):
+    """ops x dtypes down, passes across: 2 x 2 panels for 2 ops, 1 dtype, 2 passes."""
+    from matplotlib.image import imread
+
+    rows = [
+        {**r, "op": op, "pass": p} for r in bench_rows() for op in ("layer_norm", "rms_norm") for p in ("fwd", "bwd")
+    ]
+    results = tmp_path / "bench.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert cli.main(["plot", "bench", "--results", str(results), "--out", str(tmp_path / "grid.png")]) == 0
+    assert_png(tmp_path / "grid.png")
+    height, width = imread(tmp_path / "grid.png").shape[:2]
+    assert 1000 <= width <= 1400 and height <= 1200

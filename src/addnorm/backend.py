@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -33,6 +33,34 @@ class Capabilities:
 
     device_types: tuple[str, ...] | None
     recomputes_stream: bool = False
+
+
+class Branch(NamedTuple):
+    """The sublayer branch of Add & Norm, fused into the add: ``s = residual + rowscale *
+    layer_scale * dropout(x)`` (:func:`addnorm.reference.branch` is the formula; the keep mask is
+    :func:`addnorm.reference.keep_mask`, a function of ``(seed, row, column)``).
+
+    ``p``: the dropout probability (0: no dropout, ``seed`` is then unused); ``seed``: an int64
+    0-d tensor on ``x``'s device; ``layer_scale``: ``(N,)`` or None; ``rowscale``: ``(M,)`` (one
+    factor per row of the 2-D view) or None."""
+
+    p: float
+    seed: Tensor | None
+    layer_scale: Tensor | None
+    rowscale: Tensor | None
+
+
+class Grads(NamedTuple):
+    """What a backend's ``backward`` returns. ``ds``: the gradient of ``s`` (so of ``residual``),
+    in the stream dtype; ``dweight``/``dbias``: in the statistics dtype, ``None`` where there is no
+    such parameter; with a :class:`Branch`, ``dx`` (in the stream dtype) and ``dlayer_scale`` (in
+    the statistics dtype, ``None`` without a layer scale), else both ``None`` (``dx`` is ``ds``)."""
+
+    ds: Tensor
+    dweight: Tensor | None
+    dbias: Tensor | None
+    dx: Tensor | None = None
+    dlayer_scale: Tensor | None = None
 
 
 class Backend(Protocol):
@@ -58,11 +86,13 @@ class Backend(Protocol):
         write_stats: bool = True,
         out: Tensor | None = None,
         residual_out: Tensor | None = None,
+        branch: Branch | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
-        """``(y, s, mean, rstd)`` for the 2-D rows ``x`` (plus ``residual``): ``y`` in ``x.dtype``,
-        ``s = x + residual`` in the stream dtype (``None`` without a residual, and may be ``None``
-        when ``write_stream`` is False), ``mean`` (``None`` for RMSNorm) and ``rstd`` of shape
-        ``(M,)`` in the statistics dtype (both may be ``None`` when ``write_stats`` is False).
+        """``(y, s, mean, rstd)`` for the rows ``x`` (plus ``residual``, through ``branch`` when
+        given): ``y`` in ``x.dtype``, ``s = x + residual`` in the stream dtype (``None`` without a
+        residual, and may be ``None`` when ``write_stream`` is False), ``mean`` (``None`` for
+        RMSNorm) and ``rstd`` of shape ``(M,)`` in the statistics dtype (both may be ``None`` when
+        ``write_stats`` is False).
         ``out``/``residual_out``: contiguous buffers to write ``y``/``s`` into, returned as such."""
 
     def backward(
@@ -76,12 +106,12 @@ class Backend(Protocol):
         *,
         rms: bool,
         has_bias: bool,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """``(ds, dweight, dbias)``. ``s_parts`` holds the norm's input ``s`` as it was saved:
-        ``(s,)``, or ``(x, residual)`` (both in the stream dtype, see :func:`check_s_parts`), whose
-        sum, rounded to that dtype, is bit for bit the forward's ``s``. ``dstream`` is the gradient
-        of the returned stream (pre-norm) or ``None``. ``ds`` in the stream dtype; ``dweight`` and
-        ``dbias`` in the statistics dtype, ``None`` where there is no such parameter."""
+        branch: Branch | None = None,
+    ) -> Grads:
+        """:class:`Grads`. ``s_parts`` holds the norm's input ``s`` as it was saved: ``(s,)``, or
+        ``(x, residual)`` (both in the stream dtype, see :func:`check_s_parts`), from which the
+        forward's ``s`` is recomputed bit for bit (through ``branch``, which needs them). ``dstream``
+        is the gradient of the returned stream (pre-norm) or ``None``."""
 
 
 @dataclass(frozen=True)
@@ -165,15 +195,26 @@ def resolve(name: str, x: Tensor) -> Backend:
     return _LOADED[name]
 
 
-def check_s_parts(s_parts: tuple[Tensor, ...]) -> None:
+def check_s_parts(s_parts: tuple[Tensor, ...], branch: Branch | None = None) -> None:
     """``(x, residual)`` in backward must share shape and dtype: only then is ``x + residual``,
-    rounded to that dtype, bit for bit the forward's ``s``."""
+    rounded to that dtype, bit for bit the forward's ``s``. A branch needs them (``dx`` is not
+    ``ds``, and the layer scale's gradient reads ``x``); its stream dtype is ``residual``'s."""
+    if branch is not None and len(s_parts) != 2:
+        raise ValueError("with a branch (dropout, layer_scale or rowscale) s_parts must be (x, residual)")
     if len(s_parts) == 2:
         x, residual = s_parts
-        if residual.dtype != x.dtype or residual.shape != x.shape:
+        # with a branch the stream is summed in the statistics dtype and rounded to residual's
+        if residual.shape != x.shape or (branch is None and residual.dtype != x.dtype):
             raise ValueError(
                 f"s_parts=(x, residual) in backward need one shape and dtype, got "
                 f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}"
             )
     elif len(s_parts) != 1:
         raise ValueError(f"s_parts must be (s,) or (x, residual), got {len(s_parts)} tensors")
+
+
+def active(branch: Branch | None) -> Branch | None:
+    """``branch`` when it changes anything, else None (``p = 0`` and no scales: a plain add)."""
+    if branch is None or (branch.p == 0 and branch.layer_scale is None and branch.rowscale is None):
+        return None
+    return branch

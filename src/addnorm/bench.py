@@ -29,9 +29,12 @@ import torch.nn.functional as F
 
 from . import backend as backends
 from . import reference
-from .cli import UsageError
+from .cli import UsageError, check_threads, output_file
 
-OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm"]
+# "*_dropout": Add & Norm with residual dropout at DROPOUT_P (the original Transformer's P_drop),
+# fused in addnorm, against what one writes with torch: dropout, then the add, then the norm
+OPS = ["layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm", "add_layer_norm_dropout", "add_rms_norm_dropout"]
+DROPOUT_P = 0.1
 PASSES = ["fwd", "bwd", "fwd+bwd"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DEFAULT_SHAPES = "8x768,4096x768,4096x1024,2048x4096,16384x1024,512x65536"
@@ -101,9 +104,10 @@ def bytes_moved(op: str, rows: int, cols: int, dtype: torch.dtype, pass_: str) -
 
 def _torch_norm(op: str) -> Callable:
     rms = "rms" in op
+    p = DROPOUT_P if op.endswith("_dropout") else 0.0
 
     def f(x, r, w, b):
-        s = x + r if r is not None else x
+        s = (F.dropout(x, p) if p else x) + r if r is not None else x
         return F.rms_norm(s, (s.shape[-1],), w, None) if rms else F.layer_norm(s, (s.shape[-1],), w, b, EPS)
 
     return f
@@ -112,6 +116,11 @@ def _torch_norm(op: str) -> Callable:
 def _addnorm_norm(op: str, backend: str) -> Callable:
     from . import functional
 
+    if op.endswith("_dropout"):
+        fn = getattr(functional, op.removesuffix("_dropout"))
+        if "rms" in op:
+            return lambda x, r, w, b, **out: fn(x, r, x.shape[-1], w, dropout_p=DROPOUT_P, backend=backend, **out)
+        return lambda x, r, w, b, **out: fn(x, r, x.shape[-1], w, b, dropout_p=DROPOUT_P, backend=backend, **out)
     fn = getattr(functional, op)
     # one plain call per op, as lean as _torch_norm's: at 8x768 each µs is ~10 % of the norm
     if op == "layer_norm":
@@ -138,6 +147,9 @@ def _reference_norm(op: str) -> Callable:
 def _other_norm(name: str, op: str, device: str) -> Callable:
     """Liger / Apex / flash-attn norms; ImportError when not installed, RuntimeError when unusable."""
     rms = "rms" in op
+    p = DROPOUT_P if op.endswith("_dropout") else 0.0
+    if p and name != "flash-attn":
+        raise RuntimeError("no fused dropout")
     if name == "liger":
         from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
 
@@ -153,7 +165,7 @@ def _other_norm(name: str, op: str, device: str) -> Callable:
         from flash_attn.ops.triton.layer_norm import layer_norm_fn
 
         def f(x, r, w, b):
-            return layer_norm_fn(x, w, None if rms else b, residual=r, eps=EPS, is_rms_norm=rms)
+            return layer_norm_fn(x, w, None if rms else b, residual=r, eps=EPS, dropout_p=p, is_rms_norm=rms)
 
         norm = None
     if device != "cuda":
@@ -171,7 +183,8 @@ def make_impl(name: str, op: str, device: str) -> Callable:
         # a fresh compile per configuration: past dynamo's recompile limit (8) it would
         # silently run the reference eagerly
         torch._dynamo.reset()
-        return torch.compile(_reference_norm(op))
+        # with dropout: the torch code one would write, compiled (the reference has no dropout)
+        return torch.compile(_torch_norm(op) if op.endswith("_dropout") else _reference_norm(op))
     if name == "addnorm":
         return _addnorm_norm(op, "auto")
     if name.startswith("addnorm-"):
@@ -191,7 +204,7 @@ def _out_variant(name: str, op: str, fn: Callable, x, r, w, b) -> Callable | Non
     if name.startswith("addnorm"):
         out = {"out": y, "residual_out": s} if s is not None else {"out": y}
         return lambda x, r, w, b: fn(x, r, w, b, **out)
-    if name == "torch-eager" and "rms" not in op:
+    if name == "torch-eager" and "rms" not in op and not op.endswith("_dropout"):
         m = x.new_empty((x.shape[0], 1))  # aten wants the statistics in x.dtype here
         rs = torch.empty_like(m)
 
@@ -397,13 +410,19 @@ def run(args) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here")
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be a positive int, got {args.threads}")
+        check_threads(args.threads)
         torch.set_num_threads(args.threads)
     if args.rounds < 3:
         raise UsageError(f"--rounds must be at least 3, got {args.rounds}")
     if args.out_buffers and passes != ["fwd"]:
         raise UsageError("--out-buffers measures inference: use it with --pass fwd")
+    # outputs are checked before the first measurement: a run must not end failing to write them
+    path = output_file(args.results, "--results") if args.save else None
+    if args.plot:
+        from .plot import new_figure, png_path
+
+        new_figure()  # a clear error now if matplotlib is missing
+        plot_path = png_path(args.plot, "bench.png", "--plot")
 
     console = Console()
     copy_gbps = copy_bandwidth(args.device)
@@ -422,11 +441,7 @@ def run(args) -> int:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
-    save = None
-    if args.save:  # rows are appended as each configuration finishes: a run cut short keeps them
-        path = Path(args.results)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save = path.open("a")
+    save = path.open("a") if path is not None else None  # rows appended as each configuration finishes
     results, skipped = [], {}
     try:
         with Progress(console=console, transient=True) as progress:
@@ -452,10 +467,12 @@ def run(args) -> int:
     )
     if save is not None:
         console.print(f"appended {len(results)} rows to {path}")
-    if args.plot:
+    if args.plot and not results:
+        console.print(f"no implementation ran: nothing to draw in {plot_path}")
+    elif args.plot:
         from .plot import draw_bench
 
-        draw_bench([{**common, **row} for row in results], args.plot, "this run")  # prints where it wrote
+        draw_bench([{**common, **row} for row in results], plot_path, "this run")  # prints where it wrote
     return 0
 
 
@@ -467,7 +484,7 @@ def register(sub) -> None:
         "median and p20/p80 per call, GB/s from explicit byte counts, the fraction of the "
         "copy bandwidth measured in the same run, and the ratio to torch eager.",
     )
-    p.add_argument("--op", default="add_layer_norm", help=f"comma-separated, of {', '.join(OPS)}")
+    p.add_argument("--op", default="add_layer_norm", help=f"comma-separated, of {', '.join(OPS)} (default %(default)s)")
     p.add_argument(
         "--shapes",
         "--shape",
@@ -475,18 +492,28 @@ def register(sub) -> None:
         metavar="ROWSxCOLS[,...]",
         help=f"shapes to measure (repeatable); default {DEFAULT_SHAPES}",
     )
-    p.add_argument("--dtype", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
-    p.add_argument("--pass", dest="pass_", default="fwd,fwd+bwd", help=f"comma-separated, of {', '.join(PASSES)}")
+    p.add_argument(
+        "--dtype", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)} (default %(default)s)"
+    )
+    p.add_argument(
+        "--pass",
+        dest="pass_",
+        metavar="PASS",
+        default="fwd,fwd+bwd",
+        help=f"comma-separated, of {', '.join(PASSES)} (default %(default)s)",
+    )
     p.add_argument("--impl", help="comma-separated implementations (default: all): " + ", ".join(all_impls()))
     p.add_argument("--threads", type=int, help="torch (and addnorm-cpu) threads; default: torch's")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per implementation")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per implementation (default 15)")
     p.add_argument(
         "--out-buffers",
         action="store_true",
         help="forward into preallocated buffers (out=; inference without allocation)",
     )
     p.add_argument("--save", action="store_true", help="append the rows as JSON lines to --results")
-    p.add_argument("--results", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)")
-    p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this file")
+    p.add_argument(
+        "--results", metavar="FILE", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)"
+    )
+    p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this .png file (or folder)")
     p.set_defaults(func=run)

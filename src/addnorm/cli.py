@@ -2,14 +2,25 @@
 
 Each subcommand lives in its own module, which defines ``register(subparsers)``: it adds
 its parser and sets ``func`` (``args -> exit status``) as the parser's default.
-A :class:`UsageError` raised by a command is printed as one line on stderr, exit status 2.
+
+Every failure ends in :func:`main`, which prints it as one line, ``addnorm <command>: error:
+<message>``, on stderr and returns the exit status: 2 for bad usage (argparse's complaints and
+:class:`UsageError`), 1 for a failure while running (:class:`CommandError`, an ``OSError``, or an
+unexpected exception; ``addnorm --traceback ...`` prints Python's traceback for a bug report).
+A command checks its inputs and its outputs (:func:`output_dir`, :func:`output_file`) before
+it starts any work, so that bad usage never costs a finished run.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 # Modules that define register(subparsers), in the order `addnorm --help` lists them.
 COMMAND_MODULES = [
@@ -21,15 +32,32 @@ COMMAND_MODULES = [
 ]
 
 
-class UsageError(Exception):
-    """Bad input from the user: printed as ``addnorm: error: <message>``, exit status 2."""
+class CommandError(Exception):
+    """A failure while running: printed as ``addnorm <command>: error: <message>``, exit status 1."""
+
+    status = 1
+
+    def __init__(self, message: str, *, prog: str | None = None):
+        super().__init__(message)
+        self.prog = prog  # who failed, when not the command being run (argparse's parsers)
+
+
+class UsageError(CommandError):
+    """Bad input from the user: printed as ``addnorm <command>: error: <message>``, exit status 2."""
+
+    status = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but bad usage is one line on stderr (no usage block), exit status 2."""
+    """argparse, but bad usage is a :class:`UsageError` (one line, exit status 2), and a value
+    that starts like a number (``--eps -1e-5``, ``--gamma -0.5,2``) is never taken for an option."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-\.?\d")  # as Python 3.13's argparse
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="LayerNorm, RMSNorm and Add & Norm for PyTorch: inspect, learn, measure.",
     )
     parser.add_argument("--version", action="version", version=f"addnorm {_version()}")
+    parser.add_argument(
+        "--traceback", action="store_true", help="on an unexpected failure, print Python's traceback (for bug reports)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -50,22 +81,124 @@ def _version() -> str:
     return __version__
 
 
+def _os_message(err: OSError) -> str:
+    """``[Errno 28] No space left on device: 'x'`` -> ``'x': No space left on device``."""
+    reason = err.strerror or str(err)
+    return f"{str(err.filename)!r}: {reason}" if err.filename is not None else reason
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``addnorm ARGV``; returns the exit status (``--help``/``--version`` exit via argparse)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    prog, show_traceback = "addnorm", False
     try:
+        args = parser.parse_args(argv)
+        show_traceback = args.traceback
+        if args.command is None:
+            parser.print_help()
+            return 2
+        prog = f"addnorm {args.command}"
         return int(args.func(args) or 0)
-    except UsageError as err:
-        print(f"addnorm {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except CommandError as err:
+        return _fail(err.prog or prog, str(err), err.status)
+    except BrokenPipeError:  # the reader went away (`addnorm explain --json | head`): stop quietly
+        _silence_stdout()
+        return 1
+    except KeyboardInterrupt:
+        return _fail(prog, "interrupted", 130)
+    except OSError as err:
+        return _fail(prog, _os_message(err), 1)
+    except Exception as err:  # a bug: still one line, unless --traceback asks for the details
+        if show_traceback:
+            traceback.print_exc()
+        hint = "" if show_traceback else "; rerun with 'addnorm --traceback ...' to see where"
+        first_line = next(iter(str(err).splitlines()), "")[:200]
+        return _fail(prog, f"unexpected {type(err).__name__}: {first_line}{hint}", 1)
+
+
+def _fail(prog: str, message: str, status: int) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return status
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises no second BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (captured in tests)
+        pass
+
+
+def check_threads(threads: int, flag: str = "--threads") -> None:
+    """A thread count between 1 and the CPUs here (far more threads crash OpenMP's start-up)."""
+    cpus = os.cpu_count() or 1
+    if not 1 <= threads <= cpus:
+        raise UsageError(f"{flag} must be between 1 and {cpus} (the CPUs here), got {threads}")
+
+
+# --------------------------------------------------------------------------- output paths
+# Checked before any work: a run must not end by failing to write what it computed.
+
+
+def _looks_like_file(path: Path) -> bool:
+    """``fig.png``, ``notes.txt``: a suffix of letters names a file; ``runs/lr0.001`` does not."""
+    return bool(re.fullmatch(r"\.[A-Za-z]{1,5}", path.suffix))
+
+
+def _writable(folder: Path, flag: str) -> None:
+    """Create ``folder`` if it is missing, and check that a file can be made in it."""
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{flag}: {str(folder)!r} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UsageError(f"{flag}: cannot write into {str(folder)!r}: {err.strerror or err}") from None
+
+
+def output_dir(text: str, flag: str, writes: str) -> Path:
+    """The folder ``flag`` names, created and checked writable now. ``writes`` ("train writes
+    results.json, ...") says why it must be a folder."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag}: {text!r} is a file; {writes} into a folder")
+    if not path.exists() and _looks_like_file(path):
+        raise UsageError(
+            f"{flag}: {text!r} looks like a file name; {writes} into a folder: "
+            f"give a name without the suffix {path.suffix!r} (or an existing folder)"
+        )
+    _writable(path, flag)
+    return path
+
+
+def output_file(text: str, flag: str, *, suffixes: tuple[str, ...] = (), default_name: str | None = None) -> Path:
+    """The file ``flag`` names, its folder created and checked writable now.
+
+    With ``default_name``, a folder (an existing one, or a name without a file suffix) gets a
+    file of that name. With ``suffixes``, the file name must end in one of them.
+    """
+    path = Path(text)
+    if default_name is not None and (path.is_dir() or not _looks_like_file(path)):
+        path = path / default_name
+    elif path.is_dir():
+        raise UsageError(f"{flag}: {text!r} is a folder; expected a file name")
+    if suffixes and path.suffix.lower() not in suffixes:
+        expected = " or ".join(suffixes) + " file" + (", or a folder" if default_name else "")
+        raise UsageError(f"{flag}: {text!r}: expected a {expected}")
+    _writable(path.parent, flag)
+    if path.exists():
+        try:
+            path.open("ab").close()  # opened for appending and left unchanged: is it writable?
+        except OSError as err:
+            raise UsageError(f"{flag}: cannot write {text!r}: {err.strerror or err}") from None
+    return path
 
 
 if __name__ == "__main__":
     # Under `python -m addnorm.cli` this file is __main__; run the imported addnorm.cli so that
-    # the UsageError the subcommands raise is the class main() catches.
+    # the errors the subcommands raise are the classes main() catches.
     from addnorm.cli import main as _main
 
     sys.exit(_main())

@@ -66,7 +66,7 @@ def load_sequences(path: str | pathlib.Path) -> np.ndarray:
     """
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f"--data {path}: no such file")
+        raise ValueError(f"--data {path}: {'is a folder, not a file' if path.is_dir() else 'no such file'}")
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
@@ -642,6 +642,16 @@ def _small(depth: int, epochs: int) -> bool:
     return depth < Config.depth or epochs < Config.epochs
 
 
+def _floor_text(data: str | None) -> str:
+    """What the noise floor is, for the generated sequences or for ``--data``."""
+    if data is None:
+        return f"the test MSE of predicting the exact corners (≈ σ² = {NOISE**2:g}); no model can do better on average"
+    return (
+        "the test MSE of predicting, for each target point, the corner of [-1, 1]² nearest to it; "
+        "if the data are noisy corners, no model can do better on average"
+    )
+
+
 def report_markdown(results: dict, command: str) -> str:
     cfg = results["config"]
     lines = [
@@ -658,9 +668,8 @@ def report_markdown(results: dict, command: str) -> str:
         f"Data: {results['data']}. Given the first two corners the model predicts the last two; test MSE is "
         "measured autoregressively after every epoch.",
         "",
-        f"**Noise floor: {results['floor']:.4f}** — the test MSE of predicting the exact corners "
-        f"(≈ σ² = {NOISE**2:g}); no model can do better on average. An arm *failed* if its final test "
-        f"MSE is above {FAIL_RATIO:g}x the floor or not finite.",
+        f"**Noise floor: {results['floor']:.4f}** — {_floor_text(cfg['data'])}. An arm *failed* if its "
+        f"final test MSE is above {FAIL_RATIO:g}x the floor or not finite.",
         "",
         _schedule_text(results) + f" *epoch ≤ {WITHIN:g}x floor* is the first epoch whose test MSE is within "
         f"{WITHIN:g}x the floor; the table shows medians over seeds (failed: how many seeds failed).",
@@ -700,15 +709,22 @@ def report_markdown(results: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(results: dict, out_dir: str | pathlib.Path, command: str) -> list[pathlib.Path]:
-    """Write ``results.json``, ``curves.png``, ``grad_norms.png`` and ``report.md`` into ``out_dir``."""
+def write_results_json(results: dict, path: pathlib.Path, command: str) -> dict:
+    """Write ``results`` and the ``command`` that made them to ``path`` as standard JSON; returns
+    what was written."""
     import json
 
+    results = _json_safe({**results, "command": command})
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def write_outputs(results: dict, out_dir: str | pathlib.Path, command: str) -> list[pathlib.Path]:
+    """Write ``results.json``, ``curves.png``, ``grad_norms.png`` and ``report.md`` into ``out_dir``."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results = _json_safe({**results, "command": command})
     results_json = out / "results.json"
-    results_json.write_text(json.dumps(results, indent=1) + "\n")
+    results = write_results_json(results, results_json, command)
     pngs = plot_results(results_json, out)
     report = out / "report.md"
     report.write_text(report_markdown(results, command))
@@ -721,16 +737,17 @@ QUICK = dict(epochs=2, depth=1, seeds=[0])  # the whole pipeline in seconds (tes
 
 
 def config_from_args(args) -> Config:
-    from .cli import UsageError
+    from .cli import UsageError, check_threads
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else list(ARMS)
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise UsageError(f"--arms: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
-    for name in ("seeds", "epochs", "depth", "threads"):
+    for name in ("seeds", "epochs", "depth"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be at least 1, got {value}")
+    check_threads(args.threads)
     if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
     cfg = Config(arms=list(dict.fromkeys(arms)), norm=args.norm, data=args.data, threads=args.threads)
@@ -791,15 +808,19 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .cli import UsageError
+    from .cli import CommandError, UsageError, output_dir
 
     cfg = config_from_args(args)
     try:
         _pyplot()
-        if cfg.data is not None:
-            load_sequences(cfg.data)
+        if cfg.data is not None and noise_floor(load_data(cfg)[1]) == 0:
+            raise ValueError(
+                f"--data {cfg.data}: the test points lie exactly on the corners of [-1, 1]², so the noise "
+                "floor is 0 and the results, read against it, would mean nothing; give noisy sequences"
+            )
     except (RuntimeError, ValueError) as err:
         raise UsageError(str(err)) from err
+    out_dir = output_dir(args.out, "--out", "train writes results.json, curves.png, grad_norms.png and report.md")
     console = Console()
     console.print(
         f"[bold]addnorm train[/]: {len(cfg.arms)} arm(s) x {len(cfg.seeds)} seed(s), "
@@ -833,9 +854,24 @@ def run(args) -> int:
     for prediction, held, _ in readings(results):
         console.print(f"[{colours[held]}]{held.lower()}[/]: {prediction}")
     command = command_line(args)
-    written = write_outputs(results, args.out, command)
+    try:
+        written = write_outputs(results, out_dir, command)
+    except OSError as err:  # the folder was checked at the start; keep the results if it went away since
+        raise CommandError(f"--out: cannot write into {args.out!r} ({err}); {_rescue(results, command)}") from None
     console.print(f"wrote {', '.join(str(p) for p in written)} ({results['seconds']:.0f} s)")
     return 0
+
+
+def _rescue(results: dict, command: str) -> str:
+    """Save ``results`` to a fresh temporary folder; says where (or that it could not)."""
+    import tempfile
+
+    try:
+        path = pathlib.Path(tempfile.mkdtemp(prefix="addnorm-train-")) / "results.json"
+        write_results_json(results, path, command)
+    except OSError as err:
+        return f"could not save the results anywhere either ({err})"
+    return f"the results are saved in {path}: 'addnorm plot train --results {path}' draws them"
 
 
 def register(sub) -> None:

@@ -5,6 +5,8 @@ Every intermediate is computed in float64 by :func:`addnorm.reference.forward_st
 library runs, and is printed with its shape. addnorm's own op (in the input's dtype) and
 torch's are then run on the same input, and their difference from the steps is shown.
 ``--compare batchnorm`` puts BatchNorm beside LayerNorm on the same rows.
+``--textbook`` puts the textbook form (:mod:`addnorm.textbook`) beside the exact one on rows
+where the textbook breaks, and names the step of the reference that prevents each.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import math
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,19 +23,23 @@ import torch.nn.functional as TF
 from torch import Tensor
 
 from . import backend, functional, reference
+from .backend import Branch
 from .cli import UsageError
 from .info import WORKED_INPUT
 
 MATRIX_HELP = 'a matrix literal like "[[0.2,0.1,0.3],[0.5,0.1,0.1]]" or a .npy, .pt or .csv file'
+PARAM_HELP = "one number, or one per feature like 1.5,-0.5,2"
 FILE_SUFFIXES = (".npy", ".pt", ".pth", ".csv")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # what addnorm's ops take
 _TOKEN = re.compile(r"\s*(?:([\[\],])|([^\s\[\],]+))")
 
 
 # --------------------------------------------------------------------------- parsing user input
 
 
-def parse_literal(text: str, what: str) -> float | list:
-    """Parse a number or nested list of numbers (``[[1, 2], [3, 4]]``) without ``eval``."""
+def parse_literal(text: str, what: str, expected: str = MATRIX_HELP) -> float | list:
+    """Parse a number or nested list of numbers (``[[1, 2], [3, 4]]``) without ``eval``;
+    ``expected`` says what ``what`` takes, in the error messages."""
     tokens = []
     pos = 0
     text = text.strip()
@@ -41,7 +48,7 @@ def parse_literal(text: str, what: str) -> float | list:
         tokens.append(m.group(1) or m.group(2))
         pos = m.end()
     if not tokens:
-        raise UsageError(f"{what} is empty; expected {MATRIX_HELP}")
+        raise UsageError(f"{what} is empty; expected {expected}")
 
     def value(i: int) -> tuple[float | list, int]:
         tok = tokens[i] if i < len(tokens) else None
@@ -63,7 +70,7 @@ def parse_literal(text: str, what: str) -> float | list:
         try:
             number = float(tok)
         except ValueError:
-            raise UsageError(f"{what}: non-numeric value {tok!r}; expected {MATRIX_HELP}") from None
+            raise UsageError(f"{what}: non-numeric value {tok!r}; expected {expected}") from None
         if not math.isfinite(number):
             raise UsageError(f"{what}: {tok!r} is not a finite number")
         return number, i + 1
@@ -97,13 +104,16 @@ def _shape_of(value: float | list, what: str, path: str = "") -> tuple[int, ...]
 
 
 def literal_tensor(text: str, what: str) -> Tensor:
+    """A matrix literal as float64: Python's own parsing of each number, so ``0.1`` stays 0.1
+    and ``1e300`` or ``1e-300`` keep their value."""
     value = parse_literal(text, what)
     _shape_of(value, what)
-    return torch.tensor(value, dtype=torch.float32)
+    return torch.tensor(value, dtype=torch.float64)
 
 
 def load_matrix(text: str, what: str) -> Tensor:
-    """A tensor from a matrix literal or a ``.npy``/``.pt``/``.csv`` file (floats kept, ints -> float32)."""
+    """A tensor from a matrix literal (float64) or a ``.npy``/``.pt``/``.csv`` file (a floating
+    dtype is kept, integers become float64)."""
     stripped = text.strip()
     if stripped.startswith("[") or _is_number(stripped):
         t = literal_tensor(stripped, what)
@@ -115,8 +125,13 @@ def load_matrix(text: str, what: str) -> Tensor:
         raise UsageError(f"{what} must have at least one dimension (a row of features), got a scalar")
     if t.numel() == 0:
         raise UsageError(f"{what} is empty (shape {tuple(t.shape)})")
+    if t.dtype not in FLOAT_DTYPES and (t.is_floating_point() or t.is_complex() or t.is_quantized):
+        raise UsageError(
+            f"{what} is {str(t.dtype).removeprefix('torch.')}; expected real numbers "
+            f"({', '.join(str(d).removeprefix('torch.') for d in FLOAT_DTYPES)} or integers)"
+        )
     if not t.is_floating_point():
-        t = t.to(torch.float32)
+        t = t.to(torch.float64)
     if not bool(torch.isfinite(t).all()):
         raise UsageError(f"{what} contains NaN or infinite values")
     return t
@@ -143,11 +158,17 @@ def _load_file(path: Path, what: str) -> Tensor:
             import numpy as np
 
             return torch.from_numpy(np.loadtxt(path, delimiter=",", ndmin=2, dtype="float64"))
-        t = torch.load(path, weights_only=True, map_location="cpu")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse/nested tensors are in beta": rejected below anyway
+            t = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # any reader's complaint becomes one line
         raise UsageError(f"{what}: cannot read {str(path)!r}: {str(err).splitlines()[0]}") from None
     if not isinstance(t, Tensor):
         raise UsageError(f"{what}: {str(path)!r} holds a {type(t).__name__}, expected one tensor")
+    if t.is_nested or t.layout != torch.strided:
+        kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        hint = "" if t.is_nested else " (save t.to_dense())"
+        raise UsageError(f"{what}: {str(path)!r} holds a {kind} tensor; expected a dense one{hint}")
     return t.detach()
 
 
@@ -171,7 +192,7 @@ def parse_param(text: str | None, shape: tuple[int, ...], what: str, default: fl
     stripped = text.strip()
     if not stripped.startswith("[") and "," in stripped:
         stripped = f"[{stripped}]"
-    value = parse_literal(stripped, what)
+    value = parse_literal(stripped, what, PARAM_HELP)
     _shape_of(value, what)
     t = torch.tensor(value, dtype=torch.float64)
     if t.dim() == 0:
@@ -203,17 +224,25 @@ def explain(
     residual: Tensor | None = None,
     grad: Tensor | None = None,
     backward: bool = False,
+    dropout: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """Every step of the norm of ``x`` over its trailing ``normalized_shape`` dims, as tensors.
 
-    Values are (rows, features) float64 tensors, per-row statistics are ``(rows,)``.
+    Values are (rows, features) float64 tensors, per-row statistics are ``(rows,)``. With
+    ``dropout`` (and a residual), the sublayer output ``x`` is dropped before the add, with the
+    keep mask addnorm's op draws from a generator seeded ``seed``.
     """
     n = math.prod(normalized_shape)
     x2 = _rows(x, n)
     r2 = _rows(residual, n) if residual is not None else None
     w = gamma.reshape(n)
     b = beta.reshape(n) if beta is not None else None
-    st = reference.forward_steps(x2, r2, w, b, eps, rms, None)
+    branch = None
+    if dropout:  # the seed the op below draws from torch.Generator().manual_seed(seed)
+        key = torch.randint(0, 2**62, (), dtype=torch.int64, generator=torch.Generator().manual_seed(seed))
+        branch = Branch(dropout, key, None, None)
+    st = reference.forward_steps(x2, r2, w, b, eps, rms, None, branch)
     bare = reference.forward_steps(st["s"], None, None, None, 0.0, rms, None)
     out = {
         "x": x2,
@@ -229,7 +258,11 @@ def explain(
         "y": st["y"],
         "std_no_eps": torch.sqrt(bare["var"]),
         "xhat_no_eps": bare["xhat"],
+        "dropout": dropout,
     }
+    if branch is not None:
+        terms = reference.branch_terms(x2, branch, torch.arange(x2.shape[0]))
+        out["keep"], out["dropped"] = terms["keep"], terms["dropped"]
     out["check_mean"] = st["xhat"].mean(dim=-1)
     xh = st["xhat"]
     out["check_std"] = (xh * xh).mean(dim=-1).sqrt() if rms else xh.std(dim=-1, correction=0)
@@ -238,8 +271,8 @@ def explain(
     dt = x.dtype
     xt = x.detach().clone().requires_grad_(backward)
     rt = residual.to(dt).detach().clone().requires_grad_(backward) if residual is not None else None
-    wt = gamma.to(dt).requires_grad_(backward)
-    bt = beta.to(dt).requires_grad_(backward) if beta is not None else None
+    wt = gamma.to(dt).detach().clone().requires_grad_(backward)  # a copy even when dt is already float64
+    bt = beta.to(dt).detach().clone().requires_grad_(backward) if beta is not None else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if rt is None:
@@ -249,10 +282,11 @@ def explain(
                 else functional.layer_norm(xt, normalized_shape, wt, bt, eps)
             )
         else:
+            drop = dict(dropout_p=dropout, generator=torch.Generator().manual_seed(seed)) if dropout else {}
             y_op = (
-                functional.add_rms_norm(xt, rt, normalized_shape, wt, eps)
+                functional.add_rms_norm(xt, rt, normalized_shape, wt, eps, **drop)
                 if rms
-                else functional.add_layer_norm(xt, rt, normalized_shape, wt, bt, eps)
+                else functional.add_layer_norm(xt, rt, normalized_shape, wt, bt, eps, **drop)
             )
     out["warnings"] = [str(c.message) for c in caught]
     s64 = st["s"].reshape(x.shape).clone().requires_grad_(backward)
@@ -283,7 +317,7 @@ def explain(
         out["backward"]["autograd"] = auto
         out["backward"]["autograd_maxdiff"] = {k: _maxdiff(v, bs[k]) for k, v in auto.items() if v is not None}
         op_grads = {
-            "ds": xt.grad.reshape(-1, n),
+            "ds": (rt if rt is not None else xt).grad.reshape(-1, n),  # x's is ds only without dropout
             "dweight": wt.grad.reshape(n),
             "dbias": bt.grad.reshape(n) if bt is not None else None,
         }
@@ -360,6 +394,19 @@ def compare_batchnorm(x2: Tensor, eps: float) -> dict:
 # --------------------------------------------------------------------------- JSON
 
 
+MAX_JSON_NUMBERS = 1_000_000  # ~20 MB of JSON; explain is for examples a reader can follow
+
+
+def _count_numbers(value) -> int:
+    if isinstance(value, Tensor):
+        return value.numel()
+    if isinstance(value, dict):
+        return sum(_count_numbers(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_count_numbers(v) for v in value)
+    return 1
+
+
 def _plain(value):
     """Tensors -> nested lists; NaN/inf -> None, so that the JSON is strict."""
     if isinstance(value, Tensor):
@@ -388,6 +435,8 @@ class _Printer:
     def num(self, v: float) -> str:
         if math.isnan(v):
             return "nan"
+        if abs(v) >= 1e6 and math.isfinite(v):  # 1e300 as 1.0000e+300, not 301 digits
+            return f"{v:.{self.p}e}"
         text = f"{v:.{self.p}f}"
         return text[1:] if text.startswith("-") and not text.strip("-0.") else text  # no "-0.0000"
 
@@ -498,7 +547,17 @@ def _print_explanation(
     )
     if r["residual"] is not None:
         pr.matrix("residual (the sublayer's input, carried around it)", r["residual"], shape)
-        pr.matrix("Add: s = x + residual  (the norm sees s)", r["s"], shape)
+        if r["dropout"]:
+            p = r["dropout"]
+            pr.matrix(
+                f"Dropout keep mask (1 kept, 0 dropped; p = {p:g}): a hash of (seed, row, column)",
+                r["keep"].double(),
+                shape,
+            )
+            pr.matrix(f"dropout(x) = kept x / (1 − p) = x × {1 / (1 - p):.4g}, else 0", r["dropped"], shape)
+            pr.matrix("Add: s = residual + dropout(x)  (the norm sees s)", r["s"], shape)
+        else:
+            pr.matrix("Add: s = x + residual  (the norm sees s)", r["s"], shape)
     src = "s" if r["residual"] is not None else "x"
     if rms:
         stats = {
@@ -654,11 +713,193 @@ def _print_compare(cmp: dict, eps: float, pr: _Printer) -> None:
     )
 
 
+# --------------------------------------------------------------------------- --textbook
+
+
+@dataclass(frozen=True)
+class TextbookRow:
+    """A row where :mod:`addnorm.textbook` breaks: what it is, and the two lines that explain it
+    (format strings over the measurements of :func:`textbook_comparison`)."""
+
+    name: str
+    values: list[float]
+    dtype: torch.dtype
+    wrong: str
+    prevented: str
+
+
+# Each built from the seeds' first row [0.2, 0.1, 0.3]; each breaks the textbook's LayerNorm.
+TEXTBOOK_ROWS = [
+    TextbookRow(
+        "float32 row at a 1e6 offset (the seeds' row 0 + 1e6)",
+        [1e6 + 0.2, 1e6 + 0.1, 1e6 + 0.3],
+        torch.float32,
+        "float32 mean {mean:.4f}, not {exact_mean:.4f}: every x − μ is shifted by {shift_sigma:+.2f}σ",
+        "the mean correction (forward_rows) subtracts mean(x − μ), the first mean's rounding error",
+    ),
+    TextbookRow(
+        "constant row (three features of 1e6 + 0.1)",
+        [1e6 + 0.1] * 3,
+        torch.float32,
+        "float32 mean {mean:.4f}, not {exact_mean:.4f}: x − μ = {centered:g} ≫ √ε, so y = {y0:.4f}, not 0",
+        "the mean correction makes x − μ exactly 0, and ε inside the square root keeps 0/√ε = 0",
+    ),
+    TextbookRow(
+        "bfloat16 row near 1e20 (the seeds' row 0 × 1e21)",
+        [2e20, 1e20, 3e20],
+        torch.bfloat16,
+        "(x − μ)² reaches {max_square:.2g} > {dtype_max:.3g}, bfloat16's and float32's max: var = inf, y = 0",
+        "row_scale: the row is scaled by 2^-{scale_exponent} before squaring (float32 alone: off by "
+        "{float32_error:.2g})",
+    ),
+    TextbookRow(
+        "float16 row with one huge element (the seeds' row 0 and 1000)",
+        [0.2, 0.1, 0.3, 1000.0],
+        torch.float16,
+        "(x − μ)² reaches {max_square:.3g} > {dtype_max:.5g}, float16's max: var = inf, 1/std = 0, y = 0",
+        "statistics in float32 (stats_dtype; off by {float32_error:.1e}); row_scale (2^-{scale_exponent}) alone "
+        "also does",
+    ),
+]
+
+
+def _textbook_layer_norm(x: Tensor, eps: float) -> tuple[Tensor, tuple]:
+    from . import textbook
+
+    n = x.shape[-1]
+    return textbook.layer_norm_forward(x, torch.ones(n, dtype=x.dtype), torch.zeros(n, dtype=x.dtype), eps)
+
+
+def _exact(x: Tensor, eps: float, rms: bool = False) -> Tensor:
+    return reference.forward(x, None, None, None, eps=eps, rms=rms, residual_dtype=None)[0]
+
+
+def textbook_comparison(eps: float = 1e-5) -> dict:
+    """:mod:`addnorm.textbook` beside :func:`addnorm.reference.forward` (γ = 1, β = 0), both
+    against torch's LayerNorm in float64 (the oracle): on the seeds' worked example
+    (``worked_example_error``), then on each of :data:`TEXTBOOK_ROWS` (``cases``).
+
+    Per row: the input, the oracle, both forms' outputs and max errors, the same errors for
+    RMSNorm (ε the dtype's machine epsilon, as torch), what the textbook computed on the way
+    (its mean, its var from 1/std) and the two lines that explain it.
+    """
+    from . import textbook
+
+    x = torch.tensor(WORKED_INPUT)
+    oracle = TF.layer_norm(x.double(), x.shape[-1:], eps=eps)
+    worked = {
+        "textbook": _maxdiff(_textbook_layer_norm(x, eps)[0], oracle),
+        "reference": _maxdiff(_exact(x, eps), oracle),
+    }
+    cases = []
+    for row in TEXTBOOK_ROWS:
+        x = torch.tensor([row.values], dtype=row.dtype)
+        x64 = x.double()
+        oracle = TF.layer_norm(x64, x.shape[-1:], eps=eps)
+        tb_y, (_, _, tb_mean, tb_rstd) = _textbook_layer_norm(x, eps)
+        ref_y = _exact(x, eps)
+        rms_eps = torch.finfo(reference.stats_dtype(x.dtype)).eps
+        rms_oracle = TF.rms_norm(x64, x.shape[-1:], eps=rms_eps)
+        rms_tb = textbook.rms_norm_forward(x, torch.ones(x.shape[-1], dtype=x.dtype), rms_eps)[0]
+        exact_mean, exact_var = x64.mean().item(), x64.var(correction=0).item()
+        mean = tb_mean.double().item()
+        measured = {
+            "mean": mean,
+            "exact_mean": exact_mean,
+            "var": tb_rstd.double().item() ** -2 - eps if tb_rstd.item() != 0 else math.inf,
+            "exact_var": exact_var,
+            "shift_sigma": (mean - exact_mean) / math.sqrt(exact_var + eps),
+            "centered": (x[0, 0] - tb_mean[0, 0]).item(),
+            "y0": tb_y[0, 0].item(),
+            "max_square": ((x64 - exact_mean) ** 2).max().item(),
+            "dtype_max": torch.finfo(x.dtype).max,
+            "float32_error": _maxdiff(_textbook_layer_norm(x.float(), eps)[0], oracle),
+            "scale_exponent": round(-math.log2(reference.row_scale(x.float()).item())),
+        }
+        cases.append(
+            {
+                "name": row.name,
+                "dtype": str(x.dtype).removeprefix("torch."),
+                "x": x64[0],
+                "oracle": oracle[0],
+                "textbook": tb_y.double()[0],
+                "reference": ref_y.double()[0],
+                "textbook_error": _maxdiff(tb_y, oracle),
+                "reference_error": _maxdiff(ref_y, oracle),
+                "rms_textbook_error": _maxdiff(rms_tb, rms_oracle),
+                "rms_reference_error": _maxdiff(_exact(x, rms_eps, rms=True), rms_oracle),
+                "measured": measured,
+                "wrong": row.wrong.format(**measured),
+                "prevented": row.prevented.format(**measured),
+            }
+        )
+    return {"eps": eps, "worked_example_error": worked, "cases": cases}
+
+
+# significant digits that show each input value exactly (1000000.1875, not 1000000.2)
+_EXACT_DIGITS = {"float32": 12, "float16": 6, "bfloat16": 4}
+
+
+def _print_textbook(doc: dict, pr: _Printer) -> None:
+    from rich.table import Table
+
+    c = pr.console
+    eps, worked_error, cases = doc["eps"], doc["worked_example_error"], doc["cases"]
+    c.print(
+        "addnorm.textbook:  LayerNorm as a learner writes it (the seeds' formulas, in the input's dtype)\n"
+        "addnorm.reference: the exact form, which every backend runs\n"
+        f"error: max |y − torch's LayerNorm in float64|, eps = {eps:g} (RMSNorm: the dtype's machine epsilon)\n"
+        f"On the seeds' worked example both are right (error: textbook {worked_error['textbook']:.1e}, "
+        f"reference {worked_error['reference']:.1e}).\nOn these rows the textbook breaks:\n"
+    )
+    for i, case in enumerate(cases, 1):
+        pr.title(f"{i}. {case['name']}")
+        table = Table()
+        for col in ("", "values", "LayerNorm error", "RMSNorm error"):
+            table.add_column(col, justify="left" if col in ("", "values") else "right")
+        digits = _EXACT_DIGITS[case["dtype"]]
+        x_text = "[" + ", ".join(f"{v:.{digits}g}" for v in case["x"].tolist()) + "]"
+        table.add_row(f"x ({case['dtype']})", x_text, "", "")
+        table.add_row("float64 oracle", _vec(case["oracle"], pr), "", "")
+        for form, label in (("textbook", "textbook"), ("reference", "addnorm.reference")):
+            table.add_row(
+                label, _vec(case[form], pr), f"{case[f'{form}_error']:.1e}", f"{case[f'rms_{form}_error']:.1e}"
+            )
+        c.print(table)
+        c.print(f"textbook:  {case['wrong']}\nreference: {case['prevented']}\n")
+    c.print(
+        "RMSNorm has no mean to round, so rows 1-2 are right in its textbook form too; "
+        "its x² overflows as LayerNorm's (x − μ)² does in rows 3-4."
+    )
+
+
+def run_textbook(args) -> int:
+    """``addnorm explain --textbook``: :func:`textbook_comparison`, as tables or ``--json``."""
+    given = [k for k in TEXTBOOK_CONFLICTS if getattr(args, k) is not None and getattr(args, k) is not False]
+    extra = [f"--{k.replace('_', '-')}" for k in given] + (["--norm rms"] if args.norm != "layer" else [])
+    if extra:
+        raise UsageError(f"--textbook runs its own rows; drop {', '.join(extra)}")
+    if args.precision < 0 or args.precision > 12:
+        raise UsageError(f"--precision must be between 0 and 12, got {args.precision}")
+    doc = textbook_comparison()
+    if args.json:
+        print(json.dumps(_plain(doc), indent=1))
+    else:
+        _print_textbook(doc, _Printer(args.precision, (1,), (1,)))
+    return 0
+
+
+# the options of `addnorm explain` that --textbook does not take (it has its own rows)
+TEXTBOOK_CONFLICTS = ("input", "normalized_shape", "eps", "gamma", "beta", "residual", "backward", "grad", "compare")
+
+
 # --------------------------------------------------------------------------- command
 
 
 def run(args) -> int:
-    x = load_matrix(args.input, "--input") if args.input is not None else torch.tensor(WORKED_INPUT)
+    if args.textbook:
+        return run_textbook(args)
+    x = torch.tensor(WORKED_INPUT, dtype=torch.float64) if args.input is None else load_matrix(args.input, "--input")
     normalized_shape = parse_shape(args.normalized_shape) if args.normalized_shape else (x.shape[-1],)
     k = len(normalized_shape)
     if x.dim() < k or tuple(x.shape[-k:]) != normalized_shape:
@@ -671,6 +912,15 @@ def run(args) -> int:
         raise UsageError("--beta: RMSNorm has no bias (β); drop --beta or use --norm layer")
     if args.compare and (rms or args.residual is not None or args.backward):
         raise UsageError("--compare batchnorm compares plain LayerNorm; drop --norm rms, --residual and --backward")
+    if args.compare and x.numel() // math.prod(normalized_shape) < 2:
+        raise UsageError(
+            "--compare batchnorm needs at least 2 rows: BatchNorm normalizes each feature over the "
+            "rows of the batch, and a single row leaves it nothing to normalize over"
+        )
+    if args.dropout and args.residual is None:
+        raise UsageError("--dropout drops the sublayer output x before it is added to --residual: add --residual")
+    if not 0 <= args.dropout < 1:
+        raise UsageError(f"--dropout must be a probability in [0, 1), got {args.dropout}")
     if args.grad is not None and not args.backward:
         raise UsageError("--grad is the upstream gradient of --backward; add --backward")
     if args.precision < 0 or args.precision > 12:
@@ -702,6 +952,8 @@ def run(args) -> int:
         residual=residual,
         grad=grad,
         backward=args.backward,
+        dropout=args.dropout,
+        seed=args.seed,
     )
     cmp = compare_batchnorm(r["x"], eps) if args.compare else None
     if args.json:
@@ -719,6 +971,13 @@ def run(args) -> int:
             doc["backward"] = r["backward"]
         if cmp is not None:
             doc["compare_batchnorm"] = cmp
+        count = _count_numbers(doc)
+        if count > MAX_JSON_NUMBERS:
+            raise UsageError(
+                f"--json would print {count:,} numbers (about {count * 20 / 1e6:.0f} MB); explain shows "
+                f"small examples in full: give a smaller --input (at most {MAX_JSON_NUMBERS:,} numbers "
+                "in all), or drop --json (the tables elide the middle of large inputs)"
+            )
         print(json.dumps(_plain(doc), indent=1))
         return 0
     pr = _Printer(args.precision, tuple(x.shape[:-k]), normalized_shape)
@@ -743,7 +1002,7 @@ def register(sub) -> None:
         "of eps; the hand-derived backward (--backward); BatchNorm beside it (--compare). "
         "Default input: the worked example [[0.2,0.1,0.3],[0.5,0.1,0.1]].",
     )
-    p.add_argument("--input", metavar="MATRIX|FILE", help=MATRIX_HELP)
+    p.add_argument("--input", metavar="MATRIX|FILE", help=MATRIX_HELP + " (a literal is read in float64)")
     p.add_argument(
         "--normalized-shape",
         metavar="DIMS",
@@ -759,9 +1018,22 @@ def register(sub) -> None:
     p.add_argument("--beta", metavar="VALUES", help="bias β: one number, or one per feature (default 0)")
     p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="LayerNorm (default) or RMSNorm")
     p.add_argument("--residual", metavar="MATRIX|FILE", help="Add & Norm: normalize s = input + residual")
+    p.add_argument(
+        "--dropout",
+        metavar="P",
+        type=float,
+        default=0.0,
+        help="with --residual: residual dropout of x before the add, as the original Transformer (P_drop 0.1)",
+    )
+    p.add_argument("--seed", metavar="S", type=int, default=0, help="the generator seed of --dropout's mask")
     p.add_argument("--backward", action="store_true", help="the hand-derived backward beside autograd's")
     p.add_argument("--grad", metavar="MATRIX|FILE", help="upstream gradient for --backward (default: ones)")
     p.add_argument("--compare", choices=["batchnorm"], help="put BatchNorm beside LayerNorm")
+    p.add_argument(
+        "--textbook",
+        action="store_true",
+        help="the textbook form (addnorm.textbook) beside the exact one on rows where the textbook breaks",
+    )
     p.add_argument("--json", action="store_true", help="print the same numbers as JSON (full precision)")
-    p.add_argument("--precision", type=int, default=4, help="digits after the point in tables (default 4)")
+    p.add_argument("--precision", metavar="N", type=int, default=4, help="digits after the point in tables (default 4)")
     p.set_defaults(func=run)

@@ -4,7 +4,7 @@ Every function normalizes over the trailing ``normalized_shape`` dims of ``x``, 
 its statistics in float32 (float64 for float64 input), returns ``y`` in the dtype of
 ``x``, and is differentiable through a hand-written backward (see
 :mod:`addnorm.reference` for the formulas). ``backend`` picks the implementation:
-``"auto"`` (by device, dtype and size at call time), ``"reference"``, or a kernel
+``"auto"`` (by device at call time: every size keeps the same numerics), ``"reference"``, or a kernel
 backend when installed (``addnorm info`` lists them).
 
 For inference loops, ``out=`` (and ``residual_out=`` for the stream ``s`` of the Add & Norm
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .ops import _check_float_tensor, add_norm
+from .ops import Sublayer, _check_float_tensor, add_norm
 
 Shape = int | Sequence[int]
 
@@ -32,11 +32,13 @@ def layer_norm(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     *,
+    zero_centered_weight: bool = False,
     backend: str = "auto",
     out: Tensor | None = None,
 ) -> Tensor:
     """``weight * (x - mean) / sqrt(var + eps) + bias`` over the trailing ``normalized_shape``
-    dims, with the biased variance; as :func:`torch.nn.functional.layer_norm`."""
+    dims, with the biased variance; as :func:`torch.nn.functional.layer_norm`.
+    ``zero_centered_weight=True`` scales by ``1 + weight`` (computed in float32)."""
     return add_norm(
         x,
         None,
@@ -49,6 +51,7 @@ def layer_norm(
         residual_dtype=None,
         backend=backend,
         out=out,
+        sublayer=Sublayer(zero_centered_weight=zero_centered_weight),
     )
 
 
@@ -58,12 +61,14 @@ def rms_norm(
     weight: Tensor | None = None,
     eps: float | None = None,
     *,
+    zero_centered_weight: bool = False,
     backend: str = "auto",
     out: Tensor | None = None,
 ) -> Tensor:
     """``weight * x / sqrt(mean(x**2) + eps)`` over the trailing ``normalized_shape`` dims;
     ``eps=None`` means the machine epsilon of the compute dtype (float32's for float16,
-    bfloat16 and float32 input; float64's for float64), as :func:`torch.nn.functional.rms_norm`."""
+    bfloat16 and float32 input; float64's for float64), as :func:`torch.nn.functional.rms_norm`.
+    ``zero_centered_weight=True`` scales by ``1 + weight`` (Gemma's RMSNorm)."""
     return add_norm(
         x,
         None,
@@ -76,6 +81,7 @@ def rms_norm(
         residual_dtype=None,
         backend=backend,
         out=out,
+        sublayer=Sublayer(zero_centered_weight=zero_centered_weight),
     )
 
 
@@ -89,10 +95,16 @@ def add_layer_norm(
     *,
     prenorm: bool = False,
     residual_dtype: torch.dtype | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    layer_scale: Tensor | None = None,
+    rowscale: Tensor | None = None,
+    zero_centered_weight: bool = False,
+    return_dropout_mask: bool = False,
     backend: str = "auto",
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+) -> Tensor | tuple[Tensor, ...]:
     """Add & Norm with LayerNorm: ``s = x + residual``, then ``layer_norm(s)``.
 
     ``prenorm=False`` (post-norm, the original Transformer: ``LN(x + sublayer(x))``) returns
@@ -100,6 +112,23 @@ def add_layer_norm(
     ``(layer_norm(s), s)``, where ``s`` is the new residual stream. ``s`` is computed in
     ``residual_dtype`` when given (e.g. ``torch.float32`` to keep the stream in fp32
     under bf16 activations), else in torch's promotion of the two dtypes.
+
+    The sublayer branch (keyword-only, all off by default) is fused into the add::
+
+        s = residual + rowscale * layer_scale * dropout(x, dropout_p)
+
+    - ``dropout_p``: inverted dropout of the sublayer output ``x`` (never of the residual), kept
+      elements scaled by ``1 / (1 - p)``; the keep mask is a hash of ``(seed, row, column)``
+      (:func:`addnorm.reference.keep_mask`), the seed drawn from ``generator`` (torch's default
+      generator of ``x``'s device when None), the same bits on every backend, recomputed by the
+      backward, never stored. Call with ``dropout_p=0`` in evaluation (as ``nn.Dropout`` in
+      ``eval()``; :class:`addnorm.AddNorm` does so). ``return_dropout_mask=True`` also returns the
+      mask (a bool tensor of ``x``'s shape), last.
+    - ``layer_scale``: a learnable per-feature factor of ``normalized_shape`` (CaiT, DeiT III).
+    - ``rowscale``: a per-row factor of ``x``'s leading dims (drop path / stochastic depth), no
+      gradient.
+    - ``zero_centered_weight=True``: the norm scales by ``1 + weight`` (computed in float32), so
+      that weight decay pulls the scale toward 1 (Gemma).
     """
     if type(residual) is not Tensor:  # None here would silently be a plain norm
         _check_float_tensor("residual", residual)
@@ -116,6 +145,7 @@ def add_layer_norm(
         backend=backend,
         out=out,
         residual_out=residual_out,
+        sublayer=Sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
     )
 
 
@@ -128,11 +158,18 @@ def add_rms_norm(
     *,
     prenorm: bool = False,
     residual_dtype: torch.dtype | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
+    layer_scale: Tensor | None = None,
+    rowscale: Tensor | None = None,
+    zero_centered_weight: bool = False,
+    return_dropout_mask: bool = False,
     backend: str = "auto",
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`."""
+) -> Tensor | tuple[Tensor, ...]:
+    """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`, the sublayer
+    branch (dropout, layer scale, rowscale) and ``zero_centered_weight`` included."""
     if type(residual) is not Tensor:  # None here would silently be a plain norm
         _check_float_tensor("residual", residual)
     return add_norm(
@@ -148,4 +185,5 @@ def add_rms_norm(
         backend=backend,
         out=out,
         residual_out=residual_out,
+        sublayer=Sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
     )

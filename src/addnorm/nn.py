@@ -32,6 +32,15 @@ class _NotScriptable:
         )
 
 
+def _zero_centered(norm: nn.Module, zero_centered_weight: bool) -> None:
+    """Set ``norm.zero_centered_weight`` (a weight is needed) and start the weight at 0."""
+    norm.zero_centered_weight = ops.check_flag("zero_centered_weight", zero_centered_weight)
+    if zero_centered_weight:
+        if norm.weight is None:
+            raise ValueError("zero_centered_weight=True scales by 1 + weight: it needs elementwise_affine=True")
+        norm.reset_parameters()
+
+
 class LayerNorm(_NotScriptable, nn.LayerNorm):
     r"""Layer Normalization over the trailing ``normalized_shape`` dims.
 
@@ -45,6 +54,8 @@ class LayerNorm(_NotScriptable, nn.LayerNorm):
         eps: added to the variance inside the square root. Default: 1e-5.
         elementwise_affine: learnable ``weight`` (γ, init 1) and ``bias`` (β, init 0).
         bias: with ``elementwise_affine``, whether to learn ``bias``. Default: True.
+        zero_centered_weight: scale by ``1 + weight`` (``weight`` then starts at 0), so that
+            weight decay pulls the scale toward 1 (keyword only).
         backend: ``"auto"``, ``"reference"`` or a kernel backend (keyword only).
 
     Shape:
@@ -56,6 +67,8 @@ class LayerNorm(_NotScriptable, nn.LayerNorm):
         >>> y = ln(torch.randn(4, 16, 768))
     """
 
+    zero_centered_weight = False  # (a class default too: for torch norms that addnorm.patch re-classes)
+
     def __init__(
         self,
         normalized_shape: Shape,
@@ -65,13 +78,28 @@ class LayerNorm(_NotScriptable, nn.LayerNorm):
         device=None,
         dtype=None,
         *,
+        zero_centered_weight: bool = False,
         backend: str = "auto",
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        _zero_centered(self, zero_centered_weight)
         self.backend = ops.check_backend(backend)
 
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self, "zero_centered_weight", False):
+            nn.init.zeros_(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, backend=self.backend)
+        return F.layer_norm(
+            x,
+            self.normalized_shape,
+            self.weight,
+            self.bias,
+            self.eps,
+            zero_centered_weight=self.zero_centered_weight,
+            backend=self.backend,
+        )
 
 
 class RMSNorm(_NotScriptable, nn.RMSNorm):
@@ -84,8 +112,11 @@ class RMSNorm(_NotScriptable, nn.RMSNorm):
     is float64), as :class:`torch.nn.RMSNorm`.
     Statistics are computed in float32 (float64 for float64 input).
 
-    Args and Shape: as :class:`torch.nn.RMSNorm`, plus ``backend`` (keyword only).
+    Args and Shape: as :class:`torch.nn.RMSNorm`, plus ``zero_centered_weight`` (as
+    :class:`LayerNorm`: Gemma's ``1 + weight``) and ``backend`` (keyword only).
     """
+
+    zero_centered_weight = False
 
     def __init__(
         self,
@@ -95,13 +126,27 @@ class RMSNorm(_NotScriptable, nn.RMSNorm):
         device=None,
         dtype=None,
         *,
+        zero_centered_weight: bool = False,
         backend: str = "auto",
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        _zero_centered(self, zero_centered_weight)
         self.backend = ops.check_backend(backend)
 
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if getattr(self, "zero_centered_weight", False):
+            nn.init.zeros_(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps, backend=self.backend)
+        return F.rms_norm(
+            x,
+            self.normalized_shape,
+            self.weight,
+            self.eps,
+            zero_centered_weight=self.zero_centered_weight,
+            backend=self.backend,
+        )
 
 
 class AddNorm(_NotScriptable, nn.Module):
@@ -122,10 +167,22 @@ class AddNorm(_NotScriptable, nn.Module):
         elementwise_affine, bias, device, dtype: as :class:`torch.nn.LayerNorm`
             (``bias`` is ignored by ``"rms"``, which has none).
         residual_dtype: dtype of ``s`` (e.g. ``torch.float32`` under bf16).
+        dropout: residual dropout of the sublayer output ``x`` (the original Transformer's
+            P_drop = 0.1), fused into the add, applied in ``train()`` mode only, as
+            :class:`torch.nn.Dropout`; ``generator``: where its seeds come from (torch's default
+            generator when None).
+        layer_scale: a learnable per-feature scale of ``x`` before the add (CaiT, DeiT III),
+            initialised to ``layer_scale_init``.
+        zero_centered_weight: the norm scales by ``1 + weight`` (see :class:`LayerNorm`).
         backend: ``"auto"``, ``"reference"`` or a kernel backend.
 
-    The parameters live in ``self.norm`` (an addnorm :class:`LayerNorm` or :class:`RMSNorm`),
-    so ``state_dict`` keys are ``norm.weight`` and ``norm.bias``.
+    ``forward(x, residual, rowscale=None)``: ``rowscale``, one factor per row of ``x``'s
+    leading dims, scales the sublayer output too (drop path / stochastic depth), so that
+    ``s = residual + rowscale * layer_scale * dropout(x)``.
+
+    The norm's parameters live in ``self.norm`` (an addnorm :class:`LayerNorm` or
+    :class:`RMSNorm`), so ``state_dict`` keys are ``norm.weight`` and ``norm.bias`` (and
+    ``layer_scale``).
     """
 
     def __init__(
@@ -138,35 +195,54 @@ class AddNorm(_NotScriptable, nn.Module):
         elementwise_affine: bool = True,
         bias: bool = True,
         residual_dtype: torch.dtype | None = None,
+        dropout: float = 0.0,
+        generator: torch.Generator | None = None,
+        layer_scale: bool = False,
+        layer_scale_init: float = 1e-5,
+        zero_centered_weight: bool = False,
         device=None,
         dtype=None,
         backend: str = "auto",
     ) -> None:
         super().__init__()
+        common = dict(zero_centered_weight=zero_centered_weight, backend=backend)
         if norm == "layer":
             self.norm: LayerNorm | RMSNorm = LayerNorm(
-                normalized_shape,
-                1e-5 if eps is None else eps,
-                elementwise_affine,
-                bias,
-                device,
-                dtype,
-                backend=backend,
+                normalized_shape, 1e-5 if eps is None else eps, elementwise_affine, bias, device, dtype, **common
             )
         elif norm == "rms":
-            self.norm = RMSNorm(normalized_shape, eps, elementwise_affine, device, dtype, backend=backend)
+            self.norm = RMSNorm(normalized_shape, eps, elementwise_affine, device, dtype, **common)
         else:
             raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
         self.kind = norm
         self.prenorm = ops.check_flag("prenorm", prenorm)
         self.residual_dtype = ops.check_residual_dtype(residual_dtype)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
+            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout!r}")
+        self.dropout = float(dropout)
+        self.generator = generator
+        self.layer_scale = None
+        if ops.check_flag("layer_scale", layer_scale):
+            shape = self.norm.normalized_shape
+            self.layer_scale = nn.Parameter(torch.full(shape, float(layer_scale_init), device=device, dtype=dtype))
 
-    def forward(self, x: Tensor, residual: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, residual: Tensor, rowscale: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         n = self.norm
-        common = dict(prenorm=self.prenorm, residual_dtype=self.residual_dtype, backend=n.backend)
+        common = dict(
+            prenorm=self.prenorm,
+            residual_dtype=self.residual_dtype,
+            dropout_p=self.dropout if self.training else 0.0,
+            generator=self.generator,
+            layer_scale=self.layer_scale,
+            rowscale=rowscale,
+            zero_centered_weight=n.zero_centered_weight,
+            backend=n.backend,
+        )
         if self.kind == "layer":
             return F.add_layer_norm(x, residual, n.normalized_shape, n.weight, n.bias, n.eps, **common)
         return F.add_rms_norm(x, residual, n.normalized_shape, n.weight, n.eps, **common)
 
     def extra_repr(self) -> str:
-        return f"norm={self.kind!r}, prenorm={self.prenorm}, residual_dtype={self.residual_dtype}"
+        extra = f", dropout={self.dropout}" if self.dropout else ""
+        extra += ", layer_scale=True" if self.layer_scale is not None else ""
+        return f"norm={self.kind!r}, prenorm={self.prenorm}, residual_dtype={self.residual_dtype}{extra}"

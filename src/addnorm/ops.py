@@ -64,6 +64,7 @@ def plan(
     residual: Tensor | None,
     residual_dtype: torch.dtype | None,
     prenorm: bool,
+    branch: backends.Branch | None = None,
 ) -> Plan:
     """One plan for both ways a training call runs (eager and the custom op).
 
@@ -72,8 +73,13 @@ def plan(
     never writes ``s``: in a Transformer the memory kept is the same (``residual`` is kept anyway
     as the input of the next sublayer), and a fresh output fewer is written. Only when both
     already have the stream dtype, so that the sum is bit for bit the forward's. (Inference,
-    :func:`_infer`, writes the stream only when it is returned, and no statistics.)
+    :func:`_infer`, writes the stream only when it is returned, and no statistics.) With a
+    branch (dropout, layer scale, rowscale) every backend saves ``x`` and ``residual``: ``dx`` is
+    not ``ds``, the layer scale's gradient reads ``x``, and the keep mask is recomputed from the
+    seed, never saved.
     """
+    if branch is not None:
+        return Plan(prenorm, True)
     save_inputs = (
         residual is not None
         and not prenorm
@@ -92,9 +98,10 @@ def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _rows(x: Tensor) -> tuple[int, ...]:
-    """The shape of the forward op's statistics: one per row, ``x.shape[:-1]``. Its placeholders
-    (RMSNorm's mean, a stream not written) are empty, of shape ``_rows(x) + (0,)``. Keeping x's
-    leading dims lets a DTensor shard them like x's (:mod:`addnorm.sharding`)."""
+    """The shape of the ops' per-row tensors: one per row, ``x.shape[:-1]`` (the statistics,
+    ``rowscale``). Their row-shaped placeholders (RMSNorm's mean, a stream or ``dx`` not written)
+    are empty, of shape ``_rows(x) + (0,)``. Keeping x's leading dims lets a DTensor shard them
+    like x's (:mod:`addnorm.sharding`); a backend takes them flat."""
     return x.shape[:-1]
 
 
@@ -108,11 +115,24 @@ def _forward_impl(
     residual_dtype: torch.dtype | None,
     backend: str,
     prenorm: bool,
+    dropout_p: float = 0.0,
+    seed: Tensor | None = None,
+    layer_scale: Tensor | None = None,
+    rowscale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = backends.resolve(backend, x)
-    p = plan(impl, x, residual, residual_dtype, prenorm)
+    branch = _branch(dropout_p, seed, layer_scale, rowscale)
+    p = plan(impl, x, residual, residual_dtype, prenorm, branch)
     y, s, mean, rstd = impl.forward(
-        x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype, write_stream=p.write_stream
+        x,
+        residual,
+        weight,
+        bias,
+        eps=eps,
+        rms=rms,
+        residual_dtype=residual_dtype,
+        write_stream=p.write_stream,
+        branch=branch,
     )
     cd = rstd.dtype
     return (
@@ -123,9 +143,16 @@ def _forward_impl(
     )
 
 
-def _run_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend):
+def _branch(p: float, seed: Tensor | None, layer_scale: Tensor | None, rowscale: Tensor | None):
+    """The :class:`~addnorm.backend.Branch` of these arguments, None when it changes nothing
+    (``rowscale`` flat, one factor per row, as backends take it)."""
+    rowscale = None if rowscale is None else rowscale.reshape(-1)
+    return backends.active(backends.Branch(p, seed, layer_scale, rowscale))
+
+
+def _run_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend, *branch_args) -> backends.Grads:
     return backends.resolve(backend, s_parts[0]).backward(
-        dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms, has_bias=has_bias
+        dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms, has_bias=has_bias, branch=_branch(*branch_args)
     )
 
 
@@ -139,15 +166,21 @@ def _backward_impl(
     rms: bool,
     has_bias: bool,
     backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    # the op's statistics keep x's leading dims (_rows); a backend takes them flat
-    mean = None if mean is None else mean.reshape(-1)
-    ds, dweight, dbias = _run_backward(dy, dstream, s_parts, weight, mean, rstd.reshape(-1), rms, has_bias, backend)
+    dropout_p: float = 0.0,
+    seed: Tensor | None = None,
+    layer_scale: Tensor | None = None,
+    rowscale: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    mean = None if mean is None else mean.reshape(-1)  # statistics flat, as backends take them
+    branch_args = (dropout_p, seed, layer_scale, rowscale)
+    g = _run_backward(dy, dstream, s_parts, weight, mean, rstd.reshape(-1), rms, has_bias, backend, *branch_args)
     cd = rstd.dtype
     return (
-        ds.contiguous(),
-        dweight if dweight is not None else _empty(ds, cd),
-        dbias if dbias is not None else _empty(ds, cd),
+        g.ds.contiguous(),
+        g.dweight if g.dweight is not None else _empty(g.ds, cd),
+        g.dbias if g.dbias is not None else _empty(g.ds, cd),
+        g.dx.contiguous() if g.dx is not None else g.ds.new_empty((*_rows(g.ds), 0)),
+        g.dlayer_scale if g.dlayer_scale is not None else _empty(g.ds, cd),
     )
 
 
@@ -156,8 +189,23 @@ _backward_op = torch.library.custom_op("addnorm::backward", _backward_impl, muta
 
 
 @_forward_op.register_fake
-def _forward_fake(x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm):
-    p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm)
+def _forward_fake(
+    x,
+    residual,
+    weight,
+    bias,
+    eps,
+    rms,
+    residual_dtype,
+    backend,
+    prenorm,
+    dropout_p=0.0,
+    seed=None,
+    layer_scale=None,
+    rowscale=None,
+):
+    branch = _branch(dropout_p, seed, layer_scale, rowscale)
+    p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm, branch)
     sd = reference.stream_dtype(x, residual, residual_dtype)
     cd = reference.stats_dtype(sd)
     s = x.new_empty(x.shape, dtype=sd) if p.write_stream else x.new_empty((*_rows(x), 0))
@@ -166,12 +214,28 @@ def _forward_fake(x, residual, weight, bias, eps, rms, residual_dtype, backend, 
 
 
 @_backward_op.register_fake
-def _backward_fake(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend):
-    s = s_parts[0]
+def _backward_fake(
+    dy,
+    dstream,
+    s_parts,
+    weight,
+    mean,
+    rstd,
+    rms,
+    has_bias,
+    backend,
+    dropout_p=0.0,
+    seed=None,
+    layer_scale=None,
+    rowscale=None,
+):
+    s = s_parts[-1]  # ds and dx have the stream dtype: the residual's with a branch
     n, cd = s.shape[-1], rstd.dtype
-    dweight = s.new_empty((n,), dtype=cd) if weight is not None else _empty(s, cd)
-    dbias = s.new_empty((n,), dtype=cd) if has_bias else _empty(s, cd)
-    return s.new_empty(s.shape), dweight, dbias
+    branch = _branch(dropout_p, seed, layer_scale, rowscale)
+    vector = lambda present: s.new_empty((n,), dtype=cd) if present else _empty(s, cd)  # noqa: E731
+    dx = s.new_empty(s.shape) if branch is not None else s.new_empty((*_rows(s), 0))
+    layer_scaled = branch is not None and branch.layer_scale is not None
+    return s.new_empty(s.shape), vector(weight is not None), vector(has_bias), dx, vector(layer_scaled)
 
 
 def _saved(x: Tensor, residual: Tensor | None, s: Tensor | None, p: Plan) -> tuple[Tensor, ...]:
@@ -180,10 +244,21 @@ def _saved(x: Tensor, residual: Tensor | None, s: Tensor | None, p: Plan) -> tup
     return (x, residual) if p.save_inputs else (x if residual is None else s,)
 
 
-def _meta(x, residual, bias, eps, rms, backend, stream_output: bool) -> tuple:
-    """What the backward needs besides tensors, in one ctx attribute (``stream_output``: whether
-    the stream is an output with a gradient to take)."""
-    return (
+class _Meta(NamedTuple):
+    """What the backward needs besides the saved tensors, in one ctx attribute."""
+
+    x_dtype: torch.dtype
+    residual_dtype: torch.dtype | None
+    bias_dtype: torch.dtype | None
+    eps: float
+    rms: bool
+    backend: str
+    stream_output: bool  # the stream is an output with a gradient to take
+    dropout_p: float
+
+
+def _meta(x, residual, bias, eps, rms, backend, stream_output, dropout_p) -> _Meta:
+    return _Meta(
         x.dtype,
         None if residual is None else residual.dtype,
         None if bias is None else bias.dtype,
@@ -191,48 +266,55 @@ def _meta(x, residual, bias, eps, rms, backend, stream_output: bool) -> tuple:
         rms,
         backend,
         stream_output,
+        dropout_p,
     )
 
 
 def _setup_context(ctx, inputs, output):
     """The custom op's autograd: the plan its forward made, the statistics saved as tensors."""
-    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm = inputs
+    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, p, seed, layer_scale, rowscale = inputs
     y, s, mean, rstd = output
-    p = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm)
-    ctx.save_for_backward(weight, None if rms else mean, rstd, *_saved(x, residual, s, p))
+    branch = _branch(p, seed, layer_scale, rowscale)
+    pl = plan(backends.resolve(backend, x), x, residual, residual_dtype, prenorm, branch)
+    ctx.save_for_backward(weight, None if rms else mean, rstd, seed, layer_scale, rowscale, *_saved(x, residual, s, pl))
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
-    ctx.meta = _meta(x, residual, bias, eps, rms, backend, p.write_stream)
+    ctx.meta = _meta(x, residual, bias, eps, rms, backend, pl.write_stream, p)
 
 
 def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)  # .to() itself costs ~1 µs even when a no-op
 
 
-def _grads(dy, dstream, weight, mean, rstd, s_parts, meta, backward_fn) -> tuple:
-    """``(dx, dresidual, dweight, dbias)``: the one backward of both autograd wrappers."""
-    x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_written = meta
+def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
+    """``(dx, dresidual, dweight, dbias, dlayer_scale)``: the one backward of both autograd
+    wrappers, from the saved ``(weight, mean, rstd, seed, layer_scale, rowscale, *s_parts)``."""
+    weight, mean, rstd, seed, layer_scale, rowscale, *s_parts = saved
+    branch_args = (meta.dropout_p, seed, layer_scale, rowscale)
+    branch = _branch(*branch_args)
     if dy is None:  # only the stream output was used (zeros_like: a DTensor's zeros are one too)
-        dy = torch.zeros_like(s_parts[0], dtype=x_dtype)
-    if not stream_written:  # no stream output, or an empty placeholder (its gradient too)
+        dy = torch.zeros_like(s_parts[0], dtype=meta.x_dtype)
+    if not meta.stream_output:  # no stream output, or an empty placeholder (its gradient too)
         dstream = None
-    has_bias = bias_dtype is not None
+    has_bias = meta.bias_dtype is not None
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
-        s = s_parts[0] if len(s_parts) == 1 else s_parts[0] + s_parts[1]
-        ds, dweight, dbias = reference.differentiable_backward(dy, dstream, s, weight, eps, rms, has_bias)
+        g = reference.differentiable_backward(dy, dstream, tuple(s_parts), weight, meta.eps, meta.rms, has_bias, branch)
     else:
-        ds, dweight, dbias = backward_fn(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend)
+        g = backends.Grads(
+            *backward_fn(dy, dstream, s_parts, weight, mean, rstd, meta.rms, has_bias, meta.backend, *branch_args)
+        )
     return (
-        _to(ds, x_dtype),
-        None if residual_dtype is None else _to(ds, residual_dtype),
-        None if weight is None else _to(dweight, weight.dtype),
-        _to(dbias, bias_dtype) if has_bias else None,
+        _to(g.ds if branch is None else g.dx, meta.x_dtype),
+        None if meta.residual_dtype is None else _to(g.ds, meta.residual_dtype),
+        None if weight is None else _to(g.dweight, weight.dtype),
+        _to(g.dbias, meta.bias_dtype) if has_bias else None,
+        _to(g.dlayer_scale, layer_scale.dtype) if layer_scale is not None else None,
     )
 
 
 def _op_backward(ctx, dy, dstream, _dmean, _drstd):
-    weight, mean, rstd, *s_parts = ctx.saved_tensors
-    return _grads(dy, dstream, weight, mean, rstd, s_parts, ctx.meta, _backward_op) + (None,) * 5
+    dx, dresidual, dweight, dbias, dlayer_scale = _grads(dy, dstream, ctx.saved_tensors, ctx.meta, _backward_op)
+    return (dx, dresidual, dweight, dbias) + (None,) * 7 + (dlayer_scale, None)
 
 
 _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -246,26 +328,34 @@ class _EagerAddNorm(torch.autograd.Function):
     ``Function.apply`` binds the arguments with ``inspect.signature`` on every call.)"""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, options):
-        eps, rms, residual_dtype, backend, prenorm = options
+    def forward(ctx, x, residual, weight, bias, layer_scale, options):
+        eps, rms, residual_dtype, backend, prenorm, p, seed, rowscale = options
         impl = backends.resolve(backend, x)
-        p = plan(impl, x, residual, residual_dtype, prenorm)
+        branch = _branch(p, seed, layer_scale, rowscale)
+        pl = plan(impl, x, residual, residual_dtype, prenorm, branch)
         y, s, mean, rstd = impl.forward(
-            x, residual, weight, bias, eps=eps, rms=rms, residual_dtype=residual_dtype, write_stream=p.write_stream
+            x,
+            residual,
+            weight,
+            bias,
+            eps=eps,
+            rms=rms,
+            residual_dtype=residual_dtype,
+            write_stream=pl.write_stream,
+            branch=branch,
         )
-        ctx.save_for_backward(weight, mean, rstd, *_saved(x, residual, s, p))
+        ctx.save_for_backward(weight, mean, rstd, seed, layer_scale, rowscale, *_saved(x, residual, s, pl))
         # s is an output whenever it is written (and so saved), so that a second derivative
         # reaches x and residual through it; post-norm discards it
-        ctx.meta = _meta(x, residual, bias, eps, rms, backend, p.write_stream)
-        if not p.write_stream:
+        ctx.meta = _meta(x, residual, bias, eps, rms, backend, pl.write_stream, p)
+        if not pl.write_stream:
             return y
         ctx.set_materialize_grads(False)
         return y, s
 
     @staticmethod
     def backward(ctx, dy, dstream=None):
-        weight, mean, rstd, *s_parts = ctx.saved_tensors
-        return (*_grads(dy, dstream, weight, mean, rstd, s_parts, ctx.meta, _run_backward), None)
+        return (*_grads(dy, dstream, ctx.saved_tensors, ctx.meta, _run_backward), None)
 
 
 # Function.apply's Python wrapper binds setup_context arguments and unwraps functorch tensors:
@@ -411,6 +501,22 @@ def _check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
 # --------------------------------------------------------------------------- entry point
 
 
+class Sublayer(NamedTuple):
+    """The keyword-only arguments on the sublayer branch of Add & Norm and on the weight (all off
+    by default): ``s = residual + rowscale * layer_scale * dropout(x)``, the norm scaled by
+    ``1 + weight`` when ``zero_centered_weight``."""
+
+    dropout_p: float = 0.0
+    generator: torch.Generator | None = None
+    layer_scale: Tensor | None = None
+    rowscale: Tensor | None = None
+    zero_centered_weight: bool = False
+    return_dropout_mask: bool = False
+
+
+_NO_SUBLAYER = Sublayer()
+
+
 def add_norm(
     x: Tensor,
     residual: Tensor | None,
@@ -425,11 +531,14 @@ def add_norm(
     backend: str,
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+    sublayer: Sublayer = _NO_SUBLAYER,
+) -> Tensor | tuple[Tensor, ...]:
     """The one entry point behind every function of :mod:`addnorm.functional` (module docstring)."""
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
         eps = _RMS_DEFAULT_EPS.get(getattr(x, "dtype", None), 0.0)
     if isinstance(x, Tensor) and x.is_nested:
+        if sublayer != _NO_SUBLAYER:
+            raise TypeError("dropout_p, layer_scale, rowscale and zero_centered_weight take plain tensors, not nested")
         return _nested(
             x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out
         )
@@ -438,35 +547,31 @@ def add_norm(
         check_flag("prenorm", prenorm)
     if backend != "auto":
         check_backend(backend)
+    branch = None
+    if sublayer != _NO_SUBLAYER:  # a field off its default (cheap: a tuple comparison)
+        weight, branch = _sublayer(x, residual, shape, weight, sublayer)
     if (_is_exporting() or _tracing_state() is not None) and torch.onnx.is_in_onnx_export():
-        return _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype)
+        branch = None if branch is None else _branch(*branch)  # rowscale flat
+        return _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, branch)
     if len(shape) > 1:  # rows of n features: the normalized dims flattened into one
         n = math.prod(shape)
-        y = add_norm(
-            x.flatten(-len(shape)),
-            None if residual is None else residual.flatten(-len(shape)),
-            n,
-            None if weight is None else weight.reshape(n),
-            None if bias is None else bias.reshape(n),
-            eps,
-            rms=rms,
-            prenorm=prenorm,
-            residual_dtype=residual_dtype,
-            backend=backend,
-            out=None if out is None else out.view(*x.shape[: -len(shape)], n),
-            residual_out=None if residual_out is None else residual_out.view(*x.shape[: -len(shape)], n),
-        )
-        return (y[0].view(x.shape), y[1].view(x.shape)) if prenorm else y.view(x.shape)
+        flat = lambda t: None if t is None else t.reshape(*t.shape[: t.dim() - len(shape)], n)  # noqa: E731
+        x, residual, weight, bias, out, residual_out = map(flat, (x, residual, weight, bias, out, residual_out))
+        if branch is not None:
+            branch = branch._replace(layer_scale=flat(branch.layer_scale))
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad
         or (residual is not None and residual.requires_grad)
         or (weight is not None and weight.requires_grad)
         or (bias is not None and bias.requires_grad)
+        or (branch is not None and branch.layer_scale is not None and branch.layer_scale.requires_grad)
     )
     buffers = out is not None or residual_out is not None
     if buffers:
         _check_out(x, residual, out, residual_out, reference.stream_dtype(x, residual, residual_dtype), needs_grad)
-    args = (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm)
+    if branch is not None:  # the stream dtype is the saved residual's (backend.Branch)
+        residual = _to(residual, reference.stream_dtype(x, residual, residual_dtype))
+    args = (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, *(branch or _NO_BRANCH))
     if (
         type(x) not in _PLAIN
         or (residual is not None and type(residual) not in _PLAIN)
@@ -480,17 +585,71 @@ def add_norm(
     ):
         y, s = _traced_or_transformed(args, buffers, out, residual_out)
     elif needs_grad:
-        out = _eager_apply(x, residual, weight, bias, (eps, rms, residual_dtype, backend, prenorm))
+        options = (eps, rms, residual_dtype, backend, prenorm, *(branch or _NO_BRANCH)[:2], args[-1])
+        out = _eager_apply(x, residual, weight, bias, args[-2], options)
         y, s = out if type(out) is tuple else (out, None)
     else:
         y, s = _infer(args, out, residual_out)
-    return (y, s) if prenorm else y
+    result = (y, s) if prenorm else (y,)
+    if sublayer.return_dropout_mask:
+        result += (_dropout_mask(x, branch),)
+    if len(shape) > 1:
+        result = tuple(t.unflatten(-1, shape) for t in result)
+    return result if len(result) > 1 else result[0]
+
+
+_NO_BRANCH = backends.Branch(0.0, None, None, None)
+
+
+def _sublayer(x, residual, shape, weight, sub: Sublayer) -> tuple[Tensor | None, backends.Branch | None]:
+    """Check the :class:`Sublayer` arguments; ``(weight, branch)``: the weight the norm applies
+    (``1 + weight`` in the statistics dtype when zero-centred), and the active branch, its
+    dropout seed drawn from ``generator`` (None when nothing is on)."""
+    p, generator, layer_scale, rowscale, zero_centered, return_mask = sub
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 1:  # NaN fails too
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {p!r}")
+    check_flag("zero_centered_weight", zero_centered)
+    check_flag("return_dropout_mask", return_mask)
+    if residual is None and (p or layer_scale is not None or rowscale is not None):
+        raise ValueError("dropout_p, layer_scale and rowscale act on the sublayer output added to a residual")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != x.device.type or (x.is_cuda and generator.device != x.device):
+            raise ValueError(f"generator is on {generator.device} but x is on {x.device}; expected x's device")
+    _check_param("layer_scale", layer_scale, shape, x)
+    if rowscale is not None:
+        _check_float_tensor("rowscale", rowscale)
+        lead = tuple(x.shape[: x.dim() - len(shape)])
+        if tuple(rowscale.shape) != lead or rowscale.device != x.device:
+            raise ValueError(
+                f"rowscale must have x's leading dims {lead} (one factor per row) on {x.device}, "
+                f"got {tuple(rowscale.shape)} on {rowscale.device}"
+            )
+        if rowscale.requires_grad and torch.is_grad_enabled():
+            raise ValueError("rowscale is a per-row constant (drop path) and takes no gradient: pass rowscale.detach()")
+    if zero_centered:
+        if weight is None:
+            raise ValueError("zero_centered_weight=True scales by 1 + weight: it needs a weight")
+        weight = weight.to(reference.stats_dtype(weight.dtype)) + 1
+    seed = None
+    if p > 0:
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=x.device, generator=generator)
+    return weight, backends.active(backends.Branch(float(p), seed, layer_scale, rowscale))
+
+
+def _dropout_mask(x: Tensor, branch: backends.Branch | None) -> Tensor:
+    """The keep mask the call used, as a bool tensor of x's shape (all True without dropout)."""
+    if branch is None or branch.p == 0:
+        return torch.ones(x.shape, dtype=torch.bool, device=x.device)
+    rows = torch.arange(x.numel() // x.shape[-1] if x.shape[-1] else 0, device=x.device)
+    return reference.keep_mask(branch.seed, rows, x.shape[-1], branch.p).view(x.shape)
 
 
 def _infer(args, out, residual_out) -> tuple[Tensor, Tensor | None]:
     """Inference: the backend's forward alone, no autograd, nothing saved, the stream only when
     it is returned, into ``out``/``residual_out`` when given."""
-    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm = args
+    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, *branch_args = args
     y, s, _, _ = backends.resolve(backend, x).forward(
         x,
         residual,
@@ -503,6 +662,7 @@ def _infer(args, out, residual_out) -> tuple[Tensor, Tensor | None]:
         write_stats=False,
         out=out,
         residual_out=residual_out,
+        branch=_branch(*branch_args),
     )
     return y, s
 
@@ -510,7 +670,7 @@ def _infer(args, out, residual_out) -> tuple[Tensor, Tensor | None]:
 def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tensor, Tensor | None]:
     """``(y, s)`` for graphs being traced, ``torch.func`` transforms, forward-mode AD and tensor
     subclasses (module docstring)."""
-    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm = args
+    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, *branch_args = args
     if (_is_compiling() or _is_exporting()) and not buffers:
         _dtensor_rules()
         y, s, _, _ = _forward_op(*args)
@@ -525,13 +685,13 @@ def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tens
             eps,
             rms,
             residual_dtype,
+            _branch(*branch_args),
         )
         return y.view(x.shape), s.view(x.shape)
+    if _dtensor_rules():
+        _check_dtensors(x, residual, weight, bias, buffers, dropout_p=branch_args[0])
     if buffers:  # written eagerly, outside any graph (no autograd: _check_out)
-        if _dtensor_rules() and any(_is_dtensor(t) for t in (x, residual, weight, bias)):
-            raise ValueError("out= and residual_out= take plain tensors, not DTensors")
         return _infer(args, out, residual_out)
-    _dtensor_rules()
     y, s, _, _ = _forward_op(*args)
     return y, s
 
@@ -549,8 +709,22 @@ def _dtensor_rules() -> bool:
     return True
 
 
-def _is_dtensor(t: Tensor | None) -> bool:
-    return isinstance(t, sys.modules["torch.distributed.tensor"].DTensor)  # loaded: _dtensor_rules()
+def _check_dtensors(x, residual, weight, bias, buffers: bool, dropout_p: float) -> None:
+    """What DTensors cannot do here (DTensor loaded): write into ``out=`` buffers, and take
+    dropout on rows sharded over ranks, whose keep mask is a function of each row's index in the
+    call: a shard of the rows would draw the masks of other rows, the same on every rank (the
+    sharding rules would gather the rows instead: a cost better asked for than hidden)."""
+    dtensor = sys.modules["torch.distributed.tensor"].DTensor
+    if buffers and any(isinstance(t, dtensor) for t in (x, residual, weight, bias)):
+        raise ValueError("out= and residual_out= take plain tensors, not DTensors")
+    placements = [p for t in (x, residual) if isinstance(t, dtensor) for p in t.placements]
+    if dropout_p > 0 and not all(p.is_replicate() for p in placements):
+        raise ValueError(
+            "dropout_p > 0 needs x and residual replicated when they are DTensors: the keep mask is a function "
+            "of each row's index, which a shard of the rows does not know. Apply torch's dropout to the "
+            "sublayer output before the norm (DTensor keeps random ops consistent across shards), or "
+            "redistribute x and residual to Replicate()"
+        )
 
 
 def _nested(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out):
@@ -587,11 +761,11 @@ def _nested(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype,
     return (wrap(result[0]), wrap(result[1])) if prenorm else wrap(result)
 
 
-def _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype):
+def _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, branch):
     """What ``torch.onnx.export`` traces instead of the custom op: torch's own norm, which it
     writes as the standard ``LayerNormalization`` (opset 17+) / ``RMSNormalization`` (opset 23;
     primitive ops below), and a plain ``Add`` that runtimes fuse themselves."""
-    s = reference.stream(x, residual, residual_dtype)
+    s = reference.stream(x, residual, residual_dtype, branch)
     if rms:
         y = torch.nn.functional.rms_norm(s, shape, weight, eps)
     else:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from . import nn as addnorm_nn
-from .ops import add_norm, check_backend
+from .ops import Sublayer, add_norm, check_backend
 
 STYLES = ("layer", "rms", "llama", "gemma")
 
@@ -122,8 +122,9 @@ def add_norm_forward(norm: nn.Module, x: Tensor, residual: Tensor | None = None)
         bias = norm.bias if style == "layer" else None
         return add_norm(x, residual, norm.normalized_shape, norm.weight, bias, norm.eps, rms=style == "rms", **common)
     w = norm.weight
-    if style == "gemma":  # the (1 + w) offset in float32, the cast last
-        return add_norm(x, residual, w.shape, 1.0 + w.float(), None, _eps(norm), rms=True, **common)
+    if style == "gemma":  # the (1 + w) offset in float32 (zero_centered_weight), the cast last
+        gemma = Sublayer(zero_centered_weight=True)
+        return add_norm(x, residual, w.shape, w, None, _eps(norm), rms=True, sublayer=gemma, **common)
     if style != "llama":
         raise TypeError(f"norm must be a module patched by addnorm, got {type(norm).__name__}")
     if x.dtype == w.dtype == torch.float32 and (residual is None or residual.dtype == torch.float32):
@@ -207,9 +208,22 @@ def _subclass(cls: type, kind: str) -> type:
             body = {"forward": _norm_forward, "addnorm_style": kind}
         else:
             body = {"forward": _gpt2_block_forward if kind == "gpt2" else _llama_layer_forward}
-        body["__module__"] = __name__
+        body |= {"__module__": __name__, "__reduce_ex__": _reduce_ex, "_addnorm_made_from": (cls, kind)}
         _SUBCLASSES[cls, kind] = type(f"Addnorm{cls.__name__}", (cls,), body)
     return _SUBCLASSES[cls, kind]
+
+
+def _reduce_ex(self, protocol):
+    """Pickle a module of a class made by :func:`_subclass` (which no module attribute names, so
+    pickle cannot find it) as "the same subclass of the original class", rebuilt on loading."""
+    _, _, *state = object.__reduce_ex__(self, protocol)  # (copyreg.__newobj__, (cls,), state, ...)
+    return (_new_patched, type(self)._addnorm_made_from, *state)
+
+
+def _new_patched(original: type, kind: str) -> nn.Module:
+    """An empty module of ``_subclass(original, kind)``; pickle then restores its state."""
+    cls = _subclass(original, kind)
+    return cls.__new__(cls)
 
 
 # --------------------------------------------------------------------------- patch / unpatch
@@ -257,6 +271,13 @@ def _resolve_norm_types(norm_types) -> dict[type | str, str]:
             )
         chosen[cls] = style
     return chosen
+
+
+def _looks_like_norm(m: nn.Module) -> bool:
+    """A norm :func:`patch` was not asked to replace: a subclass of torch's (with a forward of
+    its own, so not replaced by default), or a class named like one."""
+    name = type(m).__name__
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or "LayerNorm" in name or "RMSNorm" in name
 
 
 def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
@@ -322,7 +343,7 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
         cls = type(m)
         style = types.get(cls, types.get(_path(cls)))
         if style is None:
-            if norm_style(m) is None and ("LayerNorm" in cls.__name__ or "RMSNorm" in cls.__name__):
+            if norm_style(m) is None and _looks_like_norm(m):
                 report.skipped.append((name, cls.__name__, "unknown norm class; see norm_types"))
             continue
         why = _patch_norm(m, style, backend)

@@ -11,6 +11,7 @@ and only the Agg canvas is used: no display is needed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import defaultdict
@@ -18,13 +19,15 @@ from pathlib import Path
 
 import torch
 
-from .cli import UsageError
+from .bench import PASSES
+from .cli import UsageError, output_dir, output_file
 
 DEFAULT_BENCH = Path("benchmarks/results/bench.jsonl")
-BENCH_FIELDS = ("machine", "device", "threads", "op", "pass", "rows", "cols", "dtype", "impl", "gbps")
+BENCH_FIELDS = ("time", "commit", "machine", "device", "threads", "op", "pass", "rows", "cols", "dtype", "impl", "gbps")
+MAX_D_MODEL = 65536
 
 
-def _figure(*args, **kwargs):
+def new_figure(*args, **kwargs):
     """A matplotlib Figure on the Agg canvas (no pyplot, no global state)."""
     try:
         from matplotlib.figure import Figure
@@ -33,15 +36,10 @@ def _figure(*args, **kwargs):
     return Figure(*args, **kwargs)
 
 
-def _out_path(out: str | None, default_name: str) -> Path:
-    """``--out``: a .png file, or a directory that gets ``default_name``."""
-    path = Path(out) if out else Path(default_name)
-    if path.suffix.lower() != ".png" and out:
-        path = path / default_name
-    if path.parent.exists() and not path.parent.is_dir():
-        raise UsageError(f"--out: {str(path.parent)!r} is not a directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+def png_path(out: str | None, default_name: str, flag: str = "--out") -> Path:
+    """``--out``: a ``.png`` file, or a folder that gets ``default_name``; checked writable now,
+    before anything is drawn."""
+    return output_file(out or ".", flag, suffixes=(".png",), default_name=default_name)
 
 
 def _save(fig, path: Path) -> Path:
@@ -69,9 +67,9 @@ def _num(v: float) -> str:
     return f"{0.0 if abs(v) < 5e-5 else v:.4f}"  # never "-0.0000"
 
 
-def plot_hist(out: str | None, points: int, d_model: int, seed: int) -> Path:
+def plot_hist(path: Path, points: int, d_model: int, seed: int) -> Path:
     before, after = (t[:, 0].detach().double() for t in hist_data(points, d_model, seed))
-    fig = _figure(figsize=(3.4 * points + 0.6, 6.4), layout="constrained")
+    fig = new_figure(figsize=(3.4 * points + 0.6, 6.4), layout="constrained")
     axs = fig.subplots(2, points, squeeze=False, sharey="row")
     rows = [("before: positionally encoded input", before, "tab:blue"), ("after LayerNorm", after, "tab:orange")]
     for r, (label, values, color) in enumerate(rows):
@@ -92,17 +90,46 @@ def plot_hist(out: str | None, points: int, d_model: int, seed: int) -> Path:
         f"encoding, seed {seed}), before and after LayerNorm (eps 1e-5, γ=1, β=0)",
         fontsize=11,
     )
-    return _save(fig, _out_path(out, "hist.png"))
+    return _save(fig, path)
 
 
 # --------------------------------------------------------------------------- bench
 
 
+_TEXT_FIELDS = ("time", "commit", "machine", "device", "op", "pass", "dtype", "impl")
+_COUNT_FIELDS = ("threads", "rows", "cols")
+
+
+def _bad_field(row: dict) -> str | None:
+    """Why ``row`` cannot be drawn, or None."""
+    for name in _TEXT_FIELDS:
+        if not isinstance(row[name], str):
+            return f"{name!r} must be text, got {row[name]!r}"
+    for name in _COUNT_FIELDS:
+        if not isinstance(row[name], int) or isinstance(row[name], bool) or row[name] < 1:
+            return f"{name!r} must be a positive integer, got {row[name]!r}"
+    gbps = row["gbps"]
+    if not isinstance(gbps, (int, float)) or isinstance(gbps, bool) or not math.isfinite(gbps) or gbps <= 0:
+        return f"'gbps' must be a positive number, got {gbps!r}"
+    return None
+
+
 def read_bench_rows(path: Path) -> list[dict]:
+    """The rows of a JSONL file that ``addnorm bench --save`` wrote, each checked."""
+    if path.is_dir():
+        raise UsageError(f"--results: {str(path)!r} is a folder; expected the JSONL file of `addnorm bench --save`")
     if not path.is_file():
         raise UsageError(f"--results: {str(path)!r} not found; run `addnorm bench --save` first")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(
+            f"--results: {str(path)!r} is not text; expected the JSON lines of `addnorm bench --save`"
+        ) from None
+    except OSError as err:
+        raise UsageError(f"--results: cannot read {str(path)!r}: {err.strerror or err}") from None
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -112,85 +139,134 @@ def read_bench_rows(path: Path) -> list[dict]:
         missing = [f for f in BENCH_FIELDS if not isinstance(row, dict) or f not in row]
         if missing:
             raise UsageError(f"--results: {path}:{lineno} lacks field(s) {', '.join(missing)}")
+        why = _bad_field(row)
+        if why is not None:
+            raise UsageError(f"--results: {path}:{lineno}: {why}")
         rows.append(row)
     if not rows:
         raise UsageError(f"--results: {str(path)!r} holds no rows; run `addnorm bench --save` first")
     return rows
 
 
-def plot_bench(out: str | None, results: str | None, op: str | None, dtype: str | None, passes: str | None) -> Path:
-    path = Path(results) if results else DEFAULT_BENCH
-    rows = read_bench_rows(path)
+def _run_key(row: dict) -> tuple:
+    """One ``addnorm bench`` invocation: its rows share the start time, commit and machine."""
+    return (row["time"], row["commit"], row["machine"], row["device"], row["threads"])
+
+
+def plot_bench(
+    path: Path, results: str | None, op: str | None, dtype: str | None, passes: str | None, commit: str | None
+) -> Path:
+    """Draw the latest run in ``results`` (of ``commit``, if given) whose rows match the filters."""
+    source = Path(results) if results else DEFAULT_BENCH
+    rows = read_bench_rows(source)
     keep = [
         r
         for r in rows
         if (op is None or r["op"] == op)
         and (dtype is None or r["dtype"] == dtype)
         and (passes is None or r["pass"] == passes)
+        and (commit is None or r["commit"].startswith(commit))
     ]
     if not keep:
         ops, dtypes = sorted({r["op"] for r in rows}), sorted({r["dtype"] for r in rows})
-        raise UsageError(f"--results: no rows in {str(path)!r} match (ops {ops}, dtypes {dtypes})")
-    return draw_bench(keep, out, str(path))
+        commits = sorted({r["commit"] for r in rows})
+        raise UsageError(
+            f"--results: no rows in {str(source)!r} match (ops {ops}, dtypes {dtypes}, "
+            f"commits {', '.join(commits[:12])}{', ...' if len(commits) > 12 else ''})"
+        )
+    latest = max(_run_key(r) for r in keep)
+    runs = len({_run_key(r) for r in keep})
+    written = draw_bench([r for r in keep if _run_key(r) == latest], path, str(source))
+    if runs > 1:
+        print(
+            f"drew the latest of {runs} matching runs in {source} ({latest[0]}, commit {latest[1]}); "
+            "--commit HASH draws another"
+        )
+    return written
 
 
-def draw_bench(rows: list[dict], out: str | None, source: str) -> Path:
-    """GB/s bars, one panel per (op, pass, dtype, machine, device, threads), from bench rows
-    (the format ``addnorm bench --save`` writes); ``source`` names them in the title."""
-    groups: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+def _gbps_label(v: float) -> str:
+    return f"{v:.0f}" if v >= 100 else f"{v:.3g}"  # 2633, 15.2, 0.00607
+
+
+def draw_bench(rows: list[dict], path: Path, source: str) -> Path:
+    """GB/s bars from the rows of one ``addnorm bench`` run, in one figure: a panel per
+    (op, dtype) and pass, the shapes along x, a bar per implementation (one colour each)."""
+    panels: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
     for r in rows:  # the latest row wins for a repeated (shape, impl)
-        key = (r["op"], r["pass"], r["dtype"], r["machine"], r["device"], r["threads"])
         cell = (r["rows"], r["cols"], r["impl"])
-        if cell not in groups[key] or str(r.get("time", "")) >= str(groups[key][cell].get("time", "")):
-            groups[key][cell] = r
-    fig = _figure(figsize=(11, 4.2 * len(groups)), layout="constrained")
-    axs = fig.subplots(len(groups), 1, squeeze=False)
-    all_impls = sorted({r["impl"] for r in rows})
-    colors = {impl: f"C{i % 10}" for i, impl in enumerate(all_impls)}  # one colour per impl everywhere
-    for ax, (key, cells) in zip(axs[:, 0], sorted(groups.items()), strict=True):
-        op_name, pass_name, dt, machine, device, threads = key
+        old = panels[r["op"], r["dtype"], r["pass"]].get(cell)
+        if old is None or str(r.get("time", "")) >= str(old.get("time", "")):
+            panels[r["op"], r["dtype"], r["pass"]][cell] = r
+    order = {p: i for i, p in enumerate(PASSES)}
+    grid_rows = sorted({(op, dt) for op, dt, _ in panels})
+    grid_cols = sorted({p for _, _, p in panels}, key=lambda p: (order.get(p, len(order)), p))
+    impls = sorted({r["impl"] for r in rows})
+    colors = {impl: f"C{i % 10}" for i, impl in enumerate(impls)}  # one colour per impl everywhere
+    bars = max(len(cells) for cells in panels.values())
+    width = max(5.5, 0.2 * bars + 1.5)  # inches per panel: bars and their labels stay readable
+    upright = bars <= 8  # more bars than that: labels turned 90° so that they do not overlap
+    fig = new_figure(figsize=(max(8.0, width * len(grid_cols)), 3.2 * len(grid_rows) + 1.4), layout="constrained")
+    axs = fig.subplots(len(grid_rows), len(grid_cols), squeeze=False)
+    for (i, (op_name, dt)), (j, pass_name) in itertools.product(enumerate(grid_rows), enumerate(grid_cols)):
+        ax, cells = axs[i][j], panels.get((op_name, dt, pass_name))
+        if cells is None:
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, f"{op_name} {pass_name}, {dt}: not measured", ha="center", transform=ax.transAxes)
+            continue
         shapes = sorted({(rw, c) for rw, c, _ in cells}, key=lambda s: (s[0] * s[1], s))
-        impls = sorted({impl for _, _, impl in cells})
-        width = 0.8 / len(impls)
-        for k, impl in enumerate(impls):
-            xs = [i + (k - (len(impls) - 1) / 2) * width for i, s in enumerate(shapes) if (*s, impl) in cells]
+        here = [impl for impl in impls if any(k[2] == impl for k in cells)]
+        step = 0.8 / len(here)
+        for k, impl in enumerate(here):
+            xs = [n + (k - (len(here) - 1) / 2) * step for n, s in enumerate(shapes) if (*s, impl) in cells]
             ys = [cells[(*s, impl)]["gbps"] for s in shapes if (*s, impl) in cells]
-            bars = ax.bar(xs, ys, width=width, label=impl, color=colors[impl])
-            ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
-        ax.set_xticks(range(len(shapes)), [f"{rw}×{c}" for rw, c in shapes], rotation=30 if len(shapes) > 6 else 0)
-        ax.set_xlabel("shape (rows × cols)")
-        ax.set_ylabel("throughput (GB/s, higher is better)")
-        ax.set_title(f"{op_name} {pass_name}, {dt} — {machine} ({device}, {threads} threads)", fontsize=11)
-        ax.set_ylim(0, 1.25 * max(r["gbps"] for r in cells.values()))  # room for the legend
-        ax.legend(fontsize=9, ncols=min(len(impls), 4), loc="upper left")
+            drawn = ax.bar(xs, ys, width=step, label=impl, color=colors[impl])
+            ax.bar_label(drawn, fmt=_gbps_label, fontsize=7, padding=1, rotation=0 if upright else 90)
+        ax.set_xticks(range(len(shapes)), [f"{rw}×{c}" for rw, c in shapes], fontsize=8)
+        ax.set_title(f"{op_name} {pass_name}, {dt}", fontsize=10)
+        ax.set_ylim(0, (1.15 if upright else 1.3) * max(r["gbps"] for r in cells.values()))  # room for labels
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"addnorm bench: bytes moved / median time, from {source}", fontsize=10)
-    return _save(fig, _out_path(out, "bench.png"))
+        if j == 0:
+            ax.set_ylabel("GB/s (higher is better)")
+        if i == len(grid_rows) - 1:
+            ax.set_xlabel("shape (rows × cols)")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=colors[impl]) for impl in impls]
+    fig.legend(handles, impls, loc="outside lower center", ncols=min(len(impls), 6), fontsize=9)
+    runs = sorted({_run_key(r) for r in rows})
+    if len(runs) == 1:
+        time, commit, machine, device, threads = runs[0]
+        about = f"{machine} ({device}, {threads} threads)\ncommit {commit}, {time}, from {source}"
+    else:
+        about = f"{len(runs)} runs from {source}"
+    fig.suptitle(f"addnorm bench: GB/s = bytes moved / median time\n{about}", fontsize=10)
+    return _save(fig, path)
 
 
 # --------------------------------------------------------------------------- train
 
 
-def plot_train(out: str | None, results: str) -> list[Path]:
-    path = Path(results)
-    if not path.is_file():
-        raise UsageError(f"--results: {str(path)!r} not found; run the training experiment first")
-    import json
-
+def plot_train(out_dir: Path, results: str) -> list[Path]:
+    """Redraw the training experiment's figures from its ``results.json`` into ``out_dir``."""
     from .experiment import plot_results
 
-    _figure()  # a clear error if matplotlib is missing
+    path = Path(results)
+    if path.is_dir():
+        raise UsageError(f"--results: {str(path)!r} is a folder; expected the results.json in it")
+    if not path.is_file():
+        raise UsageError(f"--results: {str(path)!r} not found; run the training experiment first")
+    not_results = f"--results: {str(path)!r} is not a results.json written by 'addnorm train'"
     try:
-        results_ok = {"floor", "arms"} <= set(json.loads(path.read_text()))
-    except (ValueError, TypeError, UnicodeDecodeError):
-        results_ok = False
-    if not results_ok:
-        raise UsageError(f"--results: {str(path)!r} is not a results.json written by 'addnorm train'")
-    out_dir = Path(out) if out else Path(".")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"--out: {str(out_dir)!r} is not a directory (plot train writes several files)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = [Path(p) for p in plot_results(path, out_dir)]
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise UsageError(not_results) from None
+    if not isinstance(doc, dict) or not {"floor", "arms"} <= doc.keys():
+        raise UsageError(not_results)
+    try:
+        written = [Path(p) for p in plot_results(path, out_dir)]
+    except (KeyError, TypeError, ValueError, IndexError) as err:  # a field missing or of the wrong kind
+        raise UsageError(f"{not_results} ({type(err).__name__}: {err})") from None
     for p in written:
         print(f"wrote {p}")
     return written
@@ -200,14 +276,16 @@ def plot_train(out: str | None, results: str) -> list[Path]:
 
 
 def run(args) -> int:
+    new_figure()  # a clear error if matplotlib is missing, before anything else
     if args.what == "hist":
-        if args.points < 1 or args.points > 8 or args.d_model < 2 or args.d_model % 2:
-            raise UsageError("plot hist needs 1 to 8 --points and an even --d-model >= 2")
-        plot_hist(args.out, args.points, args.d_model, args.seed)
+        if not (1 <= args.points <= 8 and 2 <= args.d_model <= MAX_D_MODEL and args.d_model % 2 == 0):
+            raise UsageError(f"plot hist needs 1 to 8 --points and an even --d-model from 2 to {MAX_D_MODEL}")
+        plot_hist(png_path(args.out, "hist.png"), args.points, args.d_model, args.seed)
     elif args.what == "bench":
-        plot_bench(args.out, args.results, args.op, args.dtype, args.pass_)
+        plot_bench(png_path(args.out, "bench.png"), args.results, args.op, args.dtype, args.pass_, args.commit)
     else:
-        plot_train(args.out, args.results)
+        writes = "plot train writes curves.png and grad_norms.png"
+        plot_train(output_dir(args.out or ".", "--out", writes), args.results)
     return 0
 
 
@@ -218,17 +296,34 @@ def register(sub) -> None:
         description="Write PNG plots (matplotlib, no display needed).",
     )
     kinds = p.add_subparsers(dest="what", metavar="KIND", required=True)
-    h = kinds.add_parser("hist", help="histograms of features per data point, before and after LayerNorm")
-    h.add_argument("--points", type=int, default=4, help="data points (default 4)")
-    h.add_argument("--d-model", type=int, default=256, help="features per point (default 256)")
+    h = kinds.add_parser(
+        "hist",
+        help="histograms of features per data point, before and after LayerNorm",
+        description="Histograms of each data point's features before and after LayerNorm "
+        "(random data scaled by √d_model plus a sinusoidal positional encoding, as in the seeds).",
+    )
+    h.add_argument("--points", type=int, default=4, help="data points, 1 to 8 (default 4)")
+    h.add_argument("--d-model", type=int, default=256, help="features per point, even (default 256)")
     h.add_argument("--seed", type=int, default=23, help="torch.manual_seed (default 23, as the seeds)")
-    b = kinds.add_parser("bench", help="GB/s per implementation from `addnorm bench --save` rows")
+    b = kinds.add_parser(
+        "bench",
+        help="GB/s per implementation from `addnorm bench --save` rows",
+        description="Bar charts of GB/s per implementation and shape from the rows `addnorm bench --save` "
+        "appended: the latest run (one `addnorm bench` invocation) whose rows match the filters.",
+    )
     b.add_argument("--results", metavar="FILE", help=f"JSONL rows (default {DEFAULT_BENCH})")
     b.add_argument("--op", help="only this op, e.g. layer_norm")
     b.add_argument("--dtype", help="only this dtype, e.g. float32")
-    b.add_argument("--pass", dest="pass_", choices=["fwd", "fwd+bwd"], help="only this pass")
-    t = kinds.add_parser("train", help="the training experiment's curves")
-    t.add_argument("--results", metavar="FILE", required=True, help="the JSON the experiment wrote")
+    b.add_argument("--pass", dest="pass_", choices=PASSES, help="only this pass")
+    b.add_argument("--commit", metavar="HASH", help="the latest run of this commit (a prefix is enough)")
+    t = kinds.add_parser(
+        "train",
+        help="the training experiment's curves",
+        description="Redraw curves.png and grad_norms.png from the results.json of `addnorm train`.",
+    )
+    t.add_argument("--results", metavar="FILE", required=True, help="the results.json `addnorm train` wrote")
+    for q, what in ((h, "hist.png"), (b, "bench.png")):
+        q.add_argument("--out", metavar="FILE|DIR", help=f"a .png file, or a folder for {what} (default: .)")
+    t.add_argument("--out", metavar="DIR", help="folder for curves.png and grad_norms.png (default: .)")
     for q in (h, b, t):
-        q.add_argument("--out", metavar="FILE|DIR", help="PNG file or directory (default: current directory)")
         q.set_defaults(func=run)

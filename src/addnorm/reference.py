@@ -44,10 +44,12 @@ recomputed from them, which costs one multiply per element and saves a full tens
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from .backend import Capabilities, check_s_parts
+from .backend import Branch, Capabilities, Grads, check_s_parts
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -64,12 +66,113 @@ def stream_dtype(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype
     return torch.promote_types(x.dtype, residual.dtype)
 
 
-def stream(x: Tensor, residual: Tensor | None, residual_dtype: torch.dtype | None) -> Tensor:
-    """``s = x + residual`` in :func:`stream_dtype` (``x`` itself without a residual)."""
+def stream(
+    x: Tensor,
+    residual: Tensor | None,
+    residual_dtype: torch.dtype | None,
+    branch: Branch | None = None,
+    first_row: int = 0,
+) -> Tensor:
+    """``s = x + residual`` in :func:`stream_dtype` (``x`` itself without a residual); with a
+    ``branch``, ``s = residual + branch_term(x)`` summed in the statistics dtype, then rounded
+    (``first_row``: the index of ``x``'s first row in the call, for the dropout mask)."""
     if residual is None:
         return x
     sd = stream_dtype(x, residual, residual_dtype)
-    return x.to(sd) + residual.to(sd)
+    if branch is None:
+        return x.to(sd) + residual.to(sd)
+    cd = stats_dtype(sd)  # x is rounded to the stream dtype first, as without a branch
+    rows = torch.arange(first_row, first_row + x.numel() // max(x.shape[-1], 1), device=x.device)
+    return (residual.to(cd) + branch_terms(x.to(sd).to(cd), branch, rows.view(x.shape[:-1]))["t"]).to(sd)
+
+
+# --------------------------------------------------------------------------- the sublayer branch
+
+# Dropout's keep mask is a counter-based hash of (seed, row, column), the row counted in the
+# call's 2-D view of rows: no generator state, no saved mask, and the same bits on every backend
+# and device, so a GPU run replays on a CPU. Every backend implements these lines bit for bit
+# with 32-bit unsigned arithmetic (here int64 tensors hold the 32-bit values).
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: keeps the column keys apart from the row keys
+_FMIX = (0x85EBCA6B, 0xC2B2AE35)
+
+
+def _mul32(h: Tensor, c: int) -> Tensor:
+    """``h * c mod 2**32`` for 32-bit values ``h``: in 16-bit halves of ``c``, no int64 overflow."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def fmix32(h: Tensor) -> Tensor:
+    """MurmurHash3's finalizer: a bijection of 32-bit values in which every input bit flips
+    every output bit with probability about 1/2."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, _FMIX[0])
+    h = h ^ (h >> 13)
+    h = _mul32(h, _FMIX[1])
+    return h ^ (h >> 16)
+
+
+def mask_hash(seed: Tensor, rows: Tensor, n: int) -> Tensor:
+    """The 32-bit hash of every ``(row, column)``, shape ``rows.shape + (n,)``: a key per row
+    and per column from the two halves ``k0``, ``k1`` of the 64-bit ``seed``, mixed again::
+
+        a_row = fmix32(fmix32(row ^ k0) + k1)
+        b_col = fmix32(fmix32(col ^ k1) + (k0 ^ 0x9E3779B9))
+        h     = fmix32(a_row + b_col)                    (all sums mod 2**32)
+    """
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    a = fmix32((fmix32(rows ^ k0) + k1) & _M32)
+    cols = torch.arange(n, device=rows.device)
+    b = fmix32((fmix32(cols ^ k1) + (k0 ^ _GOLDEN)) & _M32)
+    return fmix32((a[..., None] + b) & _M32)
+
+
+def keep_threshold(p: float) -> int:
+    """An element is kept when its hash is at least this: ``floor(p * 2**32)`` (``2**32`` at
+    ``p = 1``: nothing kept), so it is kept with probability ``1 - p`` to within ``2**-32``."""
+    return math.floor(p * 2**32)
+
+
+def dropout_scale(p: float) -> float:
+    """Inverted dropout's scale of the kept elements, ``1 / (1 - p)`` (0 at ``p = 1``)."""
+    return 1.0 / (1.0 - p) if p < 1 else 0.0
+
+
+def keep_mask(seed: Tensor, rows: Tensor, n: int, p: float) -> Tensor:
+    """The dropout keep mask (bool) of ``rows`` (their indices in the call's rows), ``n`` columns."""
+    return mask_hash(seed, rows, n) >= keep_threshold(p)
+
+
+def branch_terms(x: Tensor, branch: Branch, rows: Tensor) -> dict[str, Tensor | None]:
+    """``t = rowscale * layer_scale * dropout(x)`` for ``x`` in the statistics dtype, whose rows
+    have the indices ``rows``, in this order of operations (every backend keeps it)::
+
+        dropped = keep ? x * (1 / (1 - p)) : 0      (dropped = x when p = 0)
+        t       = dropped * layer_scale * rowscale  (each factor when given)
+
+    Returns ``keep`` (None when ``p = 0``), ``dropped`` and ``t``."""
+    keep = None
+    dropped = x
+    if branch.p > 0:
+        keep = keep_mask(branch.seed, rows, x.shape[-1], branch.p)
+        dropped = torch.where(keep, x * torch.tensor(dropout_scale(branch.p), dtype=x.dtype, device=x.device), 0)
+    t = dropped
+    if branch.layer_scale is not None:
+        t = t * branch.layer_scale.to(x.dtype)
+    if branch.rowscale is not None:
+        t = t * branch.rowscale.to(x.dtype)[rows][..., None]
+    return {"keep": keep, "dropped": dropped, "t": t}
+
+
+def branch_backward(ds: Tensor, x: Tensor, branch: Branch, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(dx, dlayer_scale)`` from ``ds`` (the gradient of ``s``) for the rows ``rows``, all in the
+    statistics dtype: ``dx = keep ? ds / (1 - p) : 0`` times ``layer_scale`` and ``rowscale`` (the
+    forward's factors, in its order), ``dlayer_scale = sum_rows ds * dropped * rowscale``."""
+    dlayer_scale = None
+    if branch.layer_scale is not None:
+        dropped = branch_terms(x, branch._replace(layer_scale=None), rows)["t"]
+        dlayer_scale = (ds * dropped).reshape(-1, ds.shape[-1]).sum(dim=0)
+    return branch_terms(ds, branch, rows)["t"], dlayer_scale
 
 
 # Rows are processed in blocks of about BLOCK_ELEMENTS elements: the float32 temporaries of
@@ -187,9 +290,10 @@ def forward_steps(
     eps: float,
     rms: bool,
     residual_dtype: torch.dtype | None,
+    branch: Branch | None = None,
 ) -> dict[str, Tensor | None]:
     """:func:`forward` on all rows at once, keeping every step (``s`` too), for ``addnorm explain``."""
-    s = stream(x, residual, residual_dtype)
+    s = stream(x, residual, residual_dtype, branch)
     cd = stats_dtype(s.dtype)
     st = forward_rows(s.to(cd), *(None if t is None else t.to(cd) for t in (weight, bias)), eps, rms)
     return dict(st, s=s)
@@ -242,8 +346,9 @@ def forward(
     write_stats: bool = True,
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
+    branch: Branch | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-    """Normalize each row of the 2-D ``x`` (after adding ``residual`` if given).
+    """Normalize each row of ``x`` (after adding ``residual`` if given, through ``branch``).
 
     Returns ``(y, s, mean, rstd)``: ``y`` in ``x.dtype``; ``s`` the residual stream
     ``x + residual`` (``None`` without a residual); ``mean`` (``None`` for RMSNorm) and
@@ -252,7 +357,7 @@ def forward(
     the statistics cost nothing extra, so they are returned anyway.) ``out``/``residual_out``
     receive ``y`` and ``s``.
     """
-    s = stream(x, residual, residual_dtype)
+    s = stream(x, residual, residual_dtype, branch)
     if residual_out is not None:
         s = residual_out.copy_(s)
     cd = stats_dtype(s.dtype)
@@ -283,42 +388,57 @@ def backward(
     *,
     rms: bool,
     has_bias: bool,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    branch: Branch | None = None,
+) -> Grads:
     """Gradients of :func:`forward` from the saved ``s`` (``s_parts = (s,)``, or ``(x, residual)``
-    whose sum is ``s``), ``mean`` and ``rstd``.
+    from which ``s`` is recomputed), ``mean`` and ``rstd``.
 
     ``dy`` is the gradient of ``y``; ``dstream`` that of the returned stream ``s`` (pre-norm)
-    or ``None``. Returns ``(ds, dweight, dbias)``: ``ds`` in the dtype of ``s`` (it is the
-    gradient of both ``x`` and ``residual``), ``dweight`` and ``dbias`` in the statistics dtype
-    (``None`` where there is no such parameter).
+    or ``None``. Returns :class:`~addnorm.backend.Grads`: ``ds`` in the dtype of ``s`` (the
+    gradient of ``residual``, and of ``x`` without a branch), ``dweight`` and ``dbias`` in the
+    statistics dtype (``None`` where there is no such parameter); with a ``branch``, ``dx`` and
+    ``dlayer_scale`` by :func:`branch_backward`.
     """
-    check_s_parts(s_parts)
+    check_s_parts(s_parts, branch)
     n = s_parts[0].shape[-1]
     s, *r = (part.reshape(-1, n) for part in s_parts)
     dy = dy.reshape(-1, n)
     dstream = dstream.reshape(-1, n) if dstream is not None else None
     cd = rstd.dtype
     m = s.shape[0]
-    ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
-    dweight = torch.zeros(n, dtype=cd, device=s.device) if weight is not None else None
-    dbias = torch.zeros(n, dtype=cd, device=s.device) if has_bias else None
+    sd = s_parts[-1].dtype  # the stream dtype (with a branch, residual's)
+    ds = torch.empty((m, n), dtype=sd, device=s.device)
+    dx = torch.empty((m, n), dtype=sd, device=s.device) if branch is not None else None
+    zeros = lambda: torch.zeros(n, dtype=cd, device=s.device)  # noqa: E731
+    dweight = zeros() if weight is not None else None
+    dbias = zeros() if has_bias else None
+    dlayer_scale = zeros() if branch is not None and branch.layer_scale is not None else None
     w = weight.to(cd) if weight is not None else None
     for rows in row_blocks(m, n):
+        sf = (stream(s[rows], r[0][rows], sd, branch, rows.start) if r else s[rows]).to(cd)
         st = backward_rows(
             dy[rows].to(cd),
             dstream[rows].to(cd) if dstream is not None else None,
-            (s[rows] + r[0][rows] if r else s[rows]).to(cd),
+            sf,
             w,
             None if rms else mean[rows],
             rstd[rows],
             rms,
         )
         ds[rows] = st["ds"]
+        if branch is not None:
+            # from ds as stored (rounded to the stream dtype), as autograd would
+            indices = torch.arange(rows.start, rows.stop, device=s.device)
+            dx_rows, dls = branch_backward(ds[rows].to(cd), s[rows].to(sd).to(cd), branch, indices)
+            dx[rows] = dx_rows
+            if dls is not None:
+                dlayer_scale += dls
         if dweight is not None:
             dweight += st["dweight"]
         if dbias is not None:
             dbias += st["dbias"]
-    return ds.view(s_parts[0].shape), dweight, dbias
+    shape = s_parts[0].shape
+    return Grads(ds.view(shape), dweight, dbias, None if dx is None else dx.view(shape), dlayer_scale)
 
 
 def composite(
@@ -329,20 +449,35 @@ def composite(
     eps: float,
     rms: bool,
     residual_dtype: torch.dtype | None,
+    branch: Branch | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(y, s)`` by :func:`forward_rows` on all rows at once, as differentiable torch ops (no
     in-place writes): what runs under ``torch.func`` transforms and forward-mode AD, where
     torch's autograd differentiates these formulas (to any order)."""
-    st = forward_steps(x, residual, weight, bias, eps, rms, residual_dtype)
+    st = forward_steps(x, residual, weight, bias, eps, rms, residual_dtype, branch)
     return st["y"].to(x.dtype), st["s"]
 
 
 def differentiable_backward(
-    dy: Tensor, dstream: Tensor | None, s: Tensor, weight: Tensor | None, eps: float, rms: bool, has_bias: bool
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    dy: Tensor,
+    dstream: Tensor | None,
+    s_parts: tuple[Tensor, ...],
+    weight: Tensor | None,
+    eps: float,
+    rms: bool,
+    has_bias: bool,
+    branch: Branch | None = None,
+) -> Grads:
     """:func:`backward` on all rows at once as differentiable torch ops, for a second derivative
     (``create_graph=True``): the statistics are recomputed from ``s`` by the forward formulas, so
     that the gradient's dependence on ``s`` through ``mean`` and ``rstd`` is part of the graph."""
+    s = s_parts[0] if len(s_parts) == 1 else stream(*s_parts, s_parts[1].dtype, branch)
     st = forward_steps(s, None, None, None, eps, rms, None)
     bt = backward_steps(dy, dstream, s, weight, st["mean"], st["rstd"], rms=rms, has_bias=has_bias)
-    return bt["ds"].to(s.dtype), bt["dweight"], bt["dbias"]
+    ds = bt["ds"].to(s.dtype)
+    if branch is None:
+        return Grads(ds, bt["dweight"], bt["dbias"])
+    x = s_parts[0]
+    rows = torch.arange(x.numel() // x.shape[-1], device=x.device).view(x.shape[:-1])
+    dx, dlayer_scale = branch_backward(ds.to(st["rstd"].dtype), x.to(st["rstd"].dtype), branch, rows)
+    return Grads(ds, bt["dweight"], bt["dbias"], dx.to(s.dtype), dlayer_scale)

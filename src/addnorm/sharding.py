@@ -40,9 +40,9 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Ru
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs, is_tensor_shardable
 from torch.distributed.tensor.parallel import ParallelStyle
 
-ROWS = "rows"  # one entry per row of x (its leading dims): placed as x, on a leading dim or replicated
-FEATURES = "features"  # one entry per feature (shape (N,)): replicated on every rank
-FEATURE_SUM = "feature-sum"  # an output summed over the rows (dweight): Partial("sum") where rows are split
+ROWS = "rows"  # x's leading dims (a row, an entry per row): placed as x, on a leading dim or replicated
+REPLICATED = "replicated"  # per feature (shape (N,)) or one scalar (the dropout seed): on every rank
+SUMMED = "summed"  # an output summed over the rows (dweight): Partial("sum") where the rows are split
 
 
 class Roles(NamedTuple):
@@ -50,14 +50,16 @@ class Roles(NamedTuple):
     outputs: tuple[str, ...]  # per output, in order
 
 
+_BRANCH = {"seed": REPLICATED, "layer_scale": REPLICATED, "rowscale": ROWS}  # s = residual + rowscale*ls*dropout(x)
 ROLES = {
     "forward": Roles(
-        inputs={"x": ROWS, "residual": ROWS, "weight": FEATURES, "bias": FEATURES},
+        inputs={"x": ROWS, "residual": ROWS, "weight": REPLICATED, "bias": REPLICATED, **_BRANCH},
         outputs=(ROWS, ROWS, ROWS, ROWS),  # y, s, mean, rstd (statistics of shape x.shape[:-1])
     ),
     "backward": Roles(
-        inputs={"dy": ROWS, "dstream": ROWS, "s_parts": ROWS, "weight": FEATURES, "mean": ROWS, "rstd": ROWS},
-        outputs=(ROWS, FEATURE_SUM, FEATURE_SUM),  # ds, dweight, dbias
+        inputs={"dy": ROWS, "dstream": ROWS, "s_parts": ROWS, "weight": REPLICATED, "mean": ROWS, "rstd": ROWS}
+        | _BRANCH,
+        outputs=(ROWS, SUMMED, SUMMED, ROWS, SUMMED),  # ds, dweight, dbias, dx, dlayer_scale
     ),
 }
 
@@ -66,9 +68,9 @@ def _placements(role: str, rows: tuple) -> tuple:
     """The placements of a tensor of ``role`` when the rows are placed ``rows`` (one per mesh dim)."""
     if role == ROWS:
         return rows
-    if role == FEATURES:
+    if role == REPLICATED:
         return (Replicate(),) * len(rows)
-    return tuple(Partial() if isinstance(p, Shard) else Replicate() for p in rows)  # FEATURE_SUM
+    return tuple(Partial() if isinstance(p, Shard) else Replicate() for p in rows)  # SUMMED
 
 
 def _is_tensor(arg: torch._C.Argument) -> bool:
@@ -92,6 +94,9 @@ def _strategy(roles: Roles, op_schema: OpSchema) -> OpStrategy:
     first = inputs[0][1]  # x (forward) or dy (backward): every tensor is a DTensor, as DTensor requires
     mesh, ndim = first.mesh, first.ndim
     choices = [Replicate(), *(Shard(d) for d in range(ndim - 1))]  # never the normalized (last) dim
+    scalars = {a.name: v for a, v in zip(op_schema.op._schema.arguments, op_schema.args_schema)}
+    if scalars.get("dropout_p", 0.0) > 0:  # the keep mask is a function of each row's index in the
+        choices = [Replicate()]  # call: every rank holds all the rows (addnorm.ops asks for them)
     current = first.strategies[0].output_spec.placements
     specs = []
     for rows in itertools.product(choices, repeat=mesh.ndim):

@@ -107,15 +107,24 @@ class FeedForward(nn.Sequential):
         super().__init__(nn.Linear(d_model, d_ff), nn.ReLU(), nn.Linear(d_ff, d_model))
 
 
-def residual_stack(x: Tensor, sublayers: list[Sublayer], position: str, final: AddNorm | None = None) -> Tensor:
+def residual_stack(
+    x: Tensor,
+    sublayers: list[Sublayer],
+    position: str,
+    final: AddNorm | None = None,
+    drop: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
     """Run ``sublayers`` (pairs ``(fn, add_norm)``) on the residual stream ``x`` (see the module doc).
 
     In pre-norm, ``final`` is the norm after the last sublayer; without it the stream itself
-    is returned (so a single layer can be run alone and composed with the next one).
+    is returned (so a single layer can be run alone and composed with the next one). Residual
+    dropout (Vaswani et al., section 5.4) is fused into each Add & Norm (its ``dropout``); the
+    adds without one (no norm, a pre-norm layer run alone) apply ``drop``.
     """
+    drop = drop or (lambda t: t)
     if position == "none":
         for fn, _ in sublayers:
-            x = x + fn(x)
+            x = x + drop(fn(x))
         return x
     if position == "post":
         for fn, add_norm in sublayers:
@@ -125,24 +134,28 @@ def residual_stack(x: Tensor, sublayers: list[Sublayer], position: str, final: A
     h = sublayers[0][1].norm(x)
     for (fn, _), next_norm in zip(sublayers, norms, strict=True):
         if next_norm is None:
-            return x + fn(h)
+            return x + drop(fn(h))
         h, x = next_norm(fn(h), x)
     return h
 
 
 class _Layer(nn.Module):
-    def __init__(self, d_model: int, n_sublayers: int, norm_position: str, norm: str, backend: str) -> None:
+    def __init__(
+        self, d_model: int, n_sublayers: int, norm_position: str, norm: str, backend: str, dropout: float
+    ) -> None:
         super().__init__()
         _check_choice("norm_position", norm_position, NORM_POSITIONS)
         _check_choice("norm", norm, NORMS)
         self.norm_position = norm_position
+        pre = norm_position == "pre"
         self.norms = nn.ModuleList(
             []
             if norm_position == "none"
             else [
-                AddNorm(d_model, norm=norm, prenorm=norm_position == "pre", backend=backend) for _ in range(n_sublayers)
+                AddNorm(d_model, norm=norm, prenorm=pre, dropout=dropout, backend=backend) for _ in range(n_sublayers)
             ]
         )
+        self.drop = nn.Dropout(dropout)  # for the adds that no AddNorm does (see residual_stack)
 
     def _norm(self, i: int) -> AddNorm | None:
         return self.norms[i] if len(self.norms) else None
@@ -159,9 +172,10 @@ class EncoderLayer(_Layer):
         *,
         norm_position: str = "post",
         norm: str = "layer",
+        dropout: float = 0.0,
         backend: str = "auto",
     ) -> None:
-        super().__init__(d_model, 2, norm_position, norm, backend)
+        super().__init__(d_model, 2, norm_position, norm, backend, dropout)
         self.self_attn = MultiHeadAttention(d_model, n_heads)
         self.ffn = FeedForward(d_model, d_ff)
 
@@ -170,7 +184,7 @@ class EncoderLayer(_Layer):
 
     def forward(self, x: Tensor) -> Tensor:
         """One layer alone; in pre-norm this returns the (un-normalized) residual stream."""
-        return residual_stack(x, self.sublayers(), self.norm_position)
+        return residual_stack(x, self.sublayers(), self.norm_position, drop=self.drop)
 
 
 class DecoderLayer(_Layer):
@@ -184,9 +198,10 @@ class DecoderLayer(_Layer):
         *,
         norm_position: str = "post",
         norm: str = "layer",
+        dropout: float = 0.0,
         backend: str = "auto",
     ) -> None:
-        super().__init__(d_model, 3, norm_position, norm, backend)
+        super().__init__(d_model, 3, norm_position, norm, backend, dropout)
         self.self_attn = MultiHeadAttention(d_model, n_heads)
         self.cross_attn = MultiHeadAttention(d_model, n_heads)
         self.ffn = FeedForward(d_model, d_ff)
@@ -200,7 +215,7 @@ class DecoderLayer(_Layer):
 
     def forward(self, x: Tensor, memory: Tensor) -> Tensor:
         """One layer alone; in pre-norm this returns the (un-normalized) residual stream."""
-        return residual_stack(x, self.sublayers(memory), self.norm_position)
+        return residual_stack(x, self.sublayers(memory), self.norm_position, drop=self.drop)
 
 
 class Seq2SeqTransformer(nn.Module):
@@ -212,6 +227,8 @@ class Seq2SeqTransformer(nn.Module):
     ``target_in[:, : t + 1]`` only (causal self-attention). :meth:`predict` runs the decoder
     autoregressively. In pre-norm, encoder and decoder stacks end with a final norm.
     Linear weights are initialised Xavier-uniform, as ``torch.nn.Transformer`` and Xiong et al.
+    ``dropout``: residual dropout of every sublayer's output before its add (the original
+    Transformer's P_drop = 0.1), fused into the Add & Norm call; active in ``train()`` only.
     """
 
     def __init__(
@@ -227,10 +244,11 @@ class Seq2SeqTransformer(nn.Module):
         norm: str = "layer",
         positional: str = "sinusoidal",
         max_len: int = 16,
+        dropout: float = 0.0,
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        layer = dict(norm_position=norm_position, norm=norm, backend=backend)
+        layer = dict(norm_position=norm_position, norm=norm, dropout=dropout, backend=backend)
         self.norm_position = norm_position
         self.source_proj = nn.Linear(n_features, d_model)
         self.target_proj = nn.Linear(n_features, d_model)
@@ -239,9 +257,11 @@ class Seq2SeqTransformer(nn.Module):
         self.encoder = nn.ModuleList(EncoderLayer(d_model, n_heads, d_ff, **layer) for _ in range(n_encoder))
         self.decoder = nn.ModuleList(DecoderLayer(d_model, n_heads, d_ff, **layer) for _ in range(n_decoder))
         pre = norm_position == "pre"
-        self.encoder_norm = AddNorm(d_model, norm=norm, prenorm=True, backend=backend) if pre else None
-        self.decoder_norm = AddNorm(d_model, norm=norm, prenorm=True, backend=backend) if pre else None
+        final = dict(norm=norm, prenorm=True, dropout=dropout, backend=backend)
+        self.encoder_norm = AddNorm(d_model, **final) if pre else None
+        self.decoder_norm = AddNorm(d_model, **final) if pre else None
         self.head = nn.Linear(d_model, n_features)
+        self.drop = nn.Dropout(dropout)
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
@@ -249,12 +269,12 @@ class Seq2SeqTransformer(nn.Module):
     def encode(self, source: Tensor) -> Tensor:
         x = self.source_pe(self.source_proj(source))
         subs = [s for layer in self.encoder for s in layer.sublayers()]
-        return residual_stack(x, subs, self.norm_position, self.encoder_norm)
+        return residual_stack(x, subs, self.norm_position, self.encoder_norm, self.drop)
 
     def decode(self, target_in: Tensor, memory: Tensor) -> Tensor:
         x = self.target_pe(self.target_proj(target_in))
         subs = [s for layer in self.decoder for s in layer.sublayers(memory)]
-        return self.head(residual_stack(x, subs, self.norm_position, self.decoder_norm))
+        return self.head(residual_stack(x, subs, self.norm_position, self.decoder_norm, self.drop))
 
     def forward(self, source: Tensor, target_in: Tensor) -> Tensor:
         return self.decode(target_in, self.encode(source))

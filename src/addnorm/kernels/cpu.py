@@ -61,7 +61,7 @@ from numba.extending import intrinsic, overload
 from torch import Tensor
 
 from .. import reference
-from ..backend import Capabilities, check_s_parts
+from ..backend import Capabilities, Grads, check_s_parts
 
 # Post-norm training saves x and residual, and backward recomputes s = x + residual as it reads
 # them (addnorm.ops.plan): the forward writes y alone, not s and y. Same bytes over forward +
@@ -301,11 +301,88 @@ def _stats(buf, nf, rms):
     return mu, c, max(sq / nf - c * c, zero)
 
 
+# --------------------------------------------------------------------------- the sublayer branch
+
+# reference.mask_hash in 32-bit lanes: an LLVM intrinsic, so that the loop over a row vectorizes
+# with 32-bit multiplies (numba would widen every integer operation to 64 bits)
+_M32 = np.uint64(0xFFFFFFFF)
+_GOLDEN = np.uint64(reference._GOLDEN)
+_U32 = np.uint64(32)
+
+
+def _fmix32_codegen(combine):
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        h = combine(builder, args[0], args[1])
+        for shift, factor in ((16, reference._FMIX[0]), (13, reference._FMIX[1]), (16, None)):
+            h = builder.xor(h, builder.lshr(h, ir.Constant(i32, shift)))
+            if factor is not None:
+                h = builder.mul(h, ir.Constant(i32, factor - (1 << 32)))  # the same bits, as a signed i32
+        return h
+
+    return codegen
+
+
+@intrinsic
+def _fmix32_xor(typingctx, a, b):
+    """``fmix32(a ^ b)`` of two uint32 values (reference.fmix32)."""
+    return types.uint32(types.uint32, types.uint32), _fmix32_codegen(lambda bld, a, b: bld.xor(a, b))
+
+
+@intrinsic
+def _fmix32_add(typingctx, a, b):
+    """``fmix32(a + b mod 2**32)`` of two uint32 values."""
+    return types.uint32(types.uint32, types.uint32), _fmix32_codegen(lambda bld, a, b: bld.add(a, b))
+
+
+def _branch_keys(br, n):
+    """None without a branch; else ``(k0, k1, threshold, scale, layer_scale, rowscale, col_keys)``
+    from ``br = (seed, threshold, scale, layer_scale, rowscale)``, the column keys of
+    :func:`addnorm.reference.mask_hash` computed once per thread."""
+
+
+@overload(_branch_keys)
+def _branch_keys_impl(br, n):
+    if isinstance(br, types.NoneType):
+        return lambda br, n: None
+
+    def keys(br, n):
+        seed, threshold, scale, layer_scale, rowscale = br
+        k0, k1 = np.uint64(seed) & _M32, (np.uint64(seed) >> _U32) & _M32
+        k0, k1, k0g = np.uint32(k0), np.uint32(k1), np.uint32(k0 ^ _GOLDEN)
+        cols = np.empty(n, np.uint32)
+        for j in range(n):
+            cols[j] = _fmix32_add(_fmix32_xor(np.uint32(j), k1), k0g)
+        return k0, k1, np.uint64(threshold), scale, layer_scale, rowscale, cols
+
+    return keys
+
+
 @numba.njit
-def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, direct):
+def _branch_row(xi, ri, sbuf, keep, bk, row):
+    """``sbuf`` = the stream of row ``row`` (its index in the call) through the branch, rounded to
+    the residual's dtype, in the statistics dtype, and ``keep`` its dropout mask:
+    :func:`addnorm.reference.stream` with :func:`addnorm.reference.branch_terms`, bit for bit.
+    (Two loops, the integer one and the float one, so that each vectorizes.)"""
+    k0, k1, threshold, scale, layer_scale, rowscale, cols = bk
+    a = _fmix32_add(_fmix32_xor(np.uint32(row), k0), k1)
+    for j in range(sbuf.shape[0]):
+        keep[j] = np.uint64(_fmix32_add(a, cols[j])) >= threshold
+    rs = rowscale[row]
+    zero = scale - scale
+    for j in range(sbuf.shape[0]):
+        xs = _load(xi, j) * scale  # loaded whatever keep says: a select, not a branch, vectorizes
+        sbuf[j] = _round(ri, _load(ri, j) + (xs if keep[j] else zero) * layer_scale[j] * rs)
+
+
+@numba.njit
+def _forward_rows(
+    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, direct, bk, first, keep
+):
     """``direct``: None for 16-bit rows, whose x and s are never in the statistics dtype (a type:
     the branches below that use x or s directly are then pruned when compiling; left in, they
-    kept the widening loop from vectorizing)."""
+    kept the widening loop from vectorizing). ``bk``: the branch's keys (None without one),
+    ``first`` the index of the first row in the call."""
     n = buf.shape[0]
     one = nf / nf
     for i in range(x.shape[0]):
@@ -313,7 +390,15 @@ def _forward_rows(x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, 
         # widened into buf, summed as they are; others are x or s itself (nothing copied: a store
         # per element fewer), or buf = x + residual, summed after, so that every path (plain,
         # pre-norm, post-norm) sums its row the same way
-        if direct is None:
+        if bk is not None:
+            row = buf
+            _branch_row(x[i], r[i], buf, keep, bk, first + i)
+            if write_s:
+                si = s[i]
+                for j in range(n):
+                    _put(si, j, buf[j])
+            total = _dot(row, row) if rms else _sum(row)
+        elif direct is None:
             row = buf
             total = _load_row(x[i], r[i], s[i], buf, has_residual, write_s, rms)
         else:
@@ -417,27 +502,34 @@ _SCALE_BELOW_RSTD = 1e-18
 
 
 @numba.njit
+def _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf):
+    """``(k, mu, rs_k, mean(g * xhat), mean(g))`` of row ``i`` (``mu`` and the means scaled by
+    the row scale ``k``), as the forward computed them. Rows with rstd below _SCALE_BELOW_RSTD
+    are copied to ``sbuf`` to find ``k``."""
+    zero = nf - nf
+    rs = rstd[i]
+    k = nf / nf
+    if rs < _SCALE_BELOW_RSTD:
+        for j in range(sbuf.shape[0]):  # (a copy onto itself when si is sbuf)
+            sbuf[j] = _stream_at(si, ri, j)
+        k = _row_scale(sbuf, kbuf)
+    mu = zero if rms else mean[i] * k
+    rs_k = rs / k
+    sum_g, sum_gx = _backward_sums(si, ri, dyi, w, k, mu, rs_k)
+    return k, mu, rs_k, sum_gx / nf, (zero if rms else sum_g / nf)
+
+
+@numba.njit
 def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf):
     """Two passes over each row while it sits in cache: the row sums, then ``dweight``,
     ``dbias`` and ``ds`` in one loop. ``xhat`` and ``g`` are recomputed in each (a multiply-add
     each) rather than stored to buffers by the first: fewer stores (docs/benchmarks.md, "Row cost
     in cache"). ``r``: None (``s`` is the stream), or the residual, ``s`` then being ``x`` (see
     _stream_row)."""
-    zero = nf - nf
-    one = nf / nf
     for i in range(s.shape[0]):
         (si, ri), dyi, dsi = _stream_row(s[i], _part(r, i), sbuf), dy[i], ds[i]
+        k, mu, rs_k, mgx, mg = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
         rs = rstd[i]
-        k = one
-        if rs < _SCALE_BELOW_RSTD:
-            for j in range(sbuf.shape[0]):
-                sbuf[j] = _stream_at(si, ri, j)
-            k = _row_scale(sbuf, kbuf)
-        mu = zero if rms else mean[i] * k
-        rs_k = rs / k
-        sum_g, sum_gx = _backward_sums(si, ri, dyi, w, k, mu, rs_k)
-        mgx = sum_gx / nf
-        mg = zero if rms else sum_g / nf
         # the same loop twice, so that each compiles to one vectorized loop
         if has_dstream:
             dsti = dstream[i]
@@ -454,6 +546,36 @@ def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, d
                 dw[j] += dj * xh
                 db[j] += dj
                 _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs)
+
+
+@numba.njit
+def _backward_rows_branch(
+    dy, dstream, x, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, bk, first, keep, dx, dls
+):
+    """:func:`_backward_rows` through the branch: the stream and its keep mask recomputed into
+    ``sbuf``/``keep`` (:func:`_branch_row`), then besides ``ds`` (the residual's gradient) ``dx``
+    and the row's share of ``dlayer_scale``, as :func:`addnorm.reference.branch_backward`."""
+    _, _, _, scale, layer_scale, rowscale, _ = bk
+    zero = nf - nf
+    for i in range(x.shape[0]):
+        xi, dyi, dsi, dxi = x[i], dy[i], ds[i], dx[i]
+        _branch_row(xi, r[i], sbuf, keep, bk, first + i)
+        k, mu, rs_k, mgx, mg = _row_coefs(sbuf, None, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
+        rs, rsc = rstd[i], rowscale[first + i]
+        dsti = dstream[i]
+        for j in range(w.shape[0]):
+            dj = _round(w, _load(dyi, j))
+            xh = (sbuf[j] * k - mu) * rs_k
+            dw[j] += dj * xh
+            db[j] += dj
+            v = (dj * w[j] - xh * mgx - mg) * rs
+            if has_dstream:
+                v += _load(dsti, j)
+            v = _put(dsi, j, v)  # the gradient as stored, as autograd would read it
+            kept = keep[j]
+            xs = _load(xi, j) * scale  # loaded whatever keep says (see _branch_row)
+            _put(dxi, j, (v * scale if kept else zero) * layer_scale[j] * rsc)
+            dls[j] += v * ((xs if kept else zero) * rsc)
 
 
 # The kernels: every calling thread claims blocks of ``block_rows`` rows from the shared counter
@@ -482,11 +604,13 @@ def _wait_all(sched, block_rows, m):
 
 @numba.njit(nogil=True, error_model="numpy")
 def _forward_kernel(
-    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, sched, block_rows, direct
+    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, sched, block_rows, direct, br
 ):
     m, n = x.shape
     buf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
+    bk = _branch_keys(br, n)
+    keep = np.empty(n if br is not None else 0, np.bool_)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
         _forward_rows(
@@ -507,6 +631,9 @@ def _forward_kernel(
             buf,
             kbuf,
             direct,
+            bk,
+            lo,
+            keep,
         )
         _claim(sched, 1)
         blk, lo, hi = _claim_rows(sched, block_rows, m)
@@ -514,31 +641,59 @@ def _forward_kernel(
 
 
 @numba.njit(nogil=True, error_model="numpy")
-def _backward_kernel(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sched, block_rows):
-    """``dw``/``db``: one partial row per block (not per thread), so that the sums do not depend
-    on which thread ran which block."""
+def _backward_kernel(
+    dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sched, block_rows, br, dx, dls
+):
+    """``dw``/``db`` (and ``dls``): one partial row per block (not per thread), so that the sums
+    do not depend on which thread ran which block."""
     m, n = s.shape
     sbuf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
+    bk = _branch_keys(br, n)
+    keep = np.empty(n if br is not None else 0, np.bool_)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
-        _backward_rows(
-            dy[lo:hi],
-            dstream[lo:hi],
-            s[lo:hi],
-            _part(r, slice(lo, hi)),
-            w,
-            mean[lo:hi],
-            rstd[lo:hi],
-            nf,
-            has_dstream,
-            rms,
-            ds[lo:hi],
-            dw[blk],
-            db[blk],
-            sbuf,
-            kbuf,
-        )
+        if br is not None:  # an argument: the other branch is pruned when compiling
+            _backward_rows_branch(
+                dy[lo:hi],
+                dstream[lo:hi],
+                s[lo:hi],
+                _part(r, slice(lo, hi)),
+                w,
+                mean[lo:hi],
+                rstd[lo:hi],
+                nf,
+                has_dstream,
+                rms,
+                ds[lo:hi],
+                dw[blk],
+                db[blk],
+                sbuf,
+                kbuf,
+                bk,
+                lo,
+                keep,
+                dx[lo:hi],
+                dls[blk],
+            )
+        else:
+            _backward_rows(
+                dy[lo:hi],
+                dstream[lo:hi],
+                s[lo:hi],
+                _part(r, slice(lo, hi)),
+                w,
+                mean[lo:hi],
+                rstd[lo:hi],
+                nf,
+                has_dstream,
+                rms,
+                ds[lo:hi],
+                dw[blk],
+                db[blk],
+                sbuf,
+                kbuf,
+            )
         _claim(sched, 1)
         blk, lo, hi = _claim_rows(sched, block_rows, m)
     _wait_all(sched, block_rows, m)
@@ -551,7 +706,7 @@ def _backward_kernel(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds,
 # compiled per combination of dtypes. Threads run it with no Python in between: no GIL to hand
 # from thread to thread and no unboxing of a dozen arguments by numba's dispatcher, which cost
 # tens of µs per call.
-_SLOTS = 17
+_SLOTS = 24
 _SCHED = _SLOTS - 2  # [next block to claim, blocks done]
 _NUMPY_DTYPES = {
     torch.float32: np.float32,
@@ -583,15 +738,40 @@ def _compile_entry(fn):
         return numba.cfunc(sig)(fn)
 
 
-def _forward_entry(sd, yd):
+def _branch_slots(a, f, at, m, n, cd, branched):
+    """The branch's arguments from slots ``at``.. (seed, keep threshold, scale as float64 bits,
+    layer_scale and rowscale addresses) as ``_branch_keys`` takes them; None (a constant, so the
+    branch code is pruned when compiling) without a branch."""
+
+
+@overload(_branch_slots)
+def _branch_slots_impl(a, f, at, m, n, cd, branched):
+    if isinstance(branched, types.NoneType):
+        return lambda a, f, at, m, n, cd, branched: None
+
+    def slots(a, f, at, m, n, cd, branched):
+        return (
+            a[at],
+            a[at + 1],
+            cd(f[at + 2]),
+            carray(_ptr(a[at + 3]), n, cd),
+            carray(_ptr(a[at + 4]), m, cd),
+        )
+
+    return slots
+
+
+def _forward_entry(sd, yd, branched):
     """Slots: x, residual, weight, bias, y, s, mean, rstd, rows, cols, block_rows, flags (has_residual
-    | write_s << 1 | rms << 2 | write_stats << 3), eps (float64 bits); ``sd``: the dtype of x,
-    residual and s, ``yd`` that of y (numpy dtypes; 16-bit floats as uint16/int16)."""
+    | write_s << 1 | rms << 2 | write_stats << 3), eps (float64 bits), then the branch's (see
+    _branch_slots); ``sd``: the dtype of x, residual and s, ``yd`` that of y (numpy dtypes; 16-bit
+    floats as uint16/int16); ``branched``: True, or None without a branch."""
     cd = np.float64 if sd == np.float64 else np.float32
     direct = True if sd == cd else None  # see _forward_rows
 
     def entry(block):
         a = carray(block, _SLOTS, np.int64)
+        f = carray(block, _SLOTS, np.float64)
         m, n, flags = a[8], a[9], a[11]
         stats_rows = m if flags & 8 else 0
         _forward_kernel(
@@ -599,7 +779,7 @@ def _forward_entry(sd, yd):
             carray(_ptr(a[1]), (m, n), sd),
             carray(_ptr(a[2]), n, cd),
             carray(_ptr(a[3]), n, cd),
-            cd(carray(block, _SLOTS, np.float64)[12]),
+            cd(f[12]),
             cd(n),
             flags & 1 != 0,
             flags & 2 != 0,
@@ -612,21 +792,27 @@ def _forward_entry(sd, yd):
             a[_SCHED:],
             a[10],
             direct,
+            _branch_slots(a, f, 13, m, n, cd, branched),
         )
 
     return _compile_entry(entry)
 
 
-def _backward_entry(sd, gd, td, summed):
+def _backward_entry(sd, gd, td, summed, branched):
     """Slots: dy, dstream, s (or x), weight, mean, rstd, ds, dweight blocks, dbias blocks, rows,
-    cols, block_rows, flags (has_dstream | rms << 1), blocks, residual; ``sd``: the dtype of s
-    and ds, ``gd`` of dy, ``td`` of dstream; ``summed``: the stream is recomputed as x + residual."""
+    cols, block_rows, flags (has_dstream | rms << 1), blocks, residual, dx, dlayer_scale blocks,
+    then the branch's (see _branch_slots); ``sd``: the dtype of s and ds, ``gd`` of dy, ``td`` of
+    dstream; ``summed``: the stream is recomputed as x + residual; ``branched``: True (the stream
+    recomputed through the branch), or None."""
     cd = np.float64 if sd == np.float64 else np.float32
 
     def entry(block):
         a = carray(block, _SLOTS, np.int64)
+        f = carray(block, _SLOTS, np.float64)
         m, n, flags, blocks = a[9], a[10], a[12], a[13]
         r = carray(_ptr(a[14]), (m, n), sd) if summed else None  # pruned when compiling: a constant
+        br = _branch_slots(a, f, 17, m, n, cd, branched)
+        rows_dx = m if br is not None else 0
         _backward_kernel(
             carray(_ptr(a[0]), (m, n), gd),
             carray(_ptr(a[1]), (m, n), td),
@@ -643,28 +829,34 @@ def _backward_entry(sd, gd, td, summed):
             carray(_ptr(a[8]), (blocks, n), cd),
             a[_SCHED:],
             a[11],
+            br,
+            carray(_ptr(a[15]), (rows_dx, n), sd),
+            carray(_ptr(a[16]), (blocks if br is not None else 0, n), cd),
         )
 
     return _compile_entry(entry)
 
 
-# compiled entries, made on first use: (stream dtype, y dtype) and (s, dy, dstream dtypes, summed)
+# compiled entries, made on first use: (stream dtype, y dtype, branched) and (s, dy, dstream
+# dtypes, summed, branched)
 _FORWARD_ENTRIES: dict[tuple, object] = {}
 _BACKWARD_ENTRIES: dict[tuple, object] = {}
 
 
-def _forward_entry_for(sd: torch.dtype, yd: torch.dtype):
-    entry = _FORWARD_ENTRIES.get((sd, yd))
+def _forward_entry_for(sd: torch.dtype, yd: torch.dtype, branched: bool = False):
+    key = (sd, yd, branched)
+    entry = _FORWARD_ENTRIES.get(key)
     if entry is None:
-        entry = _FORWARD_ENTRIES[sd, yd] = _forward_entry(_NUMPY_DTYPES[sd], _NUMPY_DTYPES[yd])
+        entry = _FORWARD_ENTRIES[key] = _forward_entry(_NUMPY_DTYPES[sd], _NUMPY_DTYPES[yd], True if branched else None)
     return entry
 
 
-def _backward_entry_for(sd: torch.dtype, gd: torch.dtype, td: torch.dtype, summed: bool):
-    key = (sd, gd, td, summed)
+def _backward_entry_for(sd: torch.dtype, gd: torch.dtype, td: torch.dtype, summed: bool, branched: bool = False):
+    key = (sd, gd, td, summed, branched)
     entry = _BACKWARD_ENTRIES.get(key)
     if entry is None:
-        entry = _BACKWARD_ENTRIES[key] = _backward_entry(*(_NUMPY_DTYPES[d] for d in (sd, gd, td)), summed)
+        dtypes = (_NUMPY_DTYPES[d] for d in (sd, gd, td))
+        entry = _BACKWARD_ENTRIES[key] = _backward_entry(*dtypes, summed, True if branched else None)
     return entry
 
 
@@ -783,6 +975,18 @@ def _rows(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _branch_block(branch, m: int, n: int, cd: torch.dtype) -> tuple[tuple[int, ...], tuple[Tensor, ...]]:
+    """The branch's argument slots (see _branch_slots) and the tensors they point into, which
+    the caller holds while the kernel runs; a missing factor is a row of ones (``* 1`` is exact,
+    so one compiled kernel serves every combination)."""
+    p = branch.p
+    layer_scale = _param(branch.layer_scale, n, cd, 1.0)
+    rowscale = _param(branch.rowscale, m, cd, 1.0)
+    seed = int(branch.seed) if p > 0 else 0
+    slots = (seed, reference.keep_threshold(p), _eps_bits(reference.dropout_scale(p)))
+    return slots + (layer_scale.data_ptr(), rowscale.data_ptr()), (layer_scale, rowscale)
+
+
 def forward(
     x,
     residual,
@@ -796,6 +1000,7 @@ def forward(
     write_stats=True,
     out=None,
     residual_out=None,
+    branch=None,
 ):
     """:func:`addnorm.reference.forward` in one pass over the rows; ``y`` and ``s`` are written
     straight into ``out``/``residual_out`` when given."""
@@ -824,6 +1029,7 @@ def forward(
         threads, block_rows = _plan(m, n)
         flags = (residual is not None) | write_s << 1 | rms << 2 | write_stats << 3
         w, b = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)  # held: the kernel reads them
+        branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else ((), ())
         block = _BLOCK(
             x.data_ptr(),
             r.data_ptr(),
@@ -838,20 +1044,23 @@ def forward(
             block_rows,
             flags,
             _eps_bits(eps),
+            *branch_slots,
         )
-        _launch(_forward_entry_for(sd, y.dtype), threads, block)
+        _launch(_forward_entry_for(sd, y.dtype, branch is not None), threads, block)
+        del held
     if y.dtype is not y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
     return y, s, mean, rstd
 
 
-def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias):
+def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=None):
     """:func:`addnorm.reference.backward` in two passes over each row; from ``s_parts = (x,
-    residual)`` the stream is recomputed as it is read."""
-    check_s_parts(s_parts)
+    residual)`` the stream is recomputed as it is read (through the branch, when given)."""
+    check_s_parts(s_parts, branch)
     n = s_parts[0].shape[-1]
-    s = _rows(s_parts[0])
     residual = _rows(s_parts[1]) if len(s_parts) == 2 else None
+    sd = s_parts[-1].dtype  # the stream dtype (with a branch, residual's)
+    s = _rows(s_parts[0] if s_parts[0].dtype is sd else s_parts[0].to(sd))
     m = s.numel() // n if n else 0
     cd = rstd.dtype
     # a gradient of another dtype than s is cast to the statistics dtype first (as the reference)
@@ -859,16 +1068,17 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias):
     if dstream is not None:
         dstream = _rows(dstream if dstream.dtype is s.dtype else dstream.to(cd))
     ds = _empty(s, s.dtype)
+    dx = _empty(s, s.dtype) if branch is not None else None
     # one fp32 partial row of dweight and of dbias per block: at most 1/16 of ds's rows, so that
     # the scratch stays small beside the (m, n) tensors for few, wide rows
     threads, block_rows = _plan(m, n, max_blocks=m // 16)
     blocks = -(-m // block_rows) if m else 1
-    # two tensors: the custom op's outputs may not alias; one block's partial row is the sum itself
-    dw_part = torch.zeros((blocks, n) if blocks > 1 else n, dtype=cd)
-    db_part = torch.zeros((blocks, n) if blocks > 1 else n, dtype=cd)
+    # separate tensors: the custom op's outputs may not alias; one block's partial row is the sum itself
+    partials = [torch.zeros((blocks, n) if blocks > 1 else n, dtype=cd) for _ in range(2 if branch is None else 3)]
     if m:
         dst = dstream if dstream is not None else s
         w = _param(weight, n, cd, 1.0)  # held: the kernel reads it
+        branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else ((0,) * 5, ())
         block = _BLOCK(
             dy.data_ptr(),
             dst.data_ptr(),
@@ -877,17 +1087,23 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias):
             (rstd if rms else mean).data_ptr(),
             rstd.data_ptr(),
             ds.data_ptr(),
-            dw_part.data_ptr(),
-            db_part.data_ptr(),
+            partials[0].data_ptr(),
+            partials[1].data_ptr(),
             m,
             n,
             block_rows,
             (dstream is not None) | rms << 1,
             blocks,
             0 if residual is None else residual.data_ptr(),
+            0 if dx is None else dx.data_ptr(),
+            0 if branch is None else partials[2].data_ptr(),
+            *branch_slots,
         )
-        _launch(_backward_entry_for(s.dtype, dy.dtype, dst.dtype, residual is not None), threads, block)
+        entry = _backward_entry_for(s.dtype, dy.dtype, dst.dtype, residual is not None, branch is not None)
+        _launch(entry, threads, block)
+        del held
     # the per-block partial rows summed by torch (no atomics, a fixed order for a given shape):
     # bit-identical from run to run for a given thread count
-    dweight, dbias = (dw_part, db_part) if blocks == 1 else (dw_part.sum(0), db_part.sum(0))
-    return ds, (dweight if weight is not None else None), (dbias if has_bias else None)
+    sums = [p if blocks == 1 else p.sum(0) for p in partials]
+    dlayer_scale = sums[2] if branch is not None and branch.layer_scale is not None else None
+    return Grads(ds, sums[0] if weight is not None else None, sums[1] if has_bias else None, dx, dlayer_scale)

@@ -64,12 +64,17 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import reference
-from ..backend import Capabilities, check_s_parts
+from ..backend import Capabilities, Grads, check_s_parts
 
 # widest row held whole in registers (wider rows take the chunked path): the forward keeps
 # fewer values live than the backward (benchmarks/triton_tune.py measured both on an H100)
 FORWARD_MAX_FUSED_N = 16384
 BACKWARD_MAX_FUSED_N = 8192
+# with the sublayer branch the backward also keeps x and the keep mask live: with these limits it
+# compiles for sm_90 without spills from 2048 to 4096 features, where the plain limits spilled
+# (python benchmarks/triton_registers.py: chosen by registers, not yet timed on a GPU)
+BRANCH_BACKWARD_MAX_FUSED_N = 4096
+BRANCH_BACKWARD_BYTES_PER_THREAD = 16
 CHUNK_N = 4096  # columns per chunk on the chunked path (a power of two)
 TILE_ELEMS = 4096  # elements per program tile when short rows are stacked
 MAX_BLOCK_M = 32  # at most this many rows per tile
@@ -129,11 +134,60 @@ def _rsqrt(v):
 
 
 @triton.jit
-def _load_stream(X, R, S, rows, cols, mask, sx, sr, CD: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """``s = x + residual`` rounded to the stream dtype (``S``'s), returned in ``CD``."""
+def _fmix32(h):
+    """MurmurHash3's finalizer on uint32 values (``reference.fmix32``): wraps mod 2**32."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
+    """``(t, keep)`` of one tile: ``t = (keep ? x * scale : 0) * layer_scale * rowscale`` with
+    ``keep`` the hash of ``(seed, row, column)`` at least ``threshold``: reference.branch_terms
+    and reference.mask_hash, bit for bit. A missing factor is a tensor of ones (``* 1`` is exact)."""
+    seed = tl.load(SEED)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    a = _fmix32(_fmix32(rows.to(tl.uint32) ^ k0) + k1)
+    b = _fmix32(_fmix32(cols.to(tl.uint32) ^ k1) + (k0 ^ 0x9E3779B9))
+    keep = _fmix32(a[:, None] + b[None, :]).to(tl.int64) >= threshold
+    t = tl.where(keep, x * tl.load(SCALE).to(CD), 0.0)
+    t = t * tl.load(LS + cols, mask=cols < N, other=1.0).to(CD)[None, :]
+    t = t * tl.load(RSC + rows, mask=rows < M, other=1.0).to(CD)[:, None]
+    return t, keep
+
+
+@triton.jit
+def _load_stream(
+    X,
+    R,
+    S,
+    rows,
+    cols,
+    mask,
+    sx,
+    sr,
+    M,
+    N,
+    SEED,
+    SCALE,
+    LS,
+    RSC,
+    threshold,
+    CD: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BRANCH: tl.constexpr,
+):
+    """``s = x + residual`` rounded to the stream dtype (``S``'s), returned in ``CD``; with
+    ``BRANCH``, ``x`` goes through :func:`_branch` first."""
     x = tl.load(X + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(CD)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(CD)
+        if BRANCH:
+            x = _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)[0]
         x = _round(x + r, S.dtype.element_ty).to(CD)
     return x
 
@@ -210,11 +264,17 @@ def _forward_kernel(
     sx,
     sr,
     eps,
+    SEED,
+    SCALE,
+    LS,
+    RSC,
+    threshold,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_RMS: tl.constexpr,
     CHUNKED: tl.constexpr,
+    BRANCH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -226,7 +286,9 @@ def _forward_kernel(
     corr = tl.zeros([BLOCK_M], dtype=CD)
     if not CHUNKED:  # the whole row is in registers: every pass is over registers
         mask = row_ok[:, None] & (cols < N)[None, :]
-        s = _load_stream(X, R, S, rows, cols, mask, sx, sr, CD, HAS_RESIDUAL)
+        s = _load_stream(
+            X, R, S, rows, cols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+        )
         w = _load_param(W, cols, N, CD, HAS_WEIGHT)  # issued now: latency hidden by the reductions
         b = _load_param(B, cols, N, CD, HAS_BIAS)
         _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL)  # now: s need not stay live
@@ -248,7 +310,9 @@ def _forward_kernel(
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
-            s = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL)
+            s = _load_stream(
+                X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+            )
             _store_stream(s, S, rows, ccols, mask, N, HAS_RESIDUAL)
             amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
             k_new = _row_scale(amax)
@@ -260,7 +324,12 @@ def _forward_kernel(
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
-            c = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL) * k[:, None]
+            c = (
+                _load_stream(
+                    X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+                )
+                * k[:, None]
+            )
             if not IS_RMS:
                 c = tl.where(mask, c - mean_k[:, None], 0.0)
                 corr += tl.sum(c, axis=1)
@@ -277,7 +346,12 @@ def _forward_kernel(
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
-            sk = _load_stream(X, R, S, rows, ccols, mask, sx, sr, CD, HAS_RESIDUAL) * k[:, None]
+            sk = (
+                _load_stream(
+                    X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+                )
+                * k[:, None]
+            )
             w = _load_param(W, ccols, N, CD, HAS_WEIGHT)
             b = _load_param(B, ccols, N, CD, HAS_BIAS)
             _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, ccols, mask, N, HAS_WEIGHT, HAS_BIAS)
@@ -288,6 +362,16 @@ def _load_s(S, rows, row_ok, cols, ss, N, CD: tl.constexpr):
     """``(s, mask)`` of one tile, zero outside the mask."""
     mask = row_ok[:, None] & (cols < N)[None, :]
     return tl.load(S + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0).to(CD), mask
+
+
+@triton.jit
+def _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
+    """``(s, mask, x, keep)`` of one tile whose stream is recomputed through the branch: ``S``
+    holds ``x``, and ``s = residual + t`` (:func:`_branch`) rounded to the residual's dtype."""
+    x, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
+    r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(CD)
+    t, keep = _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)
+    return _round(r + t, R.dtype.element_ty).to(CD), mask, x, keep
 
 
 @triton.jit
@@ -321,6 +405,7 @@ def _grad_terms(
 def _coef_kernel(
     DY,
     S,
+    R,
     W,
     MEAN,
     RSTD,
@@ -331,8 +416,15 @@ def _coef_kernel(
     N,
     sdy,
     ss,
+    sr,
+    SEED,
+    SCALE,
+    LS,
+    RSC,
+    threshold,
     HAS_WEIGHT: tl.constexpr,
     IS_RMS: tl.constexpr,
+    BRANCH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -343,14 +435,21 @@ def _coef_kernel(
     row_ok = rows < M
     amax = tl.zeros([BLOCK_M], dtype=CD)
     for start in range(0, N, BLOCK_N):
-        s, mask = _load_s(S, rows, row_ok, start + tl.arange(0, BLOCK_N), ss, N, CD)
+        cols = start + tl.arange(0, BLOCK_N)
+        if BRANCH:
+            s, mask, _, _ = _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD)
+        else:
+            s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
     k = _row_scale(amax)
     c1 = tl.zeros([BLOCK_M], dtype=CD)
     c2 = tl.zeros([BLOCK_M], dtype=CD)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
-        s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
+        if BRANCH:
+            s, mask, _, _ = _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD)
+        else:
+            s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         dy = _load_dy(DY, rows, cols, mask, sdy, CD)
         xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N, CD, HAS_WEIGHT, IS_RMS)
         c1 += tl.sum(g * xhat, axis=1)
@@ -365,6 +464,7 @@ def _backward_kernel(
     DY,
     DSTREAM,
     S,
+    R,
     W,
     MEAN,
     RSTD,
@@ -374,21 +474,32 @@ def _backward_kernel(
     DS,
     DW,
     DB,
+    DX,
+    DLS,
     M,
     N,
     rows_per_program,
     sdy,
     sdst,
     ss,
+    sr,
+    SEED,
+    SCALE,
+    LS,
+    RSC,
+    threshold,
     HAS_DSTREAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_RMS: tl.constexpr,
     CHUNKED: tl.constexpr,
+    BRANCH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``ds`` of rows ``[pid * rows_per_program, ...)`` and their partial dweight/dbias sums.
+    """``ds`` of rows ``[pid * rows_per_program, ...)`` and their partial dweight/dbias sums;
+    with ``BRANCH`` (``S`` holds ``x``, the stream is recomputed through the branch) also ``dx``
+    and the partial sums of dlayer_scale, as ``reference.branch_backward``.
 
     Grid ``(programs, column chunks)``; without ``CHUNKED`` one chunk holds the whole row and
     the row scale and coefficients are computed here, else they come from :func:`_coef_kernel`.
@@ -398,11 +509,17 @@ def _backward_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     dw = tl.zeros([BLOCK_N], dtype=CD)
     db = tl.zeros([BLOCK_N], dtype=CD)
+    dls = tl.zeros([BLOCK_N], dtype=CD)
     first = pid.to(tl.int64) * rows_per_program
     for offset in range(0, rows_per_program, BLOCK_M):
         rows = first + offset + tl.arange(0, BLOCK_M)
         row_ok = rows < M
-        s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
+        if BRANCH:
+            s, mask, x, keep = _branch_stream(
+                S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD
+            )
+        else:
+            s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         dy = _load_dy(DY, rows, cols, mask, sdy, CD)
         if CHUNKED:
             k = tl.load(K + rows, mask=row_ok, other=1.0)
@@ -421,7 +538,15 @@ def _backward_kernel(
         ds = inner * rstd[:, None]
         if HAS_DSTREAM:
             ds += tl.load(DSTREAM + rows[:, None] * sdst + cols[None, :], mask=mask, other=0.0).to(CD)
-        tl.store(DS + rows[:, None] * N + cols[None, :], _round(ds, DS.dtype.element_ty), mask=mask)
+        ds = _round(ds, DS.dtype.element_ty)
+        tl.store(DS + rows[:, None] * N + cols[None, :], ds, mask=mask)
+        if BRANCH:  # from ds as stored, as autograd would read it
+            ds = ds.to(CD)
+            dx = _branch(ds, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)[0]
+            tl.store(DX + rows[:, None] * N + cols[None, :], _round(dx, DX.dtype.element_ty), mask=mask)
+            rowscale = tl.load(RSC + rows, mask=row_ok, other=1.0).to(CD)
+            dropped = tl.where(keep, x * tl.load(SCALE).to(CD), 0.0) * rowscale[:, None]
+            dls += tl.sum(ds * dropped, axis=0)
         if HAS_WEIGHT:
             dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
@@ -431,6 +556,8 @@ def _backward_kernel(
         tl.store(DW + partial, dw, mask=cols < N)
     if HAS_BIAS:
         tl.store(DB + partial, db, mask=cols < N)
+    if BRANCH:
+        tl.store(DLS + partial, dls, mask=cols < N)
 
 
 @triton.jit
@@ -492,6 +619,28 @@ def _rows(t: Tensor | None) -> Tensor | None:
     return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+@functools.lru_cache(maxsize=64)
+def _constant(n: int, dtype: torch.dtype, device: torch.device, value: float) -> Tensor:
+    """``n`` values ``value`` (never written): a missing layer scale or rowscale (ones), the dropout
+    scale (one value), a seed when there is no dropout (zero)."""
+    return torch.full((n,), value, dtype=dtype, device=device)
+
+
+def _branch_args(branch, m: int, n: int, cd: torch.dtype, device: torch.device) -> tuple:
+    """``(SEED, SCALE, LS, RSC, threshold)`` for the kernels (see ``_branch``): a missing factor is
+    a row of ones; all None (and threshold 0) without a branch."""
+    if branch is None:
+        return None, None, None, None, 0
+    p = branch.p
+    return (
+        branch.seed if p > 0 else _constant(1, torch.int64, device, 0),
+        _constant(1, cd, device, reference.dropout_scale(p)),
+        _rows(branch.layer_scale) if branch.layer_scale is not None else _constant(n, cd, device, 1.0),
+        _rows(branch.rowscale) if branch.rowscale is not None else _constant(m, cd, device, 1.0),
+        reference.keep_threshold(p),
+    )
+
+
 def forward(
     x: Tensor,
     residual: Tensor | None,
@@ -505,15 +654,19 @@ def forward(
     write_stats: bool = True,
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
+    branch=None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """:func:`addnorm.reference.forward`, fused: one read of the inputs, one write of the outputs."""
     shape, n = x.shape, x.shape[-1]
+    y_dtype = x.dtype
+    sd = reference.stream_dtype(x, residual, residual_dtype)
+    if branch is not None and x.dtype != sd:  # the branch takes x rounded to the stream dtype
+        x = x.to(sd)
     x = _rows(x.reshape(-1, n))
     residual = _rows(residual.reshape(-1, n)) if residual is not None else None
     m = x.shape[0]
-    sd = reference.stream_dtype(x, residual, residual_dtype)
     cd = reference.stats_dtype(sd)
-    y = out if out is not None else torch.empty(shape, dtype=x.dtype, device=x.device)
+    y = out if out is not None else torch.empty(shape, dtype=y_dtype, device=x.device)
     s = None
     if residual is not None:
         s = residual_out if residual_out is not None else torch.empty(shape, dtype=sd, device=x.device)
@@ -539,11 +692,13 @@ def forward(
             x.stride(0),
             residual.stride(0) if residual is not None else 0,
             eps,
+            *_branch_args(branch, m, n, cd, x.device),
             HAS_RESIDUAL=residual is not None,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
             IS_RMS=rms,
             CHUNKED=chunked,
+            BRANCH=branch is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -573,36 +728,49 @@ def backward(
     *,
     rms: bool,
     has_bias: bool,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    branch=None,
+) -> Grads:
     """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias. (From
-    ``s_parts = (x, residual)`` the stream is summed first: on a GPU writing ``s`` in the forward
-    costs what reading ``x`` and ``residual`` again would, so ``recomputes_stream`` is off and
-    autograd never asks for this.)"""
-    check_s_parts(s_parts)
-    s = s_parts[0] if len(s_parts) == 1 else s_parts[0] + s_parts[1]
+    ``s_parts = (x, residual)`` without a branch the stream is summed first: on a GPU writing
+    ``s`` in the forward costs what reading ``x`` and ``residual`` again would, so
+    ``recomputes_stream`` is off and autograd never asks for this. With a branch the kernels
+    recompute the stream, the mask included, as they read ``x`` and ``residual``.)"""
+    check_s_parts(s_parts, branch)
+    residual = None
+    if branch is not None:
+        residual = s_parts[1]
+        s = s_parts[0] if s_parts[0].dtype == residual.dtype else s_parts[0].to(residual.dtype)
+    else:
+        s = s_parts[0] if len(s_parts) == 1 else s_parts[0] + s_parts[1]
     shape, n = s.shape, s.shape[-1]
-    rows = [None if t is None else _rows(t.reshape(-1, n)) for t in (dy, dstream, s)]
+    rows = [None if t is None else _rows(t.reshape(-1, n)) for t in (dy, dstream, s, residual)]
     with _device(s):
-        ds, dweight, dbias = _backward(*rows, _rows(weight), mean, rstd, rms, has_bias)
-    return ds.view(shape), dweight, dbias
+        g = _backward(*rows, _rows(weight), mean, rstd, rms, has_bias, branch)
+    return g._replace(ds=g.ds.view(shape), dx=None if g.dx is None else g.dx.view(shape))
 
 
-def _backward(dy, dstream, s, weight, mean, rstd, rms, has_bias):
+def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branch) -> Grads:
     m, n = s.shape
     cd = rstd.dtype
     ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
+    dx = torch.empty((m, n), dtype=s.dtype, device=s.device) if branch is not None else None
+    layer_scaled = branch is not None and branch.layer_scale is not None
     if m == 0:
-        zeros = torch.zeros((n,), dtype=cd, device=s.device)
-        return ds, (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
+        zeros = lambda present: torch.zeros((n,), dtype=cd, device=s.device) if present else None  # noqa: E731
+        return Grads(ds, zeros(weight is not None), zeros(has_bias), dx, zeros(layer_scaled))
+    max_fused_n = BACKWARD_MAX_FUSED_N if branch is None else BRANCH_BACKWARD_MAX_FUSED_N
     block_m, block_n, num_warps, chunked = _config(
-        n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD, BACKWARD_MAX_FUSED_N
+        n, s.device, s.element_size(), BACKWARD_BYTES_PER_THREAD, max_fused_n
     )
+    branch_args = _branch_args(branch, m, n, cd, s.device)
+    sr = residual.stride(0) if residual is not None else 0
     k = c1 = c2 = None
     if chunked:
         k, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(3))
         _coef_kernel[(triton.cdiv(m, block_m),)](
             dy,
             s,
+            residual,
             weight,
             mean,
             rstd,
@@ -613,8 +781,11 @@ def _backward(dy, dstream, s, weight, mean, rstd, rms, has_bias):
             n,
             dy.stride(0),
             s.stride(0),
+            sr,
+            *branch_args,
             HAS_WEIGHT=weight is not None,
             IS_RMS=rms,
+            BRANCH=branch is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -622,12 +793,13 @@ def _backward(dy, dstream, s, weight, mean, rstd, rms, has_bias):
     programs = _backward_programs(m, num_warps, s.device)
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     programs = triton.cdiv(m, rows_per_program)
-    dw = torch.empty((programs, n), dtype=cd, device=s.device) if weight is not None else None
-    db = torch.empty((programs, n), dtype=cd, device=s.device) if has_bias else None
+    partials = lambda present: torch.empty((programs, n), dtype=cd, device=s.device) if present else None  # noqa: E731
+    dw, db, dls = partials(weight is not None), partials(has_bias), partials(branch is not None)
     _backward_kernel[(programs, triton.cdiv(n, block_n))](
         dy,
         dstream,
         s,
+        residual,
         weight,
         mean,
         rstd,
@@ -637,20 +809,25 @@ def _backward(dy, dstream, s, weight, mean, rstd, rms, has_bias):
         ds,
         dw,
         db,
+        dx,
+        dls,
         m,
         n,
         rows_per_program,
         dy.stride(0),
         dstream.stride(0) if dstream is not None else 0,
         s.stride(0),
+        sr,
+        *branch_args,
         HAS_DSTREAM=dstream is not None,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=has_bias,
         IS_RMS=rms,
         CHUNKED=chunked,
+        BRANCH=branch is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
     )
-    dweight = _sum_partials(dw) if dw is not None else None
-    return ds, dweight, (_sum_partials(db) if db is not None else None)
+    total = lambda p: None if p is None else _sum_partials(p)  # noqa: E731
+    return Grads(ds, total(dw), total(db), dx, total(dls) if layer_scaled else None)
