@@ -721,9 +721,9 @@ def _check_dtensors(x, residual, weight, bias, buffers: bool, dropout_p: float) 
     if dropout_p > 0 and not all(p.is_replicate() for p in placements):
         raise ValueError(
             "dropout_p > 0 needs x and residual replicated when they are DTensors: the keep mask is a function "
-            "of each row's index, which a shard of the rows does not know. Apply torch's dropout to the "
-            "sublayer output before the norm (DTensor keeps random ops consistent across shards), or "
-            "redistribute x and residual to Replicate()"
+            "of each row's index, which a shard of the rows does not know. Keep dropout_p=0 and apply "
+            "torch.nn.Dropout to the sublayer output before the norm, or redistribute x and residual to "
+            "Replicate()"
         )
 
 

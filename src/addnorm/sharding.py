@@ -18,7 +18,10 @@ the op on the local shards (which runs the usual backend, the numba kernels on C
   all-reduce, or a reduce-scatter to a sharded placement);
 - sharded on the last (normalized) dim: gathered to whole rows, then normalized, as DTensor does
   for torch's own ``layer_norm``/``rms_norm`` (a drop-in does not fail where torch works); the
-  output is then sharded on the rows or replicated, not on the features.
+  output is then sharded on the rows or replicated, not on the features;
+- fused dropout (``dropout_p > 0``): its keep mask is a function of each row's index in the call,
+  which a shard of the rows does not know, so the rows are replicated (:mod:`addnorm.ops` refuses
+  row-sharded inputs in eager mode rather than gather them unasked).
 
 Each op's tensor arguments and outputs have one role in :data:`ROLES`, the one place to extend
 when an op gains a tensor argument or output: one entry each (``register`` refuses an op with a
