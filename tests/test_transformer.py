@@ -213,3 +213,30 @@ def test_predict_feeds_back_its_own_outputs():
     first = model(src, src[:, -1:])
     second = model(src, torch.cat([src[:, -1:], first], dim=1))[:, 1:]
     torch.testing.assert_close(pred, torch.cat([first, second], dim=1))
+
+
+@pytest.mark.parametrize("position", ["post", "pre", "none"])
+def test_residual_dropout_is_fused_into_each_add_and_off_in_eval(monkeypatch, position):
+    """dropout= reaches every Add & Norm call (in train mode only); eval() gives bitwise the
+    model without dropout, train() a different output on each call."""
+    p_seen = []
+    original = addnorm.nn.F.add_layer_norm
+
+    def spy(*args, **kwargs):
+        p_seen.append(kwargs["dropout_p"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(addnorm.nn.F, "add_layer_norm", spy)
+    torch.manual_seed(0)
+    model = Seq2SeqTransformer(2, D, H, FF, 2, 2, norm_position=position, dropout=0.1)
+    torch.manual_seed(0)
+    plain = Seq2SeqTransformer(2, D, H, FF, 2, 2, norm_position=position)
+    src, tgt = torch.randn(2, 5, 2), torch.randn(2, 4, 2)
+    model.eval()
+    plain.eval()
+    assert torch.equal(model(src, tgt), plain(src, tgt))
+    assert set(p_seen) <= {0.0}
+    p_seen.clear()
+    model.train()
+    assert not torch.equal(model(src, tgt), model(src, tgt))
+    assert set(p_seen) == ({0.1} if position != "none" else set())

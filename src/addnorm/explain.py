@@ -262,7 +262,7 @@ def explain(
     }
     if branch is not None:
         terms = reference.branch_terms(x2, branch, torch.arange(x2.shape[0]))
-        out["keep"], out["dropped"] = terms["keep"], terms["dropped"]
+        out["keep"], out["dropped"] = terms["keep"], x2 * terms["gate"]
     out["check_mean"] = st["xhat"].mean(dim=-1)
     xh = st["xhat"]
     out["check_std"] = (xh * xh).mean(dim=-1).sqrt() if rms else xh.std(dim=-1, correction=0)

@@ -147,27 +147,30 @@ def branch_terms(x: Tensor, branch: Branch, rows: Tensor) -> dict[str, Tensor | 
     """``t = rowscale * layer_scale * dropout(x)`` for ``x`` in the statistics dtype, whose rows
     have the indices ``rows``, in this order of operations (every backend keeps it)::
 
-        dropped = keep ? x * (1 / (1 - p)) : 0      (dropped = x when p = 0)
-        t       = dropped * layer_scale * rowscale  (each factor when given)
+        gate   = keep ? 1 / (1 - p) : 0              (1 when p = 0)
+        factor = gate * layer_scale                  (per element; the layer scale when given)
+        t      = x * factor * rowscale               (the row's factor when given)
 
-    Returns ``keep`` (None when ``p = 0``), ``dropped`` and ``t``."""
+    As torch's dropout, a dropped element is multiplied by 0, so a NaN or inf in ``x`` still
+    shows as NaN. Returns ``keep`` (None when ``p = 0``), ``gate`` and ``t``."""
     keep = None
-    dropped = x
+    factor = gate = torch.ones((), dtype=x.dtype, device=x.device)
     if branch.p > 0:
         keep = keep_mask(branch.seed, rows, x.shape[-1], branch.p)
-        dropped = torch.where(keep, x * torch.tensor(dropout_scale(branch.p), dtype=x.dtype, device=x.device), 0)
-    t = dropped
+        gate = torch.where(keep, torch.tensor(dropout_scale(branch.p), dtype=x.dtype, device=x.device), 0)
+        factor = gate
     if branch.layer_scale is not None:
-        t = t * branch.layer_scale.to(x.dtype)
+        factor = factor * branch.layer_scale.to(x.dtype)
+    t = x * factor if branch.p > 0 or branch.layer_scale is not None else x
     if branch.rowscale is not None:
         t = t * branch.rowscale.to(x.dtype)[rows][..., None]
-    return {"keep": keep, "dropped": dropped, "t": t}
+    return {"keep": keep, "gate": gate, "t": t}
 
 
 def branch_backward(ds: Tensor, x: Tensor, branch: Branch, rows: Tensor) -> tuple[Tensor, Tensor | None]:
     """``(dx, dlayer_scale)`` from ``ds`` (the gradient of ``s``) for the rows ``rows``, all in the
-    statistics dtype: ``dx = keep ? ds / (1 - p) : 0`` times ``layer_scale`` and ``rowscale`` (the
-    forward's factors, in its order), ``dlayer_scale = sum_rows ds * dropped * rowscale``."""
+    statistics dtype: ``dx = ds * factor * rowscale`` (the forward's factors, in its order) and
+    ``dlayer_scale = sum_rows ds * (x * gate * rowscale)``."""
     dlayer_scale = None
     if branch.layer_scale is not None:
         dropped = branch_terms(x, branch._replace(layer_scale=None), rows)["t"]

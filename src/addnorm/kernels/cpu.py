@@ -353,31 +353,35 @@ def _branch_keys_impl(br, n):
         cols = np.empty(n, np.uint32)
         for j in range(n):
             cols[j] = _fmix32_add(_fmix32_xor(np.uint32(j), k1), k0g)
-        return k0, k1, np.uint64(threshold), scale, layer_scale, rowscale, cols
+        # p = 1 (threshold 2**32) has scale 0: the gate is 0 whatever the 32-bit comparison says
+        return k0, k1, np.uint32(min(threshold, 0xFFFFFFFF)), scale, layer_scale, rowscale, cols
 
     return keys
 
 
 @numba.njit
-def _branch_row(xi, ri, sbuf, keep, bk, row):
+def _branch_row(xi, ri, sbuf, gates, bk, row):
     """``sbuf`` = the stream of row ``row`` (its index in the call) through the branch, rounded to
-    the residual's dtype, in the statistics dtype, and ``keep`` its dropout mask:
-    :func:`addnorm.reference.stream` with :func:`addnorm.reference.branch_terms`, bit for bit.
-    (Two loops, the integer one and the float one, so that each vectorizes.)"""
+    the residual's dtype, in the statistics dtype: :func:`addnorm.reference.stream` with
+    :func:`addnorm.reference.branch_terms`, bit for bit. ``gates[0]`` gets ``keep ? scale : 0``
+    and ``gates[1]`` the factor of ``x``, that times the layer scale. (Two loops, the integer
+    one and the float one, each of which vectorizes.)"""
     k0, k1, threshold, scale, layer_scale, rowscale, cols = bk
     a = _fmix32_add(_fmix32_xor(np.uint32(row), k0), k1)
-    for j in range(sbuf.shape[0]):
-        keep[j] = np.uint64(_fmix32_add(a, cols[j])) >= threshold
-    rs = rowscale[row]
     zero = scale - scale
+    gate, factor = gates[0], gates[1]
     for j in range(sbuf.shape[0]):
-        xs = _load(xi, j) * scale  # loaded whatever keep says: a select, not a branch, vectorizes
-        sbuf[j] = _round(ri, _load(ri, j) + (xs if keep[j] else zero) * layer_scale[j] * rs)
+        g = scale if _fmix32_add(a, cols[j]) >= threshold else zero
+        gate[j] = g
+        factor[j] = g * layer_scale[j]
+    rs = rowscale[row]
+    for j in range(sbuf.shape[0]):
+        sbuf[j] = _round(ri, _load(ri, j) + _load(xi, j) * factor[j] * rs)
 
 
 @numba.njit
 def _forward_rows(
-    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, direct, bk, first, keep
+    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, direct, bk, first, gates
 ):
     """``direct``: None for 16-bit rows, whose x and s are never in the statistics dtype (a type:
     the branches below that use x or s directly are then pruned when compiling; left in, they
@@ -392,7 +396,7 @@ def _forward_rows(
         # pre-norm, post-norm) sums its row the same way
         if bk is not None:
             row = buf
-            _branch_row(x[i], r[i], buf, keep, bk, first + i)
+            _branch_row(x[i], r[i], buf, gates, bk, first + i)
             if write_s:
                 si = s[i]
                 for j in range(n):
@@ -550,16 +554,16 @@ def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, d
 
 @numba.njit
 def _backward_rows_branch(
-    dy, dstream, x, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, bk, first, keep, dx, dls
+    dy, dstream, x, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, bk, first, gates, dx, dls
 ):
-    """:func:`_backward_rows` through the branch: the stream and its keep mask recomputed into
-    ``sbuf``/``keep`` (:func:`_branch_row`), then besides ``ds`` (the residual's gradient) ``dx``
+    """:func:`_backward_rows` through the branch: the stream and its gates recomputed into
+    ``sbuf``/``gates`` (:func:`_branch_row`), then besides ``ds`` (the residual's gradient) ``dx``
     and the row's share of ``dlayer_scale``, as :func:`addnorm.reference.branch_backward`."""
-    _, _, _, scale, layer_scale, rowscale, _ = bk
-    zero = nf - nf
+    rowscale = bk[5]
+    gate, factor = gates[0], gates[1]
     for i in range(x.shape[0]):
         xi, dyi, dsi, dxi = x[i], dy[i], ds[i], dx[i]
-        _branch_row(xi, r[i], sbuf, keep, bk, first + i)
+        _branch_row(xi, r[i], sbuf, gates, bk, first + i)
         k, mu, rs_k, mgx, mg = _row_coefs(sbuf, None, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
         rs, rsc = rstd[i], rowscale[first + i]
         dsti = dstream[i]
@@ -572,10 +576,8 @@ def _backward_rows_branch(
             if has_dstream:
                 v += _load(dsti, j)
             v = _put(dsi, j, v)  # the gradient as stored, as autograd would read it
-            kept = keep[j]
-            xs = _load(xi, j) * scale  # loaded whatever keep says (see _branch_row)
-            _put(dxi, j, (v * scale if kept else zero) * layer_scale[j] * rsc)
-            dls[j] += v * ((xs if kept else zero) * rsc)
+            _put(dxi, j, v * factor[j] * rsc)
+            dls[j] += v * (_load(xi, j) * gate[j] * rsc)
 
 
 # The kernels: every calling thread claims blocks of ``block_rows`` rows from the shared counter
@@ -610,7 +612,7 @@ def _forward_kernel(
     buf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
     bk = _branch_keys(br, n)
-    keep = np.empty(n if br is not None else 0, np.bool_)
+    gates = np.empty((2, n if br is not None else 0), w.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
         _forward_rows(
@@ -633,7 +635,7 @@ def _forward_kernel(
             direct,
             bk,
             lo,
-            keep,
+            gates,
         )
         _claim(sched, 1)
         blk, lo, hi = _claim_rows(sched, block_rows, m)
@@ -650,7 +652,7 @@ def _backward_kernel(
     sbuf = np.empty(n, w.dtype)
     kbuf = np.empty(1, w.dtype)
     bk = _branch_keys(br, n)
-    keep = np.empty(n if br is not None else 0, np.bool_)
+    gates = np.empty((2, n if br is not None else 0), w.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
         if br is not None:  # an argument: the other branch is pruned when compiling
@@ -672,7 +674,7 @@ def _backward_kernel(
                 kbuf,
                 bk,
                 lo,
-                keep,
+                gates,
                 dx[lo:hi],
                 dls[blk],
             )

@@ -145,19 +145,20 @@ def _fmix32(h):
 
 @triton.jit
 def _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
-    """``(t, keep)`` of one tile: ``t = (keep ? x * scale : 0) * layer_scale * rowscale`` with
-    ``keep`` the hash of ``(seed, row, column)`` at least ``threshold``: reference.branch_terms
-    and reference.mask_hash, bit for bit. A missing factor is a tensor of ones (``* 1`` is exact)."""
+    """``(t, gate)`` of one tile: ``gate = keep ? scale : 0`` with ``keep`` the hash of ``(seed,
+    row, column)`` at least ``threshold``, ``t = x * (gate * layer_scale) * rowscale``:
+    reference.branch_terms and reference.mask_hash, bit for bit. A missing factor is a tensor of
+    ones (``* 1`` is exact)."""
     seed = tl.load(SEED)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     a = _fmix32(_fmix32(rows.to(tl.uint32) ^ k0) + k1)
     b = _fmix32(_fmix32(cols.to(tl.uint32) ^ k1) + (k0 ^ 0x9E3779B9))
     keep = _fmix32(a[:, None] + b[None, :]).to(tl.int64) >= threshold
-    t = tl.where(keep, x * tl.load(SCALE).to(CD), 0.0)
-    t = t * tl.load(LS + cols, mask=cols < N, other=1.0).to(CD)[None, :]
-    t = t * tl.load(RSC + rows, mask=rows < M, other=1.0).to(CD)[:, None]
-    return t, keep
+    gate = tl.where(keep, tl.load(SCALE).to(CD), 0.0)
+    factor = gate * tl.load(LS + cols, mask=cols < N, other=1.0).to(CD)[None, :]
+    t = x * factor * tl.load(RSC + rows, mask=rows < M, other=1.0).to(CD)[:, None]
+    return t, gate
 
 
 @triton.jit
@@ -366,12 +367,12 @@ def _load_s(S, rows, row_ok, cols, ss, N, CD: tl.constexpr):
 
 @triton.jit
 def _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
-    """``(s, mask, x, keep)`` of one tile whose stream is recomputed through the branch: ``S``
+    """``(s, mask, x, gate)`` of one tile whose stream is recomputed through the branch: ``S``
     holds ``x``, and ``s = residual + t`` (:func:`_branch`) rounded to the residual's dtype."""
     x, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
     r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(CD)
-    t, keep = _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)
-    return _round(r + t, R.dtype.element_ty).to(CD), mask, x, keep
+    t, gate = _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)
+    return _round(r + t, R.dtype.element_ty).to(CD), mask, x, gate
 
 
 @triton.jit
@@ -515,7 +516,7 @@ def _backward_kernel(
         rows = first + offset + tl.arange(0, BLOCK_M)
         row_ok = rows < M
         if BRANCH:
-            s, mask, x, keep = _branch_stream(
+            s, mask, x, gate = _branch_stream(
                 S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD
             )
         else:
@@ -545,8 +546,7 @@ def _backward_kernel(
             dx = _branch(ds, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)[0]
             tl.store(DX + rows[:, None] * N + cols[None, :], _round(dx, DX.dtype.element_ty), mask=mask)
             rowscale = tl.load(RSC + rows, mask=row_ok, other=1.0).to(CD)
-            dropped = tl.where(keep, x * tl.load(SCALE).to(CD), 0.0) * rowscale[:, None]
-            dls += tl.sum(ds * dropped, axis=0)
+            dls += tl.sum(ds * (x * gate * rowscale[:, None]), axis=0)
         if HAS_WEIGHT:
             dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
