@@ -106,6 +106,7 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str
         "MEAN": "constexpr" if rms else PTR[cd],
         "RSTD": PTR[cd],
         "K": coef,
+        "CORR": coef,
         "C1": coef,
         "C2": coef,
         "DS": PTR[dtype],
@@ -135,7 +136,7 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str
     }
     out = resources(K._backward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
     if chunked:
-        keys = ("DY", "S", "R", "W", "MEAN", "RSTD", "K", "C1", "C2", "M", "N", "sdy", "ss", "sr")
+        keys = ("DY", "S", "R", "W", "MEAN", "RSTD", "K", "CORR", "C1", "C2", "M", "N", "sdy", "ss", "sr")
         keys += ("SEED", "SCALE", "LS", "RSC", "threshold")
         cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BRANCH", "BLOCK_M", "BLOCK_N")}
         out += "  coef: " + resources(

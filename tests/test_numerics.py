@@ -203,3 +203,69 @@ def test_nan_in_residual_stays_in_its_row(backend, rms):
         assert torch.equal(ours.isnan(), theirs.isnan()), name
         assert torch.equal(ours.isnan().any(dim=-1), torch.tensor([False, False, False, True, False])), name
         torch.testing.assert_close(ours[[0, 1, 2, 4]], theirs[[0, 1, 2, 4]], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------- gradients at an offset
+
+# Rows far from zero, in float32: the saved mean cannot hold the forward's corrected mean (at 1e6
+# an ulp is 0.0625), so the backward must re-centre as the forward does. Without it the gradients
+# are off by ~1e-5 (offset 1e4) to order one (three features spread over a few ulps).
+OFFSET_ROWS = {
+    "offset 1e4": lambda g, m, n: torch.randn(m, n, generator=g, dtype=torch.float64) + 1e4,
+    "offset 1e6": lambda g, m, n: torch.randn(m, n, generator=g, dtype=torch.float64) + 1e6,
+    "3 features at 1e6": lambda g, m, n: torch.tensor([[1e6 + 0.1, 1e6 + 0.2, 1e6 + 0.3]], dtype=torch.float64),
+}
+OFFSET_MODES = ["no residual", "post-norm", "pre-norm"]
+
+
+def offset_gradients(backend: str, rows: str, mode: str, m: int = 6, n: int = 96, create_graph: bool = False) -> None:
+    """Every gradient of ``layer_norm`` (``mode`` "no residual") or ``add_layer_norm`` (post- or
+    pre-norm) on float32 rows at a large offset, against torch's autograd on the same inputs in
+    float64, within the float32 tolerance: no ``2 x torch's error`` allowance here, as torch's own
+    float32 gradients are off by up to order one on these rows."""
+    g = torch.Generator().manual_seed(3)
+    s = OFFSET_ROWS[rows](g, m, n).float()
+    m, n = s.shape
+    w = torch.randn(n, generator=g) + 1
+    b = torch.randn(n, generator=g)
+    dy, dstream = torch.randn(m, n, generator=g), torch.randn(m, n, generator=g)
+    inputs = [s]
+    if mode != "no residual":
+        # x, a multiple of 1/16 (of ulp(1e6)), and the residual are exact in float32, and so is
+        # their sum: the float64 oracle sees the very stream that float32 computes
+        x = (torch.randn(m, n, generator=g) * 16).round() / 16
+        inputs = [x, (s.double() - x.double()).float()]
+        assert torch.equal(inputs[0] + inputs[1], s)
+    grads = {}
+    for dtype in (torch.float32, torch.float64):
+        leaves = [t.to(dtype).requires_grad_() for t in (*inputs, w, b)]
+        if dtype == torch.float32 and mode == "no residual":
+            outs = (addnorm.layer_norm(leaves[0], n, *leaves[1:], backend=backend),)
+        elif dtype == torch.float32:
+            outs = addnorm.add_layer_norm(*leaves[:2], n, *leaves[2:], prenorm=mode == "pre-norm", backend=backend)
+        else:
+            stream = leaves[0] if mode == "no residual" else leaves[0] + leaves[1]
+            outs = (TF.layer_norm(stream, (n,), *leaves[-2:]), stream)[: 2 if mode == "pre-norm" else 1]
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        grads[dtype] = torch.autograd.grad(outs, leaves, (dy, dstream)[: len(outs)], create_graph=create_graph)
+    names = ["dx", "dresidual", "dweight", "dbias"] if mode != "no residual" else ["dx", "dweight", "dbias"]
+    for name, ours, oracle in zip(names, grads[torch.float32], grads[torch.float64], strict=True):
+        assert ours.dtype == torch.float32, name
+        try:  # dweight/dbias sum m rows: their rounding grows like sqrt(m)
+            assert_matches_oracle(ours.detach(), oracle.detach(), scale=math.sqrt(m) if ours.dim() == 1 else 1.0)
+        except AssertionError as err:
+            raise AssertionError(f"{rows}, {mode}: {name}: {err}") from None
+
+
+@pytest.mark.parametrize("mode", OFFSET_MODES)
+@pytest.mark.parametrize("rows", OFFSET_ROWS)
+def test_offset_rows_gradients_match_the_oracle(backend, rows, mode):
+    """dx, dresidual, dweight and dbias of rows at a large mean offset, as exact as float32 allows."""
+    offset_gradients(backend, rows, mode)
+
+
+@pytest.mark.parametrize("rows", OFFSET_ROWS)
+def test_offset_rows_gradients_with_create_graph(rows):
+    """The differentiable backward (``create_graph=True``, for a second derivative) re-centres
+    too: its statistics are recomputed, and rounded, as the forward's."""
+    offset_gradients("auto", rows, "pre-norm", create_graph=True)

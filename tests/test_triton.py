@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +142,13 @@ def test_chunked_hard_numerics(chunked, sc):
 
 def test_chunked_offset_rows_are_centered_exactly(chunked):
     test_numerics.test_offset_rows_are_centered_exactly("triton")
+
+
+@pytest.mark.parametrize("mode", test_numerics.OFFSET_MODES)
+@pytest.mark.parametrize("rows", ["offset 1e4", "offset 1e6"])
+def test_chunked_offset_rows_gradients(chunked, rows, mode):
+    """The coefficient kernel re-centres the saved mean too (three chunks of 256 here)."""
+    test_numerics.offset_gradients("triton", rows, mode, m=3, n=600)
 
 
 # per dtype, the exponents j of max|s| = 2**j: both sides of 1, and up to the dtype's largest
@@ -284,3 +292,16 @@ def test_cpu_tensors_need_the_interpreter():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     out = out.stdout
     assert out.count("CPU tensors need TRITON_INTERPRET=1") == 2, out
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter runs the kernels as Python and accepts code that Triton's compiler rejects
+    (a loop-carried variable that changes type, say): compile them for an H100 (sm_90; no GPU
+    needed) at a width that takes the fused forward and backward and, with the sublayer branch,
+    the chunked backward and its coefficient kernel."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_registers.py"
+    out = subprocess.run([sys.executable, str(script), "8192"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert sum("regs=" in line for line in lines) == 12, out.stdout
+    assert sum("bwd add_ln+dropout" in line and "coef:" in line for line in lines) == 2, out.stdout

@@ -39,7 +39,16 @@ gradient ``d(stream)``; ``x`` and ``residual`` both receive that sum, because
 ``ds/dx = ds/dresidual = 1``.
 
 Only ``s`` (or ``x``), ``mean`` and ``rstd`` are needed for backward: ``xhat`` is
-recomputed from them, which costs one multiply per element and saves a full tensor.
+recomputed from them, which costs one multiply per element and saves a full tensor. The saved
+``mean`` is rounded to the statistics dtype, which cannot hold the forward's corrected mean of
+a row far from zero (at an offset of 1e6 a float32 ulp is 0.0625, as large as the spread of
+the row may be), so the backward re-centres exactly as the forward::
+
+    d     = s - mean                     (mean as saved)
+    xhat  = (d - mean(d)) * rstd         (mean(d) is below one ulp of mean; 0 if it was exact)
+
+Without it ``xhat`` would be shifted by ``(mean - mean(s)) * rstd``, and every gradient
+with it.
 """
 
 from __future__ import annotations
@@ -263,7 +272,12 @@ def backward_rows(
     ``mean_gxhat``, ``ds``, and this block's partial sums ``dweight`` and ``dbias``.
     """
     k = row_scale(sf)  # as in the forward: (s - mean) * rstd may not overflow on the way
-    xhat = (sf * k if rms else sf * k - mean[:, None] * k) * (rstd[:, None] / k)
+    centered = sf * k
+    if not rms:
+        # the saved mean is rounded (see the module docstring): re-centre as the forward does
+        centered = centered - mean[:, None] * k
+        centered = centered - row_mean(centered)
+    xhat = centered * (rstd[:, None] / k)
     g = dyf * w if w is not None else dyf
     mean_gxhat = row_mean(g * xhat)[:, 0]
     inner = g - xhat * mean_gxhat[:, None]

@@ -7,10 +7,12 @@ needs no ``s``), the row in the statistics dtype (``x`` or ``s`` itself
 when already in it, else widened into a buffer), then passes over it while it sits in L1/L2
 (the mean, corrected by the mean of the centered row, then the mean of squared
 deviations: never E[s^2]-E[s]^2; a row whose sum of squares overflows is scaled by a power of
-two and done again), then the output. Backward, per row: the two row sums (of ``g = dy * weight``
-and ``g * xhat``), then ``ds`` (plus the stream's own gradient) and the row's share of
-``dweight``/``dbias`` in one pass, ``xhat`` and ``g`` recomputed rather than stored (and ``s``
-itself recomputed from ``x`` and ``residual`` for post-norm: see CAPABILITIES).
+two and done again), then the output. Backward, per row: the row sums (of ``s - mean``, whose
+mean re-centres the row about the rounded saved mean as the forward centred it, of
+``g = dy * weight`` and of ``g * xhat``) in one pass, then ``ds`` (plus the stream's own
+gradient) and the row's share of ``dweight``/``dbias`` in another, ``xhat`` and ``g`` recomputed
+rather than stored (and ``s`` itself recomputed from ``x`` and ``residual`` for post-norm: see
+CAPABILITIES).
 ``dweight``/``dbias`` accumulate into one partial row per block (not per thread, so the result
 does not depend on which thread ran which block), summed in block order afterwards:
 bit-identical from run to run for the same thread count.
@@ -27,7 +29,7 @@ spinning threads starved torch's own ops, or (workqueue layer) woke two threads 
 (docs/benchmarks.md, "Dispatch, threads, compile time, warm start"). A hand-off to other threads
 still costs several µs, so inputs below PARALLEL_MIN_ELEMENTS stay on the calling thread.
 
-Accuracy: no fastmath except reassociation inside the three row sums (so they vectorize; the
+Accuracy: no fastmath except reassociation inside the row sums (so they vectorize; the
 partial sums are then shorter, and a 65536-wide fp32 row keeps torch's accuracy). The order is
 fixed by the compiled code: run-to-run deterministic on a machine, not across CPU generations.
 
@@ -490,14 +492,15 @@ def _part_impl(a, index):
 
 @numba.njit(fastmath=_SUM_MATH)
 def _backward_sums(si, ri, dyi, w, k, mu, rs_k):
-    """The row sums of ``g = dy * weight`` and of ``g * xhat``, ``xhat = (s * k - mu) * rs_k``."""
-    sum_g = sum_gx = mu - mu
+    """The row sums of ``d = s * k - mu``, of ``g = dy * weight`` and of ``g * d * rs_k``."""
+    sum_d = sum_g = sum_gx = mu - mu
     for j in range(w.shape[0]):
-        xh = (_stream_at(si, ri, j) * k - mu) * rs_k
+        d = _stream_at(si, ri, j) * k - mu
         gj = _round(w, _load(dyi, j)) * w[j]
+        sum_d += d
         sum_g += gj
-        sum_gx += gj * xh
-    return sum_g, sum_gx
+        sum_gx += gj * (d * rs_k)
+    return sum_d, sum_g, sum_gx
 
 
 # Below this rstd (a std beyond 1e18) s - mean may overflow in float32: backward then scales
@@ -507,9 +510,12 @@ _SCALE_BELOW_RSTD = 1e-18
 
 @numba.njit
 def _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf):
-    """``(k, mu, rs_k, mean(g * xhat), mean(g))`` of row ``i`` (``mu`` and the means scaled by
-    the row scale ``k``), as the forward computed them. Rows with rstd below _SCALE_BELOW_RSTD
-    are copied to ``sbuf`` to find ``k``."""
+    """``(k, mu, c, rs_k, mean(g * xhat), mean(g))`` of row ``i``, ``xhat = (s * k - mu - c) *
+    rs_k``: ``mu`` the saved mean and ``c`` its correction, the mean of ``s * k - mu`` (the saved
+    mean is rounded: see :func:`addnorm.reference.backward_rows`), both scaled by the row scale
+    ``k`` as in the forward. The pass that sums ``g`` and ``g * (s * k - mu) * rs_k`` takes ``c``
+    too, and ``sum(g * xhat) = sum(g * (s * k - mu) * rs_k) - c * rs_k * sum(g)``: no pass more.
+    Rows with rstd below _SCALE_BELOW_RSTD are copied to ``sbuf`` to find ``k``."""
     zero = nf - nf
     rs = rstd[i]
     k = nf / nf
@@ -519,8 +525,9 @@ def _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf):
         k = _row_scale(sbuf, kbuf)
     mu = zero if rms else mean[i] * k
     rs_k = rs / k
-    sum_g, sum_gx = _backward_sums(si, ri, dyi, w, k, mu, rs_k)
-    return k, mu, rs_k, sum_gx / nf, (zero if rms else sum_g / nf)
+    sum_d, sum_g, sum_gx = _backward_sums(si, ri, dyi, w, k, mu, rs_k)
+    c = zero if rms else sum_d / nf
+    return k, mu, c, rs_k, (sum_gx - c * rs_k * sum_g) / nf, (zero if rms else sum_g / nf)
 
 
 @numba.njit
@@ -532,21 +539,21 @@ def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, d
     _stream_row)."""
     for i in range(s.shape[0]):
         (si, ri), dyi, dsi = _stream_row(s[i], _part(r, i), sbuf), dy[i], ds[i]
-        k, mu, rs_k, mgx, mg = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
+        k, mu, c, rs_k, mgx, mg = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
         rs = rstd[i]
         # the same loop twice, so that each compiles to one vectorized loop
         if has_dstream:
             dsti = dstream[i]
             for j in range(w.shape[0]):
                 dj = _round(w, _load(dyi, j))
-                xh = (_stream_at(si, ri, j) * k - mu) * rs_k
+                xh = ((_stream_at(si, ri, j) * k - mu) - c) * rs_k
                 dw[j] += dj * xh
                 db[j] += dj
                 _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs + _load(dsti, j))
         else:
             for j in range(w.shape[0]):
                 dj = _round(w, _load(dyi, j))
-                xh = (_stream_at(si, ri, j) * k - mu) * rs_k
+                xh = ((_stream_at(si, ri, j) * k - mu) - c) * rs_k
                 dw[j] += dj * xh
                 db[j] += dj
                 _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs)
@@ -564,12 +571,12 @@ def _backward_rows_branch(
     for i in range(x.shape[0]):
         xi, dyi, dsi, dxi = x[i], dy[i], ds[i], dx[i]
         _branch_row(xi, r[i], sbuf, gates, bk, first + i)
-        k, mu, rs_k, mgx, mg = _row_coefs(sbuf, None, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
+        k, mu, c, rs_k, mgx, mg = _row_coefs(sbuf, None, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
         rs, rsc = rstd[i], rowscale[first + i]
         dsti = dstream[i]
         for j in range(w.shape[0]):
             dj = _round(w, _load(dyi, j))
-            xh = (sbuf[j] * k - mu) * rs_k
+            xh = ((sbuf[j] * k - mu) - c) * rs_k
             dw[j] += dj * xh
             db[j] += dj
             v = (dj * w[j] - xh * mgx - mg) * rs

@@ -14,16 +14,18 @@ two-pass combination ``mean(c^2) - mean(c)^2`` is the variance about the correct
 normalize. The re-reads should mostly hit L2, as a row in flight is at most a few hundred KB.
 
 Algorithm (backward). ``ds = rstd * (g - xhat * mean(g * xhat) - mean(g))`` per row (see
-reference.py), plus ``dstream``, with ``xhat = (s * k - mean * k) * (rstd / k)`` and the
-forward's row scale ``k`` (one more max-reduction), so it cannot overflow either. Each program
-owns a contiguous block of rows and one column chunk, keeps fp32 (fp64 for fp64) sums of
-``dy * xhat`` and ``dy`` for its columns in registers, and writes them as one row of a
-``(programs, N)`` partials buffer. A second kernel sums the partials of 64-column strips, 64
-partial rows at a time, always in the same order: no atomics, no locks, so dweight/dbias are
-bit-identical from run to run on the same device (the Triton tutorial's lock-based reduction is
-not). Rows wider than ``BACKWARD_MAX_FUSED_N`` first get ``k`` and their two row coefficients
-(mean(g * xhat), mean(g)) from a chunked kernel (a pass for ``max|s|``, a pass for the sums),
-then every column chunk is a separate program.
+reference.py), plus ``dstream``, with ``xhat = (d - corr) * (rstd / k)``, ``d = s * k - mean * k``
+and the forward's row scale ``k`` (one more max-reduction), so it cannot overflow either. The
+saved mean is rounded, so ``corr = mean(d)`` re-centres the row as the forward centred it
+(``_correction``). Each program owns a contiguous block of rows and one column chunk, keeps fp32
+(fp64 for fp64) sums of ``dy * xhat`` and ``dy`` for its columns in registers, and writes them
+as one row of a ``(programs, N)`` partials buffer. A second kernel sums the partials of
+64-column strips, 64 partial rows at a time, always in the same order: no atomics, no locks, so
+dweight/dbias are bit-identical from run to run on the same device (the Triton tutorial's
+lock-based reduction is not). Rows wider than ``BACKWARD_MAX_FUSED_N`` first get ``k``,
+``corr`` and their two row coefficients (mean(g * xhat), mean(g)) from a chunked kernel (a
+pass for ``max|s|``, then one pass for all the sums: ``sum(g * xhat)`` is ``sum(g * d) -
+corr * sum(g)``, times ``rstd / k``), then every column chunk is a separate program.
 
 Limits and why. Statistics and arithmetic are fp32 for fp16/bf16/fp32 and fp64 for fp64, as
 the reference. Row offsets are int64 (tensors over 2**31 elements are safe); rows may have any
@@ -220,15 +222,24 @@ def _row_scale(amax):
 
 
 @triton.jit
-def _xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS: tl.constexpr):
-    """``xhat = (s * k - mean_k - corr) * rstd_k`` from ``sk = s * k``, subtracting the rough mean
-    then its correction (exact for constant rows), as ``reference.forward_rows``; zero outside
-    ``mask``."""
+def _centre(sk, mask, mean_k, IS_RMS: tl.constexpr):
+    """``d = s * k - mean_k`` from ``sk = s * k``, zero outside ``mask`` (``sk`` for RMSNorm)."""
     if IS_RMS:
-        return sk * rstd_k[:, None]
+        return sk
     else:
-        c = tl.where(mask, sk - mean_k[:, None], 0.0)
-        return tl.where(mask, c - corr[:, None], 0.0) * rstd_k[:, None]
+        return tl.where(mask, sk - mean_k[:, None], 0.0)
+
+
+@triton.jit
+def _xhat(d, corr, rstd_k, IS_RMS: tl.constexpr):
+    """``xhat = (d - corr) * rstd_k`` from ``d`` of :func:`_centre`: the rough mean subtracted, then
+    its correction (exact for constant rows), as ``reference.forward_rows`` (``d * rstd_k`` for
+    RMSNorm). Not masked (a select less, fewer registers): outside the tile's mask it is never
+    stored, and the backward's column sums take it times ``dy``, which is zero there."""
+    if IS_RMS:
+        return d * rstd_k[:, None]
+    else:
+        return (d - corr[:, None]) * rstd_k[:, None]
 
 
 @triton.jit
@@ -342,7 +353,8 @@ def _forward_kernel(
         tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
     tl.store(RSTD + rows, rstd_k * k, mask=row_ok)
     if not CHUNKED:
-        _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
+        xhat = _xhat(_centre(sk, mask, mean_k, IS_RMS), corr, rstd_k, IS_RMS)
+        _store_y(xhat, w, b, Y, rows, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
     else:
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
@@ -355,7 +367,8 @@ def _forward_kernel(
             )
             w = _load_param(W, ccols, N, CD, HAS_WEIGHT)
             b = _load_param(B, ccols, N, CD, HAS_BIAS)
-            _store_y(_xhat(sk, mask, mean_k, corr, rstd_k, IS_RMS), w, b, Y, rows, ccols, mask, N, HAS_WEIGHT, HAS_BIAS)
+            xhat = _xhat(_centre(sk, mask, mean_k, IS_RMS), corr, rstd_k, IS_RMS)
+            _store_y(xhat, w, b, Y, rows, ccols, mask, N, HAS_WEIGHT, HAS_BIAS)
 
 
 @triton.jit
@@ -382,24 +395,37 @@ def _load_dy(DY, rows, cols, mask, sdy, CD: tl.constexpr):
 
 
 @triton.jit
-def _grad_terms(
-    s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N, CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr
-):
-    """``(xhat, g = dy * weight, rstd)`` of one tile; ``xhat`` is ``(s * k - mean * k) *
-    (rstd / k)`` with the forward's row scale ``k``, which cannot overflow. ``dy`` (so ``g``) is
-    loaded as zero outside the tile's mask and ``xhat`` is finite there, so products with it
-    vanish unmasked."""
+def _saved_stats(MEAN, RSTD, rows, row_ok, k, IS_RMS: tl.constexpr):
+    """``(mean_k, rstd, rstd_k)`` of the tile's rows: the forward's saved mean times the row scale
+    ``k`` (zero for RMSNorm), rstd, and ``rstd / k``."""
     rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-    rstd_k = rstd / k
     if IS_RMS:
-        xhat = s * k[:, None] * rstd_k[:, None]
+        mean_k = tl.zeros(rstd.shape, dtype=rstd.dtype)
     else:
         mean_k = tl.load(MEAN + rows, mask=row_ok, other=0.0) * k
-        xhat = (s * k[:, None] - mean_k[:, None]) * rstd_k[:, None]
+    return mean_k, rstd, rstd / k
+
+
+@triton.jit
+def _grad_terms(s, dy, k, mask, mean_k, W, cols, N, CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr):
+    """``(d, g = dy * weight)`` of one tile: ``d`` of :func:`_centre` with the forward's row scale
+    ``k`` and saved mean, from which ``xhat`` cannot overflow. ``dy`` (so ``g``) is loaded as zero
+    outside the tile's mask, so products with ``g`` vanish there."""
     g = dy
     if HAS_WEIGHT:
         g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(CD)[None, :]
-    return xhat, g, rstd
+    return _centre(s * k[:, None], mask, mean_k, IS_RMS), g
+
+
+@triton.jit
+def _correction(d, N, IS_RMS: tl.constexpr):
+    """``corr``, the mean of ``d`` (:func:`_centre`): the saved mean is rounded
+    (reference.backward_rows), and ``xhat = (d - corr) * rstd_k`` re-centres the row as the
+    forward centred it. Zero for RMSNorm (no mean; unused)."""
+    if IS_RMS:
+        return tl.zeros([d.shape[0]], dtype=d.dtype)
+    else:
+        return tl.sum(d, axis=1) / N
 
 
 @triton.jit
@@ -411,6 +437,7 @@ def _coef_kernel(
     MEAN,
     RSTD,
     K,
+    CORR,
     C1,
     C2,
     M,
@@ -429,8 +456,9 @@ def _coef_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Chunked path: the row scale ``k`` (a pass for max|s|), then the row coefficients
-    ``mean(g * xhat)`` and ``mean(g)`` of wide rows."""
+    """Chunked path: the row scale ``k`` (a pass for max|s|), then the correction ``corr`` of the
+    saved mean (:func:`_correction`) and the row coefficients ``mean(g * xhat)`` and ``mean(g)``
+    of wide rows, all from one pass of row sums."""
     CD: tl.constexpr = RSTD.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -443,6 +471,8 @@ def _coef_kernel(
             s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
     k = _row_scale(amax)
+    mean_k, rstd, rstd_k = _saved_stats(MEAN, RSTD, rows, row_ok, k, IS_RMS)  # rstd unused; "_" is a tile below
+    corr = tl.zeros([BLOCK_M], dtype=CD)
     c1 = tl.zeros([BLOCK_M], dtype=CD)
     c2 = tl.zeros([BLOCK_M], dtype=CD)
     for start in range(0, N, BLOCK_N):
@@ -452,10 +482,16 @@ def _coef_kernel(
         else:
             s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         dy = _load_dy(DY, rows, cols, mask, sdy, CD)
-        xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N, CD, HAS_WEIGHT, IS_RMS)
-        c1 += tl.sum(g * xhat, axis=1)
+        d, g = _grad_terms(s, dy, k, mask, mean_k, W, cols, N, CD, HAS_WEIGHT, IS_RMS)
+        if not IS_RMS:
+            corr += tl.sum(d, axis=1)
+        c1 += tl.sum(g * (d * rstd_k[:, None]), axis=1)  # g * xhat before the correction
         c2 += tl.sum(g, axis=1)
+    corr = corr / N
+    if not IS_RMS:  # sum(g * (d - corr) * rstd_k), without a second pass over the row for corr
+        c1 -= corr * rstd_k * c2
     tl.store(K + rows, k, mask=row_ok)
+    tl.store(CORR + rows, corr, mask=row_ok)
     tl.store(C1 + rows, c1 / N, mask=row_ok)
     tl.store(C2 + rows, c2 / N, mask=row_ok)
 
@@ -470,6 +506,7 @@ def _backward_kernel(
     MEAN,
     RSTD,
     K,
+    CORR,
     C1,
     C2,
     DS,
@@ -526,11 +563,16 @@ def _backward_kernel(
             k = tl.load(K + rows, mask=row_ok, other=1.0)
         else:
             k = _row_scale(tl.max(tl.abs(s), axis=1))
-        xhat, g, rstd = _grad_terms(s, dy, k, W, MEAN, RSTD, rows, row_ok, cols, N, CD, HAS_WEIGHT, IS_RMS)
+        mean_k, rstd, rstd_k = _saved_stats(MEAN, RSTD, rows, row_ok, k, IS_RMS)
+        d, g = _grad_terms(s, dy, k, mask, mean_k, W, cols, N, CD, HAS_WEIGHT, IS_RMS)
         if CHUNKED:
+            corr = tl.load(CORR + rows, mask=row_ok, other=0.0)
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)
             c2 = tl.load(C2 + rows, mask=row_ok, other=0.0)
         else:
+            corr = _correction(d, N, IS_RMS)  # the row is in registers: a sum of them, then xhat
+        xhat = _xhat(d, corr, rstd_k, IS_RMS)
+        if not CHUNKED:
             c1 = tl.sum(g * xhat, axis=1) / N
             c2 = tl.sum(g, axis=1) / N
         inner = g - xhat * c1[:, None]
@@ -764,9 +806,9 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
     )
     branch_args = _branch_args(branch, m, n, cd, s.device)
     sr = residual.stride(0) if residual is not None else 0
-    k = c1 = c2 = None
+    k = corr = c1 = c2 = None
     if chunked:
-        k, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(3))
+        k, corr, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(4))
         _coef_kernel[(triton.cdiv(m, block_m),)](
             dy,
             s,
@@ -775,6 +817,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
             mean,
             rstd,
             k,
+            corr,
             c1,
             c2,
             m,
@@ -804,6 +847,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         mean,
         rstd,
         k,
+        corr,
         c1,
         c2,
         ds,
