@@ -105,6 +105,18 @@ def _rows(x: Tensor) -> tuple[int, ...]:
     return x.shape[:-1]
 
 
+def _train_forward(
+    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, dropout_p, seed, layer_scale, rowscale
+) -> tuple[Plan, tuple]:
+    """``(plan, (y, s, mean, rstd))``: the forward of a training call, as :func:`plan` says, for
+    both the custom op and the eager ``autograd.Function``."""
+    impl = backends.resolve(backend, x)
+    branch = _branch(dropout_p, seed, layer_scale, rowscale)
+    p = plan(impl, x, residual, residual_dtype, prenorm, branch)
+    kw = dict(eps=eps, rms=rms, residual_dtype=residual_dtype, write_stream=p.write_stream, branch=branch)
+    return p, impl.forward(x, residual, weight, bias, **kw)
+
+
 def _forward_impl(
     x: Tensor,
     residual: Tensor | None,
@@ -120,19 +132,8 @@ def _forward_impl(
     layer_scale: Tensor | None = None,
     rowscale: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    impl = backends.resolve(backend, x)
-    branch = _branch(dropout_p, seed, layer_scale, rowscale)
-    p = plan(impl, x, residual, residual_dtype, prenorm, branch)
-    y, s, mean, rstd = impl.forward(
-        x,
-        residual,
-        weight,
-        bias,
-        eps=eps,
-        rms=rms,
-        residual_dtype=residual_dtype,
-        write_stream=p.write_stream,
-        branch=branch,
+    p, (y, s, mean, rstd) = _train_forward(
+        x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, dropout_p, seed, layer_scale, rowscale
     )
     cd = rstd.dtype
     return (
@@ -330,19 +331,8 @@ class _EagerAddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, layer_scale, options):
         eps, rms, residual_dtype, backend, prenorm, p, seed, rowscale = options
-        impl = backends.resolve(backend, x)
-        branch = _branch(p, seed, layer_scale, rowscale)
-        pl = plan(impl, x, residual, residual_dtype, prenorm, branch)
-        y, s, mean, rstd = impl.forward(
-            x,
-            residual,
-            weight,
-            bias,
-            eps=eps,
-            rms=rms,
-            residual_dtype=residual_dtype,
-            write_stream=pl.write_stream,
-            branch=branch,
+        pl, (y, s, mean, rstd) = _train_forward(
+            x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, p, seed, layer_scale, rowscale
         )
         ctx.save_for_backward(weight, mean, rstd, seed, layer_scale, rowscale, *_saved(x, residual, s, pl))
         # s is an output whenever it is written (and so saved), so that a second derivative
