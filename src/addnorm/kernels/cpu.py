@@ -573,18 +573,27 @@ def _backward_rows_branch(
         _branch_row(xi, r[i], sbuf, gates, bk, first + i)
         k, mu, c, rs_k, mgx, mg = _row_coefs(sbuf, None, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
         rs, rsc = rstd[i], rowscale[first + i]
-        dsti = dstream[i]
+        # short loops over few rows each, so that each vectorizes: ds (and dweight, dbias) as
+        # without a branch, then dx and dlayer_scale from ds as stored (as autograd reads it)
+        if has_dstream:
+            dsti = dstream[i]
+            for j in range(w.shape[0]):
+                dj = _round(w, _load(dyi, j))
+                xh = ((sbuf[j] * k - mu) - c) * rs_k
+                dw[j] += dj * xh
+                db[j] += dj
+                _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs + _load(dsti, j))
+        else:
+            for j in range(w.shape[0]):
+                dj = _round(w, _load(dyi, j))
+                xh = ((sbuf[j] * k - mu) - c) * rs_k
+                dw[j] += dj * xh
+                db[j] += dj
+                _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs)
         for j in range(w.shape[0]):
-            dj = _round(w, _load(dyi, j))
-            xh = ((sbuf[j] * k - mu) - c) * rs_k
-            dw[j] += dj * xh
-            db[j] += dj
-            v = (dj * w[j] - xh * mgx - mg) * rs
-            if has_dstream:
-                v += _load(dsti, j)
-            v = _put(dsi, j, v)  # the gradient as stored, as autograd would read it
-            _put(dxi, j, v * factor[j] * rsc)
-            dls[j] += v * (_load(xi, j) * gate[j] * rsc)
+            _put(dxi, j, _load(dsi, j) * factor[j] * rsc)
+        for j in range(w.shape[0]):
+            dls[j] += _load(dsi, j) * (_load(xi, j) * gate[j] * rsc)
 
 
 # The kernels: every calling thread claims blocks of ``block_rows`` rows from the shared counter
