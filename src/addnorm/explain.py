@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as TF
 from torch import Tensor
 
-from . import backend, functional, reference
+from . import backend, functional, ops, reference
 from .backend import Branch
 from .cli import UsageError
 from .info import WORKED_INPUT
@@ -240,8 +240,7 @@ def explain(
     b = beta.reshape(n) if beta is not None else None
     branch = None
     if dropout:  # the seed the op below draws from torch.Generator().manual_seed(seed)
-        key = torch.randint(0, 2**62, (), dtype=torch.int64, generator=torch.Generator().manual_seed(seed))
-        branch = Branch(dropout, key, None, None)
+        branch = Branch(dropout, ops.draw_seed(torch.Generator().manual_seed(seed), x2.device), None, None)
     st = reference.forward_steps(x2, r2, w, b, eps, rms, None, branch)
     bare = reference.forward_steps(st["s"], None, None, None, 0.0, rms, None)
     out = {

@@ -575,8 +575,8 @@ def add_norm(
     ):
         y, s = _traced_or_transformed(args, buffers, out, residual_out)
     elif needs_grad:
-        options = (eps, rms, residual_dtype, backend, prenorm, *(branch or _NO_BRANCH)[:2], args[-1])
-        out = _eager_apply(x, residual, weight, bias, args[-2], options)
+        p, seed, layer_scale, rowscale = branch or _NO_BRANCH  # layer_scale may take a gradient
+        out = _eager_apply(x, residual, weight, bias, layer_scale, (*args[4:9], p, seed, rowscale))
         y, s = out if type(out) is tuple else (out, None)
     else:
         y, s = _infer(args, out, residual_out)
@@ -622,10 +622,14 @@ def _sublayer(x, residual, shape, weight, sub: Sublayer) -> tuple[Tensor | None,
         if weight is None:
             raise ValueError("zero_centered_weight=True scales by 1 + weight: it needs a weight")
         weight = weight.to(reference.stats_dtype(weight.dtype)) + 1
-    seed = None
-    if p > 0:
-        seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=x.device, generator=generator)
+    seed = draw_seed(generator, x.device) if p > 0 else None
     return weight, backends.active(backends.Branch(float(p), seed, layer_scale, rowscale))
+
+
+def draw_seed(generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """The dropout mask's 0-d int64 seed for one call, drawn from ``generator`` (torch's default
+    generator of ``device`` when None): on the device, so a CUDA call does not synchronize."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=generator)
 
 
 def _dropout_mask(x: Tensor, branch: backends.Branch | None) -> Tensor:
