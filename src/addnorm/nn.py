@@ -32,16 +32,28 @@ class _NotScriptable:
         )
 
 
-def _zero_centered(norm: nn.Module, zero_centered_weight: bool) -> None:
-    """Set ``norm.zero_centered_weight`` (a weight is needed) and start the weight at 0."""
-    norm.zero_centered_weight = ops.check_flag("zero_centered_weight", zero_centered_weight)
-    if zero_centered_weight:
-        if norm.weight is None:
-            raise ValueError("zero_centered_weight=True scales by 1 + weight: it needs elementwise_affine=True")
-        norm.reset_parameters()
+class _Norm(_NotScriptable):
+    """What addnorm's LayerNorm and RMSNorm add to torch's: ``backend`` and the zero-centred
+    weight (``1 + weight``, the weight starting at 0). The class default serves torch norms that
+    :func:`addnorm.patch` re-classes without running ``__init__``."""
+
+    zero_centered_weight = False
+
+    def _setup(self, zero_centered_weight: bool, backend: str) -> None:
+        self.zero_centered_weight = ops.check_flag("zero_centered_weight", zero_centered_weight)
+        if zero_centered_weight:
+            if self.weight is None:
+                raise ValueError("zero_centered_weight=True scales by 1 + weight: it needs elementwise_affine=True")
+            self.reset_parameters()
+        self.backend = ops.check_backend(backend)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.zero_centered_weight:
+            nn.init.zeros_(self.weight)
 
 
-class LayerNorm(_NotScriptable, nn.LayerNorm):
+class LayerNorm(_Norm, nn.LayerNorm):
     r"""Layer Normalization over the trailing ``normalized_shape`` dims.
 
     .. math::
@@ -67,8 +79,6 @@ class LayerNorm(_NotScriptable, nn.LayerNorm):
         >>> y = ln(torch.randn(4, 16, 768))
     """
 
-    zero_centered_weight = False  # (a class default too: for torch norms that addnorm.patch re-classes)
-
     def __init__(
         self,
         normalized_shape: Shape,
@@ -82,13 +92,7 @@ class LayerNorm(_NotScriptable, nn.LayerNorm):
         backend: str = "auto",
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
-        _zero_centered(self, zero_centered_weight)
-        self.backend = ops.check_backend(backend)
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if getattr(self, "zero_centered_weight", False):
-            nn.init.zeros_(self.weight)
+        self._setup(zero_centered_weight, backend)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.layer_norm(
@@ -102,7 +106,7 @@ class LayerNorm(_NotScriptable, nn.LayerNorm):
         )
 
 
-class RMSNorm(_NotScriptable, nn.RMSNorm):
+class RMSNorm(_Norm, nn.RMSNorm):
     r"""Root Mean Square Normalization over the trailing ``normalized_shape`` dims.
 
     .. math::
@@ -116,8 +120,6 @@ class RMSNorm(_NotScriptable, nn.RMSNorm):
     :class:`LayerNorm`: Gemma's ``1 + weight``) and ``backend`` (keyword only).
     """
 
-    zero_centered_weight = False
-
     def __init__(
         self,
         normalized_shape: Shape,
@@ -130,13 +132,7 @@ class RMSNorm(_NotScriptable, nn.RMSNorm):
         backend: str = "auto",
     ) -> None:
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
-        _zero_centered(self, zero_centered_weight)
-        self.backend = ops.check_backend(backend)
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if getattr(self, "zero_centered_weight", False):
-            nn.init.zeros_(self.weight)
+        self._setup(zero_centered_weight, backend)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(
