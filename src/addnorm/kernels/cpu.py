@@ -338,9 +338,9 @@ def _fmix32_add(typingctx, a, b):
 
 
 def _branch_keys(br, n):
-    """None without a branch; else ``(k0, k1, threshold, scale, layer_scale, rowscale, col_keys)``
-    from ``br = (seed, threshold, scale, layer_scale, rowscale)``, the column keys of
-    :func:`addnorm.reference.mask_hash` computed once per thread."""
+    """None without a branch; else ``(k0, k1, threshold, scale, layer_scale, rowscale, col_keys,
+    layer_scaled)`` from ``br = (seed, threshold, scale, layer_scale, rowscale, layer_scaled)``,
+    the column keys of :func:`addnorm.reference.mask_hash` computed once per thread."""
 
 
 @overload(_branch_keys)
@@ -349,14 +349,14 @@ def _branch_keys_impl(br, n):
         return lambda br, n: None
 
     def keys(br, n):
-        seed, threshold, scale, layer_scale, rowscale = br
+        seed, threshold, scale, layer_scale, rowscale, layer_scaled = br
         k0, k1 = np.uint64(seed) & _M32, (np.uint64(seed) >> _U32) & _M32
         k0, k1, k0g = np.uint32(k0), np.uint32(k1), np.uint32(k0 ^ _GOLDEN)
         cols = np.empty(n, np.uint32)
         for j in range(n):
             cols[j] = _fmix32_add(_fmix32_xor(np.uint32(j), k1), k0g)
         # p = 1 (threshold 2**32) has scale 0: the gate is 0 whatever the 32-bit comparison says
-        return k0, k1, np.uint32(min(threshold, 0xFFFFFFFF)), scale, layer_scale, rowscale, cols
+        return k0, k1, np.uint32(min(threshold, 0xFFFFFFFF)), scale, layer_scale, rowscale, cols, layer_scaled
 
     return keys
 
@@ -368,7 +368,7 @@ def _branch_row(xi, ri, sbuf, gates, bk, row):
     :func:`addnorm.reference.branch_terms`, bit for bit. ``gates[0]`` gets ``keep ? scale : 0``
     and ``gates[1]`` the factor of ``x``, that times the layer scale. (Two loops, the integer
     one and the float one, each of which vectorizes.)"""
-    k0, k1, threshold, scale, layer_scale, rowscale, cols = bk
+    k0, k1, threshold, scale, layer_scale, rowscale, cols, _ = bk
     a = _fmix32_add(_fmix32_xor(np.uint32(row), k0), k1)
     zero = scale - scale
     gate, factor = gates[0], gates[1]
@@ -566,7 +566,7 @@ def _backward_rows_branch(
     """:func:`_backward_rows` through the branch: the stream and its gates recomputed into
     ``sbuf``/``gates`` (:func:`_branch_row`), then besides ``ds`` (the residual's gradient) ``dx``
     and the row's share of ``dlayer_scale``, as :func:`addnorm.reference.branch_backward`."""
-    rowscale = bk[5]
+    rowscale, layer_scaled = bk[5], bk[7]
     gate, factor = gates[0], gates[1]
     for i in range(x.shape[0]):
         xi, dyi, dsi, dxi = x[i], dy[i], ds[i], dx[i]
@@ -592,8 +592,9 @@ def _backward_rows_branch(
                 _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs)
         for j in range(w.shape[0]):
             _put(dxi, j, _load(dsi, j) * factor[j] * rsc)
-        for j in range(w.shape[0]):
-            dls[j] += _load(dsi, j) * (_load(xi, j) * gate[j] * rsc)
+        if layer_scaled:  # (a row of ones stands in for a missing layer scale: no gradient to take)
+            for j in range(w.shape[0]):
+                dls[j] += _load(dsi, j) * (_load(xi, j) * gate[j] * rsc)
 
 
 # The kernels: every calling thread claims blocks of ``block_rows`` rows from the shared counter
@@ -724,7 +725,7 @@ def _backward_kernel(
 # compiled per combination of dtypes. Threads run it with no Python in between: no GIL to hand
 # from thread to thread and no unboxing of a dozen arguments by numba's dispatcher, which cost
 # tens of µs per call.
-_SLOTS = 24
+_SLOTS = 25
 _SCHED = _SLOTS - 2  # [next block to claim, blocks done]
 _NUMPY_DTYPES = {
     torch.float32: np.float32,
@@ -758,7 +759,8 @@ def _compile_entry(fn):
 
 def _branch_slots(a, f, at, m, n, cd, branched):
     """The branch's arguments from slots ``at``.. (seed, keep threshold, scale as float64 bits,
-    layer_scale and rowscale addresses) as ``_branch_keys`` takes them; None (a constant, so the
+    layer_scale and rowscale addresses, whether a layer scale was given) as ``_branch_keys``
+    takes them; None (a constant, so the
     branch code is pruned when compiling) without a branch."""
 
 
@@ -774,6 +776,7 @@ def _branch_slots_impl(a, f, at, m, n, cd, branched):
             cd(f[at + 2]),
             carray(_ptr(a[at + 3]), n, cd),
             carray(_ptr(a[at + 4]), m, cd),
+            a[at + 5] != 0,
         )
 
     return slots
@@ -1002,7 +1005,8 @@ def _branch_block(branch, m: int, n: int, cd: torch.dtype) -> tuple[tuple[int, .
     rowscale = _param(branch.rowscale, m, cd, 1.0)
     seed = int(branch.seed) if p > 0 else 0
     slots = (seed, reference.keep_threshold(p), _eps_bits(reference.dropout_scale(p)))
-    return slots + (layer_scale.data_ptr(), rowscale.data_ptr()), (layer_scale, rowscale)
+    pointers = (layer_scale.data_ptr(), rowscale.data_ptr(), branch.layer_scale is not None)
+    return slots + pointers, (layer_scale, rowscale)
 
 
 def forward(
@@ -1096,7 +1100,7 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
     if m:
         dst = dstream if dstream is not None else s
         w = _param(weight, n, cd, 1.0)  # held: the kernel reads it
-        branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else ((0,) * 5, ())
+        branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else ((0,) * 6, ())
         block = _BLOCK(
             dy.data_ptr(),
             dst.data_ptr(),
