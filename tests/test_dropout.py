@@ -312,3 +312,37 @@ def test_zero_centered_modules_start_as_the_identity_scale():
         torch.testing.assert_close(norm(x), plain, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs elementwise_affine=True"):
         addnorm.LayerNorm(16, elementwise_affine=False, zero_centered_weight=True)
+
+
+@pytest.mark.large  # above the CPU kernel's threading threshold (PARALLEL_MIN_ELEMENTS): many row blocks
+def test_gradients_above_the_threading_threshold(backend):
+    """Several row blocks on several threads: dlayer_scale's per-block partials, dx and the mask
+    at rows far from the first block, against the float64 oracle with the returned mask."""
+    from addnorm.kernels import cpu
+
+    shape = (300, 512)
+    assert shape[0] * shape[1] > 2 * cpu.PARALLEL_MIN_ELEMENTS
+    x, r, w, b, ls, rs = inputs(shape, dtype=torch.float32)
+    x, r, w, ls = (t.requires_grad_() for t in (x, r, w, ls))
+    y, s, mask = addnorm.add_layer_norm(
+        x,
+        r,
+        512,
+        w,
+        b,
+        prenorm=True,
+        dropout_p=0.1,
+        layer_scale=ls,
+        rowscale=rs,
+        return_dropout_mask=True,
+        backend=backend,
+    )
+    d = [t.detach().double().requires_grad_() for t in (x, r, w, ls)]
+    y_ref, s_ref = unfused("layer", d[0], d[1], d[2], b.double(), mask, 0.1, d[3], rs.double())
+    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(4)
+    dy, dst = (torch.randn(shape, generator=g).to(TEST_DEVICE) for _ in range(2))
+    got = torch.autograd.grad((y * dy).sum() + (s * dst).sum(), (x, r, w, ls))
+    want = torch.autograd.grad((y_ref * dy.double()).sum() + (s_ref * dst.double()).sum(), d)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4 * (1 + e.abs().max().item()))
