@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -145,10 +146,42 @@ def test_training_is_reproducible():
     assert train_arm(ARMS["pre"], 1, TINY, train, test)["test_mse"] != a["test_mse"]
 
 
-def test_warmup_is_linear_then_constant():
-    f = lr_lambda(ARMS["post-warmup"], 40)  # warmup over a quarter of 40 steps
-    assert [f(s) for s in (0, 4, 9, 10, 39)] == [0.1, 0.5, 1.0, 1.0, 1.0]
-    assert lr_lambda(ARMS["post"], 40)(0) == 1.0
+def test_schedule_is_linear_warmup_then_linear_decay_to_zero():
+    f = lr_lambda(ARMS["post-warmup"], 40)  # warmup over a quarter of 40 steps, decay over the rest
+    assert [f(s) for s in (0, 4, 9, 10, 25, 39, 40)] == [0.1, 0.5, 1.0, 1.0, 0.5, 1 / 30, 0.0]
+    g = lr_lambda(ARMS["post"], 40)  # no warmup: decays from the first step
+    assert [g(s) for s in (0, 20, 39, 40)] == [1.0, 0.5, 1 / 40, 0.0]
+    # the optimizer really follows it: the lr torch applies at each step
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
+    seen = []
+    for _ in range(40):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == pytest.approx([2.0 * f(s) for s in range(40)]) and min(seen) > 0
+
+
+def _run(seed: int, curve: list[float]) -> dict:
+    return {"seed": seed, "test_mse": curve, "seconds": 1.0, "cpu_seconds": 1.0}
+
+
+def test_readings_are_judged_seed_by_seed():
+    """Pre-LN beats post-LN on seed 0 and loses on seed 1: partly held, and it says so."""
+    floor = 0.01
+    good, slow, bad = [0.5, 0.015, 0.012], [0.5, 0.5, 0.015], [0.5, 0.5, 0.5]
+    runs = {"pre": [_run(0, good), _run(1, slow)], "post": [_run(0, bad), _run(1, good)]}
+    arms = {name: {"label": name, "runs": r, "summary": experiment.aggregate(r, floor)} for name, r in runs.items()}
+    results = {"floor": floor, "arms": arms, "grad_norms": {"post": {"encoder": [1.0]}, "pre": {"encoder": [1.0]}}}
+    ((prediction, verdict, what),) = experiment.readings(results)
+    assert prediction.startswith("Pre-LN trains without warmup") and verdict == "Partly held"
+    assert what.endswith("(1 of 2 seeds).")
+    runs["post"][1] = _run(1, bad)  # now pre-LN wins on both seeds
+    arms["post"]["runs"] = runs["post"]
+    assert experiment.readings(results)[0][1] == "Held"
+    runs["pre"] = [_run(0, bad), _run(1, bad)]  # pre-LN fails everywhere
+    arms["pre"]["runs"] = runs["pre"]
+    assert experiment.readings(results)[0][1] == "Did not hold"
 
 
 def test_summarize():
@@ -174,7 +207,7 @@ def test_train_quick_end_to_end(tmp_path):
     out = tmp_path / "run"
     assert cli.main(["train", "--quick", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert list(results["arms"]) == list(ARMS)
+    assert list(results["arms"]) == experiment.DEFAULT_ARMS and results["interrupted"] is None
     test, _ = square_sequences(N_TEST, TEST_SEED)
     assert results["floor"] == pytest.approx(noise_floor(test))
     for arm in results["arms"].values():
@@ -187,13 +220,138 @@ def test_train_quick_end_to_end(tmp_path):
     assert f"{results['floor']:.4f}" in report and "curves.png" in report and "grad_norms.png" in report
     assert "predicting the exact corners (≈ σ² = 0.01)" in report
     # one verdict per prediction; the gradient-norm trend needs >= 2 layers (--quick has 1)
-    assert report.count("Held") + report.count("Did not hold") == 5
+    assert report.count("Held") + report.count("Did not hold") == 4
     for png in ("curves.png", "grad_norms.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # plot_results redraws from results.json alone
     again = plot_results(out / "results.json", tmp_path / "again")
     assert sorted(p.name for p in again) == ["curves.png", "grad_norms.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in again)
+
+
+def test_runs_in_parallel_processes_equal_runs_in_one():
+    """The worker processes give bit for bit the curves of a run in this process, whatever the
+    order the runs finish in."""
+    cfg = dataclasses.replace(TINY, arms=["pre", "post-warmup"], seeds=[0, 1], epochs=2)
+    jobs = experiment.jobs_of(cfg, [1, 2])
+    assert len(jobs) == 8 and len(set(jobs)) == 8
+    serial, stopped = experiment.train_all(cfg, jobs, workers=1)
+    seen = []
+    parallel, stopped_too = experiment.train_all(cfg, jobs, lambda *msg: seen.append(msg), workers=2)
+    assert not stopped and not stopped_too and serial.keys() == parallel.keys() == set(jobs)
+    for job in jobs:
+        assert serial[job]["test_mse"] == parallel[job]["test_mse"], job
+        assert serial[job]["train_loss"] == parallel[job]["train_loss"], job
+    # progress came back from the workers: every epoch of every run, with its test MSE
+    assert sorted((job, epoch) for job, epoch, _ in seen) == sorted((j, e) for j in jobs for e in (1, 2))
+    assert {(job, epoch): mse for job, epoch, mse in seen}[jobs[0], 2] == serial[jobs[0]]["test_mse"][1]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_keeps_the_finished_runs(workers):
+    """Ctrl-C while training: the finished runs come back, the workers are stopped."""
+    import multiprocessing
+
+    cfg = dataclasses.replace(TINY, arms=["pre", "post"], seeds=[0, 1, 2], epochs=2)
+    jobs = experiment.jobs_of(cfg)
+
+    def progress(job, epoch, mse):  # Ctrl-C reaches the parent as the fourth run starts
+        if job == jobs[3]:
+            raise KeyboardInterrupt
+
+    done, stopped = experiment.train_all(cfg, jobs, progress, workers=workers)
+    # one run at a time: the first three finished; two at a time: the fourth starts once two had
+    assert stopped and (set(done) == set(jobs[:3]) if workers == 1 else 2 <= len(done) <= 3), done.keys()
+    assert jobs[3] not in done and set(done) <= set(jobs[:5])
+    assert multiprocessing.active_children() == []
+    reference, _ = experiment.train_all(cfg, list(done), workers=1)
+    assert all(done[job]["test_mse"] == reference[job]["test_mse"] for job in done)
+
+
+def test_cli_interrupted_writes_what_finished(tmp_path, capsys, monkeypatch):
+    calls = []
+    real = experiment.train_arm
+
+    def train_arm(*args, **kwargs):  # Ctrl-C during the third run
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(experiment, "train_arm", train_arm)
+    argv = ["train", "--quick", "--arms", "pre,post", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path)]
+    assert cli.main(argv) == 130
+    out, err = capsys.readouterr()
+    assert err == f"addnorm train: error: interrupted: 2 of 4 runs had finished; {tmp_path} holds those\n"
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["arms"]) == ["pre"] and len(results["arms"]["pre"]["runs"]) == 2
+    assert results["interrupted"] == {"finished": 2, "planned": 4}
+    assert "**Interrupted:** 2 of 4 runs had finished" in (tmp_path / "report.md").read_text()
+    calls.clear()
+    monkeypatch.setattr(experiment, "train_arm", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert cli.main([*argv[:-1], str(tmp_path / "none")]) == 130
+    assert capsys.readouterr().err.endswith("interrupted before any run finished; nothing written\n")
+    assert not (tmp_path / "none" / "results.json").exists()
+
+
+def test_dropout_reaches_every_add_and_norm(tmp_path):
+    from addnorm.nn import AddNorm
+
+    cfg = dataclasses.replace(TINY, dropout=0.1)
+    model = experiment.build_model(cfg, "post")
+    norms = [m for m in model.modules() if isinstance(m, AddNorm)]
+    assert norms and all(m.dropout == 0.1 for m in norms)
+    train, _ = square_sequences(32, 1)
+    test, _ = square_sequences(16, 2)
+    with_dropout = train_arm(ARMS["post"], 0, cfg, train, test)
+    assert with_dropout["test_mse"] != train_arm(ARMS["post"], 0, TINY, train, test)["test_mse"]
+    assert with_dropout["test_mse"] == train_arm(ARMS["post"], 0, cfg, train, test)["test_mse"]  # seeded
+    out = tmp_path / "run"
+    assert cli.main(["train", "--quick", "--arms", "post", "--dropout", "0.1", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["dropout"] == 0.1 and "--dropout 0.1" in results["command"]
+    assert "residual dropout 0.1" in (out / "report.md").read_text()
+
+
+def test_depth_sweep_end_to_end(tmp_path):
+    out = tmp_path / "sweep"
+    argv = ["train", "--sweep", "depth", "--depths", "2,1", "--arms", "post,pre", "--epochs", "1"]
+    assert cli.main([*argv, "--seeds", "2", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["sweep"]["depth"] == [1, 2] and "arms" not in results
+    for depth in ("1", "2"):
+        arms = results["sweep"]["arms"][depth]
+        assert list(arms) == ["post", "pre"] and all(len(a["runs"]) == 2 for a in arms.values())
+    # the runs at depth 2 are the runs of a plain experiment at depth 2
+    cfg = Config(arms=["pre"], seeds=[1], epochs=1, depth=2)
+    again = experiment.train_all(cfg, experiment.jobs_of(cfg))[0][("pre", 1, 2)]
+    assert results["sweep"]["arms"]["2"]["pre"]["runs"][1]["test_mse"] == again["test_mse"]
+    report = (out / "report.md").read_text()
+    assert "| post-LN | 0.006 | " in report and "depth.png" in report and "Liu et al. 2020" in report
+    assert (out / "depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "curves.png").exists()
+    assert cli.main(["plot", "train", "--results", str(out / "results.json"), "--out", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "depth.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dropout", "1"], "--dropout must be in [0, 1), got 1.0"),
+        (["--dropout", "-0.1"], "--dropout must be in [0, 1), got -0.1"),
+        (["--dropout", "nan"], "--dropout must be in [0, 1), got nan"),
+        (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+        (["--depths", "2,4"], "--depths only applies to '--sweep depth'"),
+        (["--sweep", "depth", "--depth", "4"], "--depth: a depth sweep trains at every depth of --depths"),
+        (["--sweep", "depth", "--depths", "2,x"], "--depths: expected positive whole numbers"),
+        (["--sweep", "depth", "--depths", "0"], "--depths: expected positive whole numbers"),
+        (["--sweep", "width"], "argument --sweep: invalid choice: 'width'"),
+    ],
+)
+def test_bad_train_options(tmp_path, capsys, no_training, argv, message):
+    assert cli.main(["train", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("addnorm train: error: ") and message in err and err.count("\n") == 1, err
 
 
 def test_train_on_user_data(tmp_path):

@@ -156,7 +156,8 @@ def test_plot_train_out_must_be_a_folder(tmp_path, capsys):
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"floor": 0.01, "arms": {}}))
     assert cli.main(["plot", "train", "--results", str(results), "--out", str(tmp_path / "curves.png")]) == 2
-    assert "looks like a file name; plot train writes curves.png and grad_norms.png into a folder" in error_line(capsys)
+    message = "looks like a file name; plot train writes curves.png and grad_norms.png (depth.png for a depth sweep)"
+    assert f"{message} into a folder" in error_line(capsys)
     assert not (tmp_path / "curves.png").exists()
     assert cli.main(["plot", "train", "--results", str(results), "--out", str(results)]) == 2
     assert "is a file; plot train writes" in error_line(capsys)

@@ -48,6 +48,12 @@ class UsageError(CommandError):
     status = 2
 
 
+class Interrupted(CommandError):
+    """Stopped by Ctrl-C, after saving what had finished: exit status 130, as for SIGINT."""
+
+    status = 130
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but bad usage is a :class:`UsageError` (one line, exit status 2), and a value
     that starts like a number (``--eps -1e-5``, ``--gamma -0.5,2``) is never taken for an option."""

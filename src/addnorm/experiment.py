@@ -131,6 +131,7 @@ class Arm:
         return self.label.format(N="LN" if norm == "layer" else "RMSNorm")
 
 
+LARGE_LR = 2.0  # the larger-lr arms: where warmup no longer rescues post-LN (docs/experiment.md)
 ARMS = {
     a.name: a
     for a in [
@@ -139,10 +140,12 @@ ARMS = {
         Arm("pre", "pre-{N}", "pre"),
         Arm("post-warmup", "post-{N} + warmup", "post", warmup=True),
         Arm("post-small-lr", "post-{N} lr/10", "post", lr_scale=0.1),
-        Arm("post-large-lr", "post-{N} lr×5", "post", lr_scale=5.0),
-        Arm("pre-large-lr", "pre-{N} lr×5", "pre", lr_scale=5.0),
+        Arm("post-large-lr", "post-{N} lr×2", "post", lr_scale=LARGE_LR),
+        Arm("post-warmup-large-lr", "post-{N} + warmup lr×2", "post", lr_scale=LARGE_LR, warmup=True),
+        Arm("pre-large-lr", "pre-{N} lr×2", "pre", lr_scale=LARGE_LR),
     ]
 }
+DEFAULT_ARMS = ["none", "post", "pre", "post-warmup", "post-warmup-large-lr", "pre-large-lr"]
 WARMUP_FRACTION = 0.25
 
 
@@ -150,14 +153,15 @@ WARMUP_FRACTION = 0.25
 class Config:
     """Everything a run depends on (stored in results.json)."""
 
-    arms: list[str] = dataclasses.field(default_factory=lambda: list(ARMS))
-    seeds: list[int] = dataclasses.field(default_factory=lambda: [0])
+    arms: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_ARMS))
+    seeds: list[int] = dataclasses.field(default_factory=lambda: [0, 1, 2])
     epochs: int = 20
     depth: int = 6  # encoder layers = decoder layers
     d_model: int = 32
     n_heads: int = 4
     d_ff: int = 64
-    lr: float = 1e-3
+    lr: float = 6e-3  # where post-LN needs warmup (docs/experiment.md: the sweep that chose it)
+    dropout: float = 0.0  # residual dropout of every sublayer, fused into its Add & Norm
     batch_size: int = 16
     norm: str = "layer"
     betas: tuple[float, float] = (0.9, 0.98)
@@ -167,7 +171,15 @@ class Config:
 
 def build_model(cfg: Config, norm_position: str) -> Seq2SeqTransformer:
     return Seq2SeqTransformer(
-        2, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.depth, cfg.depth, norm_position=norm_position, norm=cfg.norm
+        2,
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.d_ff,
+        cfg.depth,
+        cfg.depth,
+        norm_position=norm_position,
+        norm=cfg.norm,
+        dropout=cfg.dropout,
     )
 
 
@@ -176,9 +188,14 @@ def warmup_steps(arm: Arm, total_steps: int) -> int:
 
 
 def lr_lambda(arm: Arm, total_steps: int) -> Callable[[int], float]:
-    """Multiplier of the learning rate at each step: linear warmup, then constant."""
+    """Multiplier of the learning rate at each step: a linear warmup (warmup arms only), then a
+    linear decay to zero at the end (every arm), so that the last epochs settle."""
     warmup = warmup_steps(arm, total_steps)
-    return lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+
+    def multiplier(step: int) -> float:
+        return (step + 1) / warmup if step < warmup else (total_steps - step) / (total_steps - warmup)
+
+    return multiplier
 
 
 def evaluate_mse(model: Seq2SeqTransformer, source: torch.Tensor, target: torch.Tensor) -> float:
@@ -323,10 +340,116 @@ def grad_seeds(cfg: Config) -> list[int]:
     return list(range(max(GRAD_INITS, len(cfg.seeds))))
 
 
-def run_experiment(cfg: Config, progress: Callable[[str, int, float], None] | None = None) -> dict:
-    """Train every arm for every seed, measure the gradient norms at init; returns the results dict.
+Job = tuple[str, int, int]  # (arm name, seed, depth): one training run
+Progress = Callable[[Job, int, float], None]  # (job, epochs done, test MSE) after every epoch
 
-    ``progress(arm_name, epoch_done, test_mse)`` is called after every epoch.
+
+def jobs_of(cfg: Config, depths: list[int] | None = None) -> list[Job]:
+    """The training runs of ``cfg``: every arm x seed, at ``cfg.depth`` or at each of ``depths``."""
+    return [(name, seed, depth) for depth in depths or [cfg.depth] for name in cfg.arms for seed in cfg.seeds]
+
+
+def _train_job(cfg: Config, job: Job, train: np.ndarray, test: np.ndarray, progress: Progress) -> dict:
+    name, seed, depth = job
+    return train_arm(
+        ARMS[name], seed, dataclasses.replace(cfg, depth=depth), train, test, lambda e, v: progress(job, e + 1, v)
+    )
+
+
+_worker: dict = {}  # in a worker process: the config, the data and the progress queue
+
+
+def _worker_start(cfg: Config, queue) -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    torch.set_num_threads(cfg.threads)
+    torch.set_flush_denormal(True)
+    _worker.update(cfg=cfg, data=load_data(cfg)[:2], queue=queue)
+
+
+def _worker_train(job: Job) -> tuple[Job, dict]:
+    queue = _worker["queue"]
+    return job, _train_job(_worker["cfg"], job, *_worker["data"], lambda *msg: queue.put(msg))
+
+
+def train_all(cfg: Config, jobs: list[Job], progress: Progress | None = None, workers: int = 1) -> tuple[dict, bool]:
+    """Run ``jobs``, in ``workers`` processes when more than one; returns ``({job: run}, interrupted)``.
+
+    Every run seeds itself, so the results do not depend on ``workers`` or on the order the runs
+    finish in. Ctrl-C stops the runs under way and returns the finished ones, with ``interrupted``
+    True, so that a long experiment never loses the arms it has finished.
+    """
+    report = progress or (lambda *msg: None)
+    done: dict[Job, dict] = {}
+    try:
+        if workers <= 1 or len(jobs) <= 1:
+            train, test, _ = load_data(cfg)
+            for job in jobs:
+                done[job] = _train_job(cfg, job, train, test, report)
+        else:
+            _train_in_pool(cfg, jobs, report, min(workers, len(jobs)), done)
+    except KeyboardInterrupt:
+        return done, True
+    return done, False
+
+
+def _train_in_pool(cfg: Config, jobs: list[Job], report: Progress, workers: int, done: dict) -> None:
+    import multiprocessing
+    import queue as queues
+
+    # fork: the workers start at once, with torch imported and the kernels compiled
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    messages = ctx.Queue()
+    with ctx.Pool(workers, _worker_start, (cfg, messages)) as pool:  # leaving it terminates the workers
+        pending = [pool.apply_async(_worker_train, (job,)) for job in jobs]
+        try:
+            while pending:
+                try:
+                    report(*messages.get(timeout=0.2))
+                except queues.Empty:
+                    pass
+                for result in [r for r in pending if r.ready()]:
+                    job, run = result.get()  # a failure in a worker is raised here
+                    done[job] = run
+                    pending.remove(result)
+        except KeyboardInterrupt:  # keep the runs that had finished, then stop the rest
+            done.update(r.get() for r in pending if r.ready() and r.successful())
+            raise
+
+
+def _arm_entry(cfg: Config, name: str, runs: list[dict], floor: float, n_train: int) -> dict:
+    arm = ARMS[name]
+    steps = cfg.epochs * math.ceil(n_train / cfg.batch_size)
+    return {
+        "label": arm.title(cfg.norm),
+        "norm_position": arm.norm_position,
+        "lr": cfg.lr * arm.lr_scale,
+        "warmup_steps": warmup_steps(arm, steps),
+        "steps": steps,
+        "runs": runs,
+        "summary": aggregate(runs, floor),
+    }
+
+
+def _arms(cfg: Config, done: dict, depth: int, floor: float, n_train: int) -> dict:
+    """The finished runs at ``depth``, arm by arm in ``cfg.arms``'s order (arms with none left out)."""
+    arms = {}
+    for name in cfg.arms:
+        runs = [done[(name, seed, depth)] for seed in cfg.seeds if (name, seed, depth) in done]
+        if runs:
+            arms[name] = _arm_entry(cfg, name, runs, floor, n_train)
+    return arms
+
+
+def run_experiment(
+    cfg: Config, progress: Progress | None = None, workers: int = 1, depths: list[int] | None = None
+) -> dict:
+    """Train every arm for every seed (at each of ``depths``, a depth sweep, if given) and measure
+    the gradient norms at initialisation; returns the results dict.
+
+    ``progress(job, epochs_done, test_mse)`` is called after every epoch of every run. If the run
+    is interrupted (Ctrl-C), the results hold the finished runs and ``interrupted`` says how many.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)  # tiny matrices: more threads only add overhead
@@ -335,44 +458,33 @@ def run_experiment(cfg: Config, progress: Callable[[str, int, float], None] | No
         train, test, description = load_data(cfg)
         floor = noise_floor(test)
         start, cpu_start = time.perf_counter(), time.process_time()
-        arms = {}
-        for name in cfg.arms:
-            arm = ARMS[name]
-            runs = []
-            for k, seed in enumerate(cfg.seeds):
-                on_epoch = (
-                    None if progress is None else (lambda e, v, n=name, k=k: progress(n, k * cfg.epochs + e + 1, v))
-                )
-                runs.append(train_arm(arm, seed, cfg, train, test, on_epoch))
-            steps = cfg.epochs * math.ceil(len(train) / cfg.batch_size)
-            arms[name] = {
-                "label": arm.title(cfg.norm),
-                "norm_position": arm.norm_position,
-                "lr": cfg.lr * arm.lr_scale,
-                "warmup_steps": warmup_steps(arm, steps),
-                "steps": steps,
-                "runs": runs,
-                "summary": aggregate(runs, floor),
-            }
-        grads = {}
-        for pos in ("post", "pre"):
-            per_seed = [grad_norms_at_init(cfg, pos, seed, train) for seed in grad_seeds(cfg)]
-            grads[pos] = {
-                part: np.mean([g[part] for g in per_seed], axis=0).tolist() for part in ("encoder", "decoder")
-            }
-        return {
+        grads = {}  # a depth sweep measures none
+        if depths is None:
+            for pos in ("post", "pre"):
+                per_seed = [grad_norms_at_init(cfg, pos, seed, train) for seed in grad_seeds(cfg)]
+                grads[pos] = {
+                    part: np.mean([g[part] for g in per_seed], axis=0).tolist() for part in ("encoder", "decoder")
+                }
+        grads_cpu = time.process_time() - cpu_start
+        jobs = jobs_of(cfg, depths)
+        done, interrupted = train_all(cfg, jobs, progress, workers)
+        results = {
             "config": dataclasses.asdict(cfg),
             "data": description,
             "floor": floor,
             "n_train": len(train),
             "n_test": len(test),
-            "arms": arms,
-            "grad_norms": grads,
-            "grad_inits": len(grad_seeds(cfg)),
             "torch": torch.__version__,
+            "workers": workers,
             "seconds": time.perf_counter() - start,
-            "cpu_seconds": time.process_time() - cpu_start,
+            "cpu_seconds": grads_cpu + sum(r["cpu_seconds"] for r in done.values()),  # in every process
+            "interrupted": {"finished": len(done), "planned": len(jobs)} if interrupted else None,
         }
+        if depths is None:
+            arms = _arms(cfg, done, cfg.depth, floor, len(train))
+            return {**results, "arms": arms, "grad_norms": grads, "grad_inits": len(grad_seeds(cfg))}
+        by_depth = {str(d): _arms(cfg, done, d, floor, len(train)) for d in depths}
+        return {**results, "sweep": {"depth": depths, "arms": {d: a for d, a in by_depth.items() if a}}}
     finally:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(False)  # torch's default: leave the process as we found it
@@ -411,13 +523,16 @@ CLIP = 10.0  # test MSE above this is drawn at the top edge of curves.png
 
 
 def plot_results(results_json_path: str | pathlib.Path, out_dir: str | pathlib.Path) -> list[pathlib.Path]:
-    """(Re)draw ``curves.png`` and ``grad_norms.png`` in ``out_dir`` from a ``results.json``."""
+    """(Re)draw ``curves.png`` and ``grad_norms.png`` (``depth.png`` for a depth sweep) in ``out_dir``
+    from a ``results.json``."""
     import json
 
     plt = _pyplot()
     results = json.loads(pathlib.Path(results_json_path).read_text())
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if "sweep" in results:
+        return [plot_sweep(results, out)]
     floor = results["floor"]
 
     fig, ax = plt.subplots(figsize=(10, 5))
@@ -521,71 +636,82 @@ def _describe(arm: dict) -> str:
     return f"{arm['label']} {off}{when} and ended at {_g(s['final'])} ({_g(s['ratio'])}x floor)"
 
 
-def _speed(arm: dict) -> tuple[float, float]:
-    s = arm["summary"]
-    final = s["final"] if math.isfinite(s["final"]) else math.inf
+def _speed(s: dict) -> tuple[float, float]:
+    """How well a run (or an arm's medians) trained: arriving within WITHIN x the floor earlier,
+    then a lower final MSE, is better (smaller)."""
+    final = s["final"] if s["final"] is not None and math.isfinite(s["final"]) else math.inf
     return (math.inf if s["first_within"] is None else s["first_within"], final)
-
-
-def _fails(arm: dict) -> bool:
-    return arm["summary"]["failed"] * 2 > arm["summary"]["runs"]  # most seeds failed
 
 
 VERDICTS = ("Held", "Partly held", "Did not hold")
 GROWTH = 1.2  # post-LN's gradient norm "grows toward the output": last / first layer at least this
 
 
-def _verdict(held: bool) -> str:
-    return VERDICTS[0] if held else VERDICTS[2]
+def _judge(holds: list[bool]) -> tuple[str, str]:
+    """A verdict from the seeds: held on all of them, on some (says how many), or on none."""
+    n, k = len(holds), sum(holds)
+    verdict = VERDICTS[0] if k == n else VERDICTS[2] if k == 0 else VERDICTS[1]
+    return verdict, "" if n == 1 else f" ({k} of {n} seeds)"
+
+
+def _seeds(results: dict, *names: str) -> list[tuple[dict, ...]]:
+    """Per seed, the summaries of the runs of ``names`` from that seed (seeds all of them ran)."""
+    floor = results["floor"]
+    runs = [{r["seed"]: summarize(_curve(r), floor) for r in results["arms"][n]["runs"]} for n in names]
+    common = [seed for seed in runs[0] if all(seed in r for r in runs)]
+    return [tuple(r[seed] for r in runs) for seed in common]
+
+
+def _curve(run: dict) -> list[float]:
+    return [math.nan if v is None else v for v in run["test_mse"]]
 
 
 def readings(results: dict) -> list[tuple[str, str, str]]:
     """``(prediction, verdict, what happened)`` for each prediction whose arms were run; the verdict
-    is one of :data:`VERDICTS`."""
+    is one of :data:`VERDICTS`, judged seed by seed (each seed's runs against each other)."""
+    if "sweep" in results:
+        return sweep_readings(results)
     a = results["arms"]
     out = []
+
+    def add(prediction: str, holds: list[bool], what: str) -> None:
+        verdict, seeds = _judge(holds)
+        out.append((prediction, verdict, f"{what}{seeds}."))
+
     if {"pre", "post"} <= a.keys():
-        held = _verdict(_speed(a["pre"]) < _speed(a["post"]) and not _fails(a["pre"]))
-        out.append(
-            (
-                "Pre-LN trains without warmup; post-LN without warmup struggles (Xiong et al. 2020).",
-                held,
-                f"{_describe(a['pre'])}; {_describe(a['post'])}.",
-            )
+        add(
+            "Pre-LN trains without warmup; post-LN without warmup struggles (Xiong et al. 2020).",
+            [not pre["failed"] and _speed(pre) < _speed(post) for pre, post in _seeds(results, "pre", "post")],
+            f"{_describe(a['pre'])}; {_describe(a['post'])}",
         )
     if {"post-warmup", "post"} <= a.keys():
-        held = _verdict(_speed(a["post-warmup"]) < _speed(a["post"]))
-        out.append(
-            (
-                "Warmup helps post-LN (Vaswani et al. 2017; Xiong et al. 2020).",
-                held,
-                f"{_describe(a['post-warmup'])}; without warmup, {_describe(a['post'])}.",
-            )
+        add(
+            "Warmup rescues post-LN (Vaswani et al. 2017; Xiong et al. 2020).",
+            [not w["failed"] and _speed(w) < _speed(p) for w, p in _seeds(results, "post-warmup", "post")],
+            f"{_describe(a['post-warmup'])}; without warmup, {_describe(a['post'])}",
         )
     if "post-small-lr" in a:
-        held = _verdict(not _fails(a["post-small-lr"]))
-        out.append(
-            (
-                "A smaller learning rate keeps post-LN stable without warmup, at the cost of speed.",
-                held,
-                f"{_describe(a['post-small-lr'])}.",
-            )
+        add(
+            "A smaller learning rate keeps post-LN stable without warmup, at the cost of speed.",
+            [not s["failed"] for (s,) in _seeds(results, "post-small-lr")],
+            _describe(a["post-small-lr"]),
         )
-    if {"post-large-lr", "pre-large-lr"} <= a.keys():
-        pre, post = a["pre-large-lr"], a["post-large-lr"]
-        held = _verdict(not _fails(pre) and _speed(pre) < _speed(post))
-        out.append(
-            (
-                "At a large learning rate pre-LN still trains and post-LN does not (Xiong et al. 2020).",
-                held,
-                f"{_describe(a['pre-large-lr'])}; {_describe(a['post-large-lr'])}.",
+    for large in ("post-warmup-large-lr", "post-large-lr"):
+        if {large, "pre-large-lr"} <= a.keys():
+            pre, post = a["pre-large-lr"], a[large]
+            warm = " even with warmup" if large == "post-warmup-large-lr" else ""
+            add(
+                f"At a larger learning rate pre-LN still trains without warmup; post-LN{warm} does not "
+                "(Xiong et al. 2020).",
+                [not p["failed"] and _speed(p) < _speed(q) for p, q in _seeds(results, "pre-large-lr", large)],
+                f"{_describe(pre)}; {_describe(post)}",
             )
-        )
-    normed = [a[n] for n in ("post", "pre") if n in a]
+    normed = [n for n in ("post", "pre") if n in a]
     if "none" in a and normed:
-        held = _verdict(_fails(a["none"]) or all(_speed(a["none"]) > _speed(n) for n in normed))
-        out.append(
-            ("Without a norm the deep residual stack trains worse than with one.", held, f"{_describe(a['none'])}.")
+        add(
+            "Without a norm the deep residual stack trains worse than with one.",
+            [r[0]["failed"] or all(_speed(r[0]) > _speed(n) for n in r[1:]) for r in _seeds(results, "none", *normed)],
+            _describe(a["none"]),
         )
     g = results["grad_norms"]
     if len(g["post"]["encoder"]) < 2:  # a trend over layers needs at least two
@@ -610,6 +736,103 @@ def readings(results: dict) -> list[tuple[str, str, str]]:
     return out
 
 
+def _sweep_arms(results: dict) -> dict[str, dict[int, dict]]:
+    """A depth sweep's arms: ``{arm: {depth: arm entry}}``, depths in increasing order."""
+    out: dict[str, dict[int, dict]] = {}
+    for depth, arms in results["sweep"]["arms"].items():
+        for name, arm in arms.items():
+            out.setdefault(name, {})[int(depth)] = arm
+    return {name: dict(sorted(by_depth.items())) for name, by_depth in out.items()}
+
+
+def _failed(arm: dict) -> str:
+    return f"{arm['summary']['failed']}/{arm['summary']['runs']}"
+
+
+def sweep_readings(results: dict) -> list[tuple[str, str, str]]:
+    """The depth sweep's reading: post-LN fails more often as it gets deeper, pre-LN at no depth."""
+    arms = _sweep_arms(results)
+    if not {"post", "pre"} <= arms.keys() or len(arms["post"]) < 2:
+        return []
+    post, pre = arms["post"], arms["pre"]
+    shallow, deep = min(post), max(post)
+    grows = post[deep]["summary"]["failed"] / post[deep]["summary"]["runs"] > (
+        post[shallow]["summary"]["failed"] / post[shallow]["summary"]["runs"]
+    )
+    pre_ok = not any(arm["summary"]["failed"] for arm in pre.values())
+    verdict = VERDICTS[0] if grows and pre_ok else VERDICTS[1] if grows or pre_ok else VERDICTS[2]
+    seen = ", ".join(f"depth {d}: {_failed(arm)}" for d, arm in post.items())
+    seen_pre = ", ".join(f"depth {d}: {_failed(arm)}" for d, arm in pre.items())
+    return [
+        (
+            "Post-LN's trouble grows with depth; pre-LN's does not (Liu et al. 2020).",
+            verdict,
+            f"failed runs, post-LN {seen}; pre-LN {seen_pre}.",
+        )
+    ]
+
+
+def sweep_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """The depth sweep's table: per arm and depth, the median final test MSE ÷ floor and the failed runs."""
+    arms = _sweep_arms(results)
+    depths = sorted({d for by_depth in arms.values() for d in by_depth})
+    header = ["arm", "lr", *(f"depth {d}" for d in depths)]
+    rows = []
+    for by_depth in arms.values():
+        first = next(iter(by_depth.values()))
+        cells = [
+            f"{_g(by_depth[d]['summary']['ratio'])}x ({_failed(by_depth[d])} failed)" if d in by_depth else "—"
+            for d in depths
+        ]
+        rows.append([first["label"], f"{first['lr']:.2g}", *cells])
+    return header, rows
+
+
+def plot_sweep(results: dict, out: pathlib.Path) -> pathlib.Path:
+    """``depth.png``: final test MSE against depth, per arm (median, band min-max over seeds)."""
+    plt = _pyplot()
+    floor = results["floor"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for by_depth in _sweep_arms(results).values():
+        depths = list(by_depth)
+        finals = [[_clip(v) for v in (_curve(r)[-1] for r in arm["runs"])] for arm in by_depth.values()]
+        first = next(iter(by_depth.values()))
+        style = "--s" if first["norm_position"] == "pre" else "-o"
+        (line,) = ax.plot(depths, [np.median(f) for f in finals], style, label=first["label"])
+        ax.fill_between(depths, [min(f) for f in finals], [max(f) for f in finals], color=line.get_color(), alpha=0.15)
+    ax.axhline(floor, color="black", lw=1)
+    ax.text(min(results["sweep"]["depth"]), floor * 0.8, f"noise floor {floor:.4f}", va="top", fontsize=9)
+    ax.axhline(FAIL_RATIO * floor, color="gray", lw=0.8, ls="--")
+    ax.text(
+        min(results["sweep"]["depth"]),
+        FAIL_RATIO * floor * 1.1,
+        f"failed above {FAIL_RATIO:g}x floor",
+        va="bottom",
+        fontsize=9,
+        color="gray",
+    )
+    ax.set_yscale("log")
+    ax.set_ylim(floor / 2, CLIP * 1.5)
+    ax.set_xticks(results["sweep"]["depth"])
+    ax.set_xlabel("encoder layers = decoder layers")
+    ax.set_ylabel("final test MSE (log scale)")
+    seeds = len(results["config"]["seeds"])
+    ax.set_title(
+        f"Final test MSE against depth ({f'median of {seeds} seeds, band: min-max' if seeds > 1 else '1 seed'})"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=9)
+    fig.tight_layout()
+    path = out / "depth.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _clip(v: float) -> float:
+    return CLIP if not math.isfinite(v) or v > CLIP else v
+
+
 def _wobble(results: dict) -> str:
     """How much the test MSE moves once a run has come within WITHIN x the floor."""
     after = []
@@ -623,19 +846,27 @@ def _wobble(results: dict) -> str:
     lo, hi = min(after) / results["floor"], max(after) / results["floor"]
     return (
         f"Once within {WITHIN:g}x the floor, runs kept moving between {lo:.1f}x and {hi:.1f}x of it from "
-        "epoch to epoch (the learning rate is never decayed), so a difference of an epoch or two in the "
+        "epoch to epoch, so a difference of an epoch or two in the "
         f"{WITHIN:g}x column, or a small one in the final MSE, is within that noise. "
     )
 
 
 def _schedule_text(results: dict) -> str:
-    warm = [arm for arm in results["arms"].values() if arm["warmup_steps"]]
-    if not warm:
-        return "Learning rate: constant."
+    arms = _all_arms(results)
+    warm = next((arm for arm in arms if arm["warmup_steps"]), None)
+    decay = f"Learning rate: decays linearly to zero over the {arms[0]['steps']} steps"
+    if warm is None:
+        return decay + "."
     return (
-        f"Learning rate: constant, except {warm[0]['label']}: linear warmup over the first "
-        f"{warm[0]['warmup_steps']} of {warm[0]['steps']} steps, then constant."
+        f"{decay}; the arms with warmup ({', '.join(dict.fromkeys(a['label'] for a in arms if a['warmup_steps']))}) "
+        f"first rise linearly from zero over the first {warm['warmup_steps']} steps, then decay to zero."
     )
+
+
+def _all_arms(results: dict) -> list[dict]:
+    if "sweep" in results:
+        return [arm for arms in results["sweep"]["arms"].values() for arm in arms.values()]
+    return list(results["arms"].values())
 
 
 def _small(depth: int, epochs: int) -> bool:
@@ -654,59 +885,94 @@ def _floor_text(data: str | None) -> str:
 
 def report_markdown(results: dict, command: str) -> str:
     cfg = results["config"]
+    sweep = results.get("sweep")
+    layers = (
+        f"{', '.join(map(str, sweep['depth']))} encoder and as many decoder layers (a depth sweep)"
+        if sweep
+        else f"{cfg['depth']} + {cfg['depth']} layers"
+    )
+    dropout = f", residual dropout {cfg['dropout']:g}" if cfg.get("dropout") else ""
     lines = [
-        "# What the norm and its placement do to training",
+        "# What the norm and its placement do to training" + (": a depth sweep" if sweep else ""),
         "",
         f"Command: `{command}` — {results['seconds']:.0f} s wall clock, "
-        f"{results['cpu_seconds']:.0f} s of CPU time (training and gradient norms), "
-        f"torch {results['torch']}, {cfg['threads']} thread(s).",
+        f"{results['cpu_seconds']:.0f} s of CPU time in all ({results.get('workers', 1)} process(es)), "
+        f"torch {results['torch']}, {cfg['threads']} thread(s) per process.",
         "",
-        f"Model: encoder-decoder Transformer, {cfg['depth']} + {cfg['depth']} layers, "
-        f"d_model {cfg['d_model']}, "
-        f"{cfg['n_heads']} heads, FFN {cfg['d_ff']}, norm `{cfg['norm']}`; Adam betas {tuple(cfg['betas'])}, "
-        f"batch {cfg['batch_size']}, {cfg['epochs']} epochs, seeds {cfg['seeds']}. "
+    ]
+    stopped = results.get("interrupted")
+    if stopped:
+        lines += [
+            f"**Interrupted:** {stopped['finished']} of {stopped['planned']} runs had finished; "
+            "the tables and readings below are of those alone.",
+            "",
+        ]
+    lines += [
+        f"Model: encoder-decoder Transformer, {layers}, d_model {cfg['d_model']}, "
+        f"{cfg['n_heads']} heads, FFN {cfg['d_ff']}, norm `{cfg['norm']}`{dropout}; Adam betas "
+        f"{tuple(cfg['betas'])}, batch {cfg['batch_size']}, {cfg['epochs']} epochs, seeds {cfg['seeds']}. "
         f"Data: {results['data']}. Given the first two corners the model predicts the last two; test MSE is "
         "measured autoregressively after every epoch.",
         "",
-        f"**Noise floor: {results['floor']:.4f}** — {_floor_text(cfg['data'])}. An arm *failed* if its "
+        f"**Noise floor: {results['floor']:.4f}** — {_floor_text(cfg['data'])}. A run *failed* if its "
         f"final test MSE is above {FAIL_RATIO:g}x the floor or not finite.",
         "",
-        _schedule_text(results) + f" *epoch ≤ {WITHIN:g}x floor* is the first epoch whose test MSE is within "
-        f"{WITHIN:g}x the floor; the table shows medians over seeds (failed: how many seeds failed).",
-        "",
-        "| " + " | ".join(TABLE_HEADER) + " |",
-        "|" + "---|" * len(TABLE_HEADER),
-        *("| " + " | ".join(row) + " |" for row in table_rows(results)),
-        "",
-        "![test MSE per epoch](curves.png)",
-        "",
-        "![gradient norm per layer at initialisation](grad_norms.png)",
-        "",
-        "## Reading: what the literature predicts, and what happened here",
-        "",
     ]
-    if _small(cfg["depth"], cfg["epochs"]):
+    if sweep:
+        header, rows = sweep_rows(results)
         lines += [
-            f"This run is smaller than the default ({Config.depth} + {Config.depth} layers, "
-            f"{Config.epochs} epochs); the predictions are about deep models trained for longer, "
-            "so the verdicts below say little.",
+            _schedule_text(results) + " Each cell: the median over seeds of the final test MSE ÷ floor, and "
+            "how many runs failed.",
+            "",
+            *_markdown_table(header, rows),
+            "",
+            "![final test MSE against depth](depth.png)",
+            "",
+            "## Reading",
             "",
         ]
+    else:
+        lines += [
+            _schedule_text(results) + f" *epoch ≤ {WITHIN:g}x floor* is the first epoch whose test MSE is "
+            f"within {WITHIN:g}x the floor; the table shows medians over seeds (failed: how many seeds failed).",
+            "",
+            *_markdown_table(TABLE_HEADER, table_rows(results)),
+            "",
+            "![test MSE per epoch](curves.png)",
+            "",
+            "![gradient norm per layer at initialisation](grad_norms.png)",
+            "",
+            "## Reading: what the literature predicts, and what happened here",
+            "",
+        ]
+        if _small(cfg["depth"], cfg["epochs"]):
+            lines += [
+                f"This run is smaller than the default ({Config.depth} + {Config.depth} layers, "
+                f"{Config.epochs} epochs); the predictions are about deep models trained for longer, "
+                "so the verdicts below say little.",
+                "",
+            ]
     for prediction, held, what in readings(results):
         lines += [f"- **{prediction}** {held} here: {what}", ""]
+    n_seeds = len(cfg["seeds"])
     lines += [
-        "These readings are generated from the numbers above by fixed rules: arriving within "
-        f"{WITHIN:g}x the floor earlier, then a lower final MSE, counts as training better; a run "
-        f"fails above {FAIL_RATIO:g}x the floor. {_wobble(results)}"
+        "These readings are generated from the numbers above by fixed rules, seed by seed (each seed's "
+        f"runs against each other): arriving within {WITHIN:g}x the floor earlier, then a lower final MSE, "
+        f"counts as training better; a run fails above {FAIL_RATIO:g}x the floor. "
+        + ("" if sweep else _wobble(results))
         + (
             "One seed on one small task is a demonstration, not a benchmark: rerun with `--seeds 3` to see "
             "how much of it is luck."
-            if len(cfg["seeds"]) == 1
-            else f"{len(cfg['seeds'])} seeds on one small task are a demonstration, not a benchmark."
+            if n_seeds == 1
+            else f"{n_seeds} seeds on one small task are a demonstration, not a benchmark."
         ),
         "",
     ]
     return "\n".join(lines)
+
+
+def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
 def write_results_json(results: dict, path: pathlib.Path, command: str) -> dict:
@@ -720,7 +986,7 @@ def write_results_json(results: dict, path: pathlib.Path, command: str) -> dict:
 
 
 def write_outputs(results: dict, out_dir: str | pathlib.Path, command: str) -> list[pathlib.Path]:
-    """Write ``results.json``, ``curves.png``, ``grad_norms.png`` and ``report.md`` into ``out_dir``."""
+    """Write ``results.json``, the plots (:func:`plot_results`) and ``report.md`` into ``out_dir``."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_json = out / "results.json"
@@ -734,23 +1000,48 @@ def write_outputs(results: dict, out_dir: str | pathlib.Path, command: str) -> l
 # --------------------------------------------------------------------------- `addnorm train`
 
 QUICK = dict(epochs=2, depth=1, seeds=[0])  # the whole pipeline in seconds (tests, CI)
+SWEEP_DEPTHS = [2, 4, 6, 8]  # --sweep depth (Liu et al. 2020: post-LN's trouble grows with depth)
+SWEEP_ARMS = ["post", "pre", "post-warmup"]
+QUICK_DEPTHS = [1, 2]
 
 
-def config_from_args(args) -> Config:
+def _int_list(text: str, flag: str) -> list[int]:
+    from .cli import UsageError
+
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag}: expected positive whole numbers separated by commas, got {text!r}")
+    return sorted(set(values))
+
+
+def config_from_args(args) -> tuple[Config, list[int] | None]:
+    """The run's :class:`Config`, and the depths of a depth sweep (None without ``--sweep``)."""
     from .cli import UsageError, check_threads
 
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else list(ARMS)
+    default_arms = SWEEP_ARMS if args.sweep else DEFAULT_ARMS
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else list(default_arms)
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise UsageError(f"--arms: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
-    for name in ("seeds", "epochs", "depth"):
+    for name in ("seeds", "epochs", "depth", "jobs"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be at least 1, got {value}")
     check_threads(args.threads)
     if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
         raise UsageError(f"--lr must be a positive number, got {args.lr}")
-    cfg = Config(arms=list(dict.fromkeys(arms)), norm=args.norm, data=args.data, threads=args.threads)
+    if not 0 <= args.dropout < 1:  # NaN fails too
+        raise UsageError(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.sweep and args.depth is not None:
+        raise UsageError("--depth: a depth sweep trains at every depth of --depths; give those instead")
+    if args.depths is not None and not args.sweep:
+        raise UsageError("--depths only applies to '--sweep depth'")
+    cfg = Config(
+        arms=list(dict.fromkeys(arms)), norm=args.norm, data=args.data, threads=args.threads, dropout=args.dropout
+    )
     if args.quick:
         cfg = dataclasses.replace(cfg, **QUICK)
     for name in ("epochs", "depth", "lr"):
@@ -758,17 +1049,30 @@ def config_from_args(args) -> Config:
             setattr(cfg, name, getattr(args, name))
     if args.seeds is not None:
         cfg.seeds = list(range(args.seeds))
-    return cfg
+    if not args.sweep:
+        return cfg, None
+    default_depths = QUICK_DEPTHS if args.quick else SWEEP_DEPTHS
+    return cfg, default_depths if args.depths is None else _int_list(args.depths, "--depths")
+
+
+def default_workers() -> int:
+    """One worker process per CPU this process may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def command_line(args) -> str:
-    """The ``addnorm train`` command that reproduces ``args`` (options left at their default omitted)."""
+    """The ``addnorm train`` command that reproduces ``args`` (options left at their default
+    omitted; ``--jobs`` changes how long a run takes, not its results)."""
     import shlex
 
     words = ["addnorm", "train"]
-    for name in ("arms", "seeds", "epochs", "depth", "lr", "data", "out"):
+    for name in ("sweep", "depths", "arms", "seeds", "epochs", "depth", "lr", "data", "out"):
         if getattr(args, name) is not None:
             words += [f"--{name}", str(getattr(args, name))]
+    if args.dropout:
+        words += ["--dropout", f"{args.dropout:g}"]
     if args.norm != "layer":
         words += ["--norm", args.norm]
     if args.threads != 1:
@@ -786,12 +1090,21 @@ def rich_table(results: dict):
         pad_edge=False,
         collapse_padding=True,
     )
-    rows = table_rows(results)
+    if "sweep" in results:
+        headers, rows = sweep_rows(results)  # one column per depth: "ratio x (k/n failed)"
+        headers = [h.replace("depth ", "depth\n") for h in headers]
+        rows = [[*row[:2], *(c.replace(" (", "\n(").replace(" failed", "") for c in row[2:])] for row in rows]
+        table.title = f"final test MSE ÷ noise floor {results['floor']:.4f}, median over seeds (failed runs)"
+        for i, header in enumerate(headers):
+            table.add_column(header, justify="left" if i < 2 else "right", no_wrap=True)
+        for row in rows:
+            table.add_row(*row)
+        return table
+    rows = [row[:3] + row[4:] for row in table_rows(results)]  # report.md also has the best MSE
     headers = [
         "arm",
         "lr",
         "final\nMSE",
-        "best\nMSE",
         "final\n÷ floor",
         f"epoch\n≤{WITHIN:g}x fl.",
         "failed",
@@ -808,9 +1121,9 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from .cli import CommandError, UsageError, output_dir
+    from .cli import CommandError, Interrupted, UsageError, output_dir
 
-    cfg = config_from_args(args)
+    cfg, depths = config_from_args(args)
     try:
         _pyplot()
         if cfg.data is not None and noise_floor(load_data(cfg)[1]) == 0:
@@ -820,32 +1133,51 @@ def run(args) -> int:
             )
     except (RuntimeError, ValueError) as err:
         raise UsageError(str(err)) from err
-    out_dir = output_dir(args.out, "--out", "train writes results.json, curves.png, grad_norms.png and report.md")
+    writes = (
+        "a depth sweep writes results.json, depth.png and report.md"
+        if depths
+        else "train writes results.json, curves.png, grad_norms.png and report.md"
+    )
+    out_dir = output_dir(args.out, "--out", writes)
+    jobs = jobs_of(cfg, depths)
+    workers = min(args.jobs or default_workers(), len(jobs))
     console = Console()
+    layers = f"depth {','.join(map(str, depths))}" if depths else f"{cfg.depth}+{cfg.depth} layers"
     console.print(
-        f"[bold]addnorm train[/]: {len(cfg.arms)} arm(s) x {len(cfg.seeds)} seed(s), "
-        f"{cfg.depth}+{cfg.depth} layers, {cfg.epochs} epochs, norm {cfg.norm!r}, "
-        f"base lr {cfg.lr:g}"
+        f"[bold]addnorm train[/]: {len(cfg.arms)} arm(s) x {len(cfg.seeds)} seed(s), {layers}, "
+        f"{cfg.epochs} epochs, norm {cfg.norm!r}, base lr {cfg.lr:g}"
+        + (f", dropout {cfg.dropout:g}" if cfg.dropout else "")
+        + f"; {len(jobs)} runs in {workers} process(es)"
     )
     columns = (
-        TextColumn("{task.description:<18}"),
+        TextColumn("{task.description:<22}"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("test MSE {task.fields[mse]}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console) as bar:
-        tasks = {
-            name: bar.add_task(ARMS[name].title(cfg.norm), total=cfg.epochs * len(cfg.seeds), mse="—")
-            for name in cfg.arms
-        }
+    epochs_done: dict[Job, int] = {}
+    # no refresh thread: the training processes are forked from this one (see _train_in_pool)
+    with Progress(*columns, console=console, auto_refresh=False) as bar:
+        tasks = {}
+        for name, _, depth in jobs:
+            label = ARMS[name].title(cfg.norm) + (f", depth {depth}" if depths else "")
+            if (name, depth) not in tasks:
+                tasks[name, depth] = bar.add_task(label, total=cfg.epochs * len(cfg.seeds), mse="—")
 
-        def progress(name: str, done: int, mse: float) -> None:
-            bar.update(tasks[name], completed=done, mse=_g(mse))
+        def progress(job: Job, done: int, mse: float) -> None:
+            epochs_done[job] = done
+            name, _, depth = job
+            total = sum(n for (a, _, d), n in epochs_done.items() if (a, d) == (name, depth))
+            bar.update(tasks[name, depth], completed=total, mse=_g(mse))
+            bar.refresh()
 
-        results = run_experiment(cfg, progress)
+        results = run_experiment(cfg, progress, workers, depths)
+    stopped = results["interrupted"]
+    if stopped and not stopped["finished"]:
+        raise Interrupted("interrupted before any run finished; nothing written")
     console.print(rich_table(results))
-    if _small(cfg.depth, cfg.epochs):
+    if _small(cfg.depth, cfg.epochs) and not depths:
         console.print(
             f"(smaller than the default {Config.depth}+{Config.depth} layers, "
             f"{Config.epochs} epochs: the verdicts below say little)"
@@ -859,6 +1191,10 @@ def run(args) -> int:
     except OSError as err:  # the folder was checked at the start; keep the results if it went away since
         raise CommandError(f"--out: cannot write into {args.out!r} ({err}); {_rescue(results, command)}") from None
     console.print(f"wrote {', '.join(str(p) for p in written)} ({results['seconds']:.0f} s)")
+    if stopped:
+        raise Interrupted(
+            f"interrupted: {stopped['finished']} of {stopped['planned']} runs had finished; {out_dir} holds those"
+        )
     return 0
 
 
@@ -883,11 +1219,36 @@ def register(sub) -> None:
         "test MSE against the noise floor, gradient norms at initialisation, plots and a "
         "reading.",
     )
-    p.add_argument("--arms", help=f"comma-separated arms to run (default: all): {', '.join(ARMS)}")
-    p.add_argument("--seeds", type=int, help="number of seeds per arm (seeds 0..N-1; default 1)")
+    p.add_argument(
+        "--arms",
+        help=f"comma-separated arms to run (default: {','.join(DEFAULT_ARMS)}; with --sweep depth: "
+        f"{','.join(SWEEP_ARMS)}); all: {', '.join(ARMS)}",
+    )
+    p.add_argument("--seeds", type=int, help=f"number of seeds per arm (seeds 0..N-1; default {len(Config().seeds)})")
     p.add_argument("--epochs", type=int, help=f"training epochs (default {Config.epochs})")
     p.add_argument("--depth", type=int, help=f"encoder layers = decoder layers (default {Config.depth})")
     p.add_argument("--lr", type=float, help=f"base learning rate (default {Config.lr:g})")
+    p.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="residual dropout on every sublayer's output, fused into its Add & Norm (the original "
+        "Transformer: 0.1; default 0)",
+    )
+    p.add_argument(
+        "--sweep",
+        choices=["depth"],
+        help=f"train the arms at several depths instead (default arms {','.join(SWEEP_ARMS)}); writes depth.png",
+    )
+    p.add_argument(
+        "--depths", metavar="D,D,...", help=f"the depths of --sweep depth (default {','.join(map(str, SWEEP_DEPTHS))})"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        help="training processes run side by side (default: one per CPU); the results do not depend on it",
+    )
     p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="LayerNorm or RMSNorm")
     p.add_argument("--data", metavar="FILE", help="your own sequences: .npy or .csv of shape [n, 4, 2]")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the model is tiny)")

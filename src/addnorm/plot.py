@@ -261,7 +261,7 @@ def plot_train(out_dir: Path, results: str) -> list[Path]:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise UsageError(not_results) from None
-    if not isinstance(doc, dict) or not {"floor", "arms"} <= doc.keys():
+    if not isinstance(doc, dict) or "floor" not in doc or not doc.keys() & {"arms", "sweep"}:
         raise UsageError(not_results)
     try:
         written = [Path(p) for p in plot_results(path, out_dir)]
@@ -284,7 +284,7 @@ def run(args) -> int:
     elif args.what == "bench":
         plot_bench(png_path(args.out, "bench.png"), args.results, args.op, args.dtype, args.pass_, args.commit)
     else:
-        writes = "plot train writes curves.png and grad_norms.png"
+        writes = "plot train writes curves.png and grad_norms.png (depth.png for a depth sweep)"
         plot_train(output_dir(args.out or ".", "--out", writes), args.results)
     return 0
 
