@@ -129,6 +129,34 @@ def test_offset_rows_are_centered_exactly(backend):
     assert max_error(res["ours"]["y"], res["oracle"]["y"]) < 1e-4
 
 
+def _near_constant_rows(offset: float, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows at ``offset`` whose spread is a few ulps: one element raised by 4 to 16 ulps, or
+    (the last row) every element raised by 0 to 2 ulps at random. Their rounded mean is off by
+    about as much as the row spreads, so mean(d*d) - c*c, the kernels' two-pass variance,
+    cancels; they take a third pass (reference.CANCEL)."""
+    g = torch.Generator().manual_seed(3)
+    ulp = torch.finfo(dtype).eps * offset
+    x = torch.full((5, n), offset, dtype=torch.float64)
+    for i in range(4):
+        x[i, (37 * i) % n] += 4 * (i + 1) * ulp
+    x[4] += torch.randint(0, 3, (n,), generator=g).double() * ulp
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("offset", [1e6, 3e7])
+@pytest.mark.parametrize("n", [1024, 4096, 20000])  # 20000: the Triton forward's chunked path
+def test_near_constant_rows_far_from_zero_are_exact(backend, offset, n):
+    """The variance of a row spread over a few ulps of a large mean comes out exact to float32
+    on every backend, as the reference's; without the third pass the CPU kernel's output was
+    off by up to 4e-3 of its scale at 3e7 and Triton's chunked path by 1.6e-6."""
+    x = _near_constant_rows(offset, n)
+    xs = x.double()
+    oracle = (xs - xs.mean(-1, keepdim=True)) / torch.sqrt(xs.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    y = addnorm.layer_norm(x, n, backend=backend).double()
+    error = ((y - oracle).abs().amax(-1) / oracle.abs().amax(-1)).max().item()
+    assert error < 5e-7, f"{backend}: relative error {error:.3g}"
+
+
 # ----------------------------------------------------------------------- non-finite inputs
 
 

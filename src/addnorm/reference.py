@@ -220,6 +220,12 @@ def row_scale(sf: Tensor) -> Tensor:
 ROW_CHUNK = 1 << 14
 
 
+# The kernels compute the variance about the corrected mean as mean(d*d) - c*c, two passes
+# where the reference takes three; a row where c*c exceeds mean(d*d) / CANCEL (a near-constant
+# row far from zero) would lose bits to that difference, and gets the third pass there too.
+CANCEL = 16
+
+
 def row_mean(t: Tensor) -> Tensor:
     """The mean of each row of ``t`` (keepdim), summed in the same order whatever the number of
     rows, their position or the thread count (see ROW_CHUNK)."""

@@ -287,20 +287,56 @@ def _row_scale(a, k):
     return k[0]
 
 
+@numba.njit  # not _SUM_MATH: reassociation would turn (a - mu) - c into a - (mu + c), rounded
+def _sq_corrected(a, mu, c):
+    """Sum of ``((a - mu) - c)**2``, the squared deviations from the corrected mean, summed
+    pairwise: such a row is often a few large squares among many tiny ones, which added one by
+    one to a large partial sum would round away (as torch's cascade sum in the reference, the
+    error grows with log N)."""
+    n = a.shape[0]
+    t = np.empty(n, a.dtype)  # rare rows only (see _centred_stats)
+    for j in range(n):
+        d = (a[j] - mu) - c
+        t[j] = d * d
+    while n > 1:
+        half = n // 2
+        for j in range(half):  # writes t[j], reads t[2j], t[2j + 1]: never a value already replaced
+            t[j] = t[2 * j] + t[2 * j + 1]
+        if n % 2:
+            t[half] = t[n - 1]
+            half += 1
+        n = half
+    return t[0]
+
+
+_CANCEL = reference.CANCEL  # a third pass once c*c exceeds mean(d*d) / _CANCEL
+
+
+@numba.njit
+def _centred_stats(row, total, nf):
+    """``(mu, c, var)`` of a row whose sum is ``total``: var of the deviations from ``mu + c``.
+
+    The mean is off by its rounding error; the mean of the centred row measures it (``c``,
+    subtracted separately): exact centring, as the reference, for constant rows and rows far
+    from zero. The variance of the corrected deviations ``d - c`` is then ``mean(d*d) - c*c``,
+    except where ``c*c`` is not small beside ``mean(d*d)`` (a near-constant row far from zero,
+    spread over a few ulps of its mean): that difference would cancel, so a third pass over the
+    row (in cache) squares ``d - c`` itself, as the reference does.
+    """
+    mu = total / nf
+    dev, sq = _sums_dev(row, mu)
+    c = dev / nf
+    if c * c * _CANCEL > sq / nf:
+        return mu, c, _sq_corrected(row, mu, c) / nf
+    return mu, c, max(sq / nf - c * c, nf - nf)
+
+
 @numba.njit
 def _stats(buf, nf, rms):
-    """``(mu, c, var)`` of a row: var of the deviations from ``mu + c``."""
-    zero = nf - nf
+    """``(mu, c, var)`` of a row: var of the deviations from ``mu + c`` (:func:`_centred_stats`)."""
     if rms:
-        return zero, zero, _dot(buf, buf) / nf
-    # The mean is off by its rounding error; the mean of the centered row measures it (c, below
-    # one ulp of mu, so it is subtracted separately): exact centering, as the reference, for
-    # constant rows and rows far from zero. The variance of the corrected deviations d - c is
-    # then mean(d*d) - c*c.
-    mu = _sum(buf) / nf
-    total, sq = _sums_dev(buf, mu)
-    c = total / nf
-    return mu, c, max(sq / nf - c * c, zero)
+        return nf - nf, nf - nf, _dot(buf, buf) / nf
+    return _centred_stats(buf, _sum(buf), nf)
 
 
 # --------------------------------------------------------------------------- the sublayer branch
@@ -421,11 +457,8 @@ def _forward_rows(
         if rms:
             mu = c = nf - nf
             var = total / nf
-        else:  # the corrected mean and the variance around it, as _stats
-            mu = total / nf
-            dev, sq = _sums_dev(row, mu)
-            c = dev / nf
-            var = max(sq / nf - c * c, nf - nf)
+        else:
+            mu, c, var = _centred_stats(row, total, nf)
         if not np.isfinite(var):  # overflow (bf16 beyond ~1e19): again on the row times k <= 1
             k = _row_scale(row, kbuf)
             if k != one:

@@ -83,6 +83,7 @@ MAX_BLOCK_M = 32  # at most this many rows per tile
 FORWARD_BYTES_PER_THREAD = 64  # num_warps = tile bytes / (32 * this), clamped to 1..32
 BACKWARD_BYTES_PER_THREAD = 64
 CHUNKED_BYTES_PER_THREAD = 16  # the same on the chunked path, forward and backward
+_CANCEL = tl.constexpr(reference.CANCEL)  # pass 3 of the chunked forward's variance
 BACKWARD_WARPS_PER_SM = 32  # backward launches SMs * max(1, this // num_warps) programs
 # The interpreter pays ~1 ms of Python per Triton op per program, whatever the tile size, so
 # on CPU tensors tiles stack more rows (same code, fewer programs); tests can set these back.
@@ -348,6 +349,42 @@ def _forward_kernel(
             m2 += tl.sum(c * c, axis=1)
         corr = corr / N
         var_k = tl.maximum(m2 / N - corr * corr, 0.0)
+        if not IS_RMS:
+            # Where corr * corr is not small beside m2 / N (a near-constant row far from zero),
+            # that difference cancels: pass 3 squares the corrected deviations themselves, as
+            # the CPU kernel's _centred_stats (the same threshold) and the reference.
+            redo = row_ok & (corr * corr * _CANCEL > m2 / N)
+            if tl.max(redo.to(tl.int32), axis=0) > 0:
+                m2 = tl.zeros([BLOCK_M], dtype=CD)
+                for start in range(0, N, BLOCK_N):
+                    ccols = start + cols
+                    mask = row_ok[:, None] & (ccols < N)[None, :]
+                    c = (
+                        _load_stream(
+                            X,
+                            R,
+                            S,
+                            rows,
+                            ccols,
+                            mask,
+                            sx,
+                            sr,
+                            M,
+                            N,
+                            SEED,
+                            SCALE,
+                            LS,
+                            RSC,
+                            threshold,
+                            CD,
+                            HAS_RESIDUAL,
+                            BRANCH,
+                        )
+                        * k[:, None]
+                    )
+                    c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
+                    m2 += tl.sum(c * c, axis=1)
+                var_k = tl.where(redo, m2 / N, var_k)
     rstd_k = _rsqrt(var_k + eps * k * k)  # = rstd / k
     if not IS_RMS:
         tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
