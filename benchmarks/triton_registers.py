@@ -131,6 +131,7 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str
         "IS_RMS": rms,
         "CHUNKED": chunked,
         "BRANCH": branch,
+        "LAYER_SCALED": branch,  # the branch with a layer scale: the most registers
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }

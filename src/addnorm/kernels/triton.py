@@ -569,12 +569,13 @@ def _backward_kernel(
     IS_RMS: tl.constexpr,
     CHUNKED: tl.constexpr,
     BRANCH: tl.constexpr,
+    LAYER_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``ds`` of rows ``[pid * rows_per_program, ...)`` and their partial dweight/dbias sums;
     with ``BRANCH`` (``S`` holds ``x``, the stream is recomputed through the branch) also ``dx``
-    and the partial sums of dlayer_scale, as ``reference.branch_backward``.
+    and, with ``LAYER_SCALED``, the partial sums of dlayer_scale, as ``reference.branch_backward``.
 
     Grid ``(programs, column chunks)``; without ``CHUNKED`` one chunk holds the whole row and
     the row scale and coefficients are computed here, else they come from :func:`_coef_kernel`.
@@ -624,6 +625,7 @@ def _backward_kernel(
             ds = ds.to(CD)
             dx = _branch(ds, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)[0]
             tl.store(DX + rows[:, None] * N + cols[None, :], _round(dx, DX.dtype.element_ty), mask=mask)
+        if LAYER_SCALED:
             rowscale = tl.load(RSC + rows, mask=row_ok, other=1.0).to(CD)
             dls += tl.sum(ds * (x * gate * rowscale[:, None]), axis=0)
         if HAS_WEIGHT:
@@ -635,7 +637,7 @@ def _backward_kernel(
         tl.store(DW + partial, dw, mask=cols < N)
     if HAS_BIAS:
         tl.store(DB + partial, db, mask=cols < N)
-    if BRANCH:
+    if LAYER_SCALED:
         tl.store(DLS + partial, dls, mask=cols < N)
 
 
@@ -874,7 +876,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
     programs = triton.cdiv(m, rows_per_program)
     partials = lambda present: torch.empty((programs, n), dtype=cd, device=s.device) if present else None  # noqa: E731
-    dw, db, dls = partials(weight is not None), partials(has_bias), partials(branch is not None)
+    dw, db, dls = partials(weight is not None), partials(has_bias), partials(layer_scaled)
     _backward_kernel[(programs, triton.cdiv(n, block_n))](
         dy,
         dstream,
@@ -906,9 +908,10 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         IS_RMS=rms,
         CHUNKED=chunked,
         BRANCH=branch is not None,
+        LAYER_SCALED=layer_scaled,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
     )
     total = lambda p: None if p is None else _sum_partials(p)  # noqa: E731
-    return Grads(ds, total(dw), total(db), dx, total(dls) if layer_scaled else None)
+    return Grads(ds, total(dw), total(db), dx, total(dls))
