@@ -244,6 +244,38 @@ def _xhat(d, corr, rstd_k, IS_RMS: tl.constexpr):
 
 
 @triton.jit
+def _stream_chunk_k(
+    X,
+    R,
+    S,
+    rows,
+    start,
+    cols,
+    k,
+    sx,
+    sr,
+    M,
+    N,
+    SEED,
+    SCALE,
+    LS,
+    RSC,
+    threshold,
+    CD: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BRANCH: tl.constexpr,
+):
+    """Columns ``start + cols`` of the stream (:func:`_load_stream`) times the row scale ``k``,
+    and their mask: a chunk of the chunked forward's second and third passes."""
+    ccols = start + cols
+    mask = (rows < M)[:, None] & (ccols < N)[None, :]
+    s = _load_stream(
+        X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+    )
+    return s * k[:, None], mask
+
+
+@triton.jit
 def _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL: tl.constexpr):
     """Write the stream ``s`` of one tile (with a residual; nothing without)."""
     if HAS_RESIDUAL:  # s holds values of S's dtype already: the cast is exact
@@ -335,13 +367,8 @@ def _forward_kernel(
         mean_k = mean_k / N
         m2 = tl.zeros([BLOCK_M], dtype=CD)
         for start in range(0, N, BLOCK_N):
-            ccols = start + cols
-            mask = row_ok[:, None] & (ccols < N)[None, :]
-            c = (
-                _load_stream(
-                    X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
-                )
-                * k[:, None]
+            c, mask = _stream_chunk_k(
+                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
             )
             if not IS_RMS:
                 c = tl.where(mask, c - mean_k[:, None], 0.0)
@@ -349,42 +376,19 @@ def _forward_kernel(
             m2 += tl.sum(c * c, axis=1)
         corr = corr / N
         var_k = tl.maximum(m2 / N - corr * corr, 0.0)
-        if not IS_RMS:
-            # Where corr * corr is not small beside m2 / N (a near-constant row far from zero),
-            # that difference cancels: pass 3 squares the corrected deviations themselves, as
-            # the CPU kernel's _centred_stats (the same threshold) and the reference.
-            redo = row_ok & (corr * corr * _CANCEL > m2 / N)
-            if tl.max(redo.to(tl.int32), axis=0) > 0:
-                m2 = tl.zeros([BLOCK_M], dtype=CD)
-                for start in range(0, N, BLOCK_N):
-                    ccols = start + cols
-                    mask = row_ok[:, None] & (ccols < N)[None, :]
-                    c = (
-                        _load_stream(
-                            X,
-                            R,
-                            S,
-                            rows,
-                            ccols,
-                            mask,
-                            sx,
-                            sr,
-                            M,
-                            N,
-                            SEED,
-                            SCALE,
-                            LS,
-                            RSC,
-                            threshold,
-                            CD,
-                            HAS_RESIDUAL,
-                            BRANCH,
-                        )
-                        * k[:, None]
-                    )
-                    c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
-                    m2 += tl.sum(c * c, axis=1)
-                var_k = tl.where(redo, m2 / N, var_k)
+        # Where corr * corr is not small beside m2 / N (a near-constant row far from zero), that
+        # difference cancels: pass 3, over no column unless some row needs it (never for
+        # RMSNorm, whose corr is 0), squares the corrected deviations themselves, as the CPU
+        # kernel's _centred_stats (the same threshold) and the reference.
+        redo = row_ok & (corr * corr * _CANCEL > m2 / N)
+        m3 = tl.zeros([BLOCK_M], dtype=CD)
+        for start in range(0, N * tl.max(redo.to(tl.int32), axis=0), BLOCK_N):
+            c, mask = _stream_chunk_k(
+                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+            )
+            c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
+            m3 += tl.sum(c * c, axis=1)
+        var_k = tl.where(redo, m3 / N, var_k)
     rstd_k = _rsqrt(var_k + eps * k * k)  # = rstd / k
     if not IS_RMS:
         tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
