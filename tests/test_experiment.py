@@ -247,6 +247,30 @@ def test_runs_in_parallel_processes_equal_runs_in_one():
     assert {(job, epoch): mse for job, epoch, mse in seen}[jobs[0], 2] == serial[jobs[0]]["test_mse"][1]
 
 
+def test_workers_with_several_threads_each_do_not_hang():
+    """With more than one thread per worker the workers are spawned, not forked: a forked child
+    that runs OpenMP on several threads after its parent did waits forever (GNU libgomp)."""
+    import signal
+
+    def hung(*args):
+        raise TimeoutError("the worker processes hung")
+
+    cfg = dataclasses.replace(TINY, arms=["pre"], seeds=[0, 1], threads=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.ones(1 << 16).exp_().sum()  # this process has run OpenMP on two threads
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(240)  # a hang fails the test instead of the run
+    try:
+        parallel, _ = experiment.train_all(cfg, experiment.jobs_of(cfg), workers=2)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        torch.set_num_threads(threads)
+    serial, _ = experiment.train_all(cfg, experiment.jobs_of(cfg), workers=1)
+    assert all(parallel[job]["test_mse"] == serial[job]["test_mse"] for job in serial)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_ctrl_c_keeps_the_finished_runs(workers):
     """Ctrl-C while training: the finished runs come back, the workers are stopped."""

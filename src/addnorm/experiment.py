@@ -398,8 +398,11 @@ def _train_in_pool(cfg: Config, jobs: list[Job], report: Progress, workers: int,
     import multiprocessing
     import queue as queues
 
-    # fork: the workers start at once, with torch imported and the kernels compiled
-    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    # fork: the workers start at once, with torch imported and the kernels compiled. Only for
+    # one thread per worker: a forked child that runs OpenMP on more threads than one waits
+    # forever for the team its parent had (GNU libgomp); spawn starts afresh.
+    fork = cfg.threads == 1 and "fork" in multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if fork else "spawn")
     messages = ctx.Queue()
     with ctx.Pool(workers, _worker_start, (cfg, messages)) as pool:  # leaving it terminates the workers
         pending = [pool.apply_async(_worker_train, (job,)) for job in jobs]
