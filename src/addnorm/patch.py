@@ -57,34 +57,43 @@ HF_NORMS: dict[str, str] = {
     },
 }
 
-# Pre-norm blocks whose residual add can move into the second norm: class path ->
-# (name of the second norm, forward parameters of the transformers 5 layout we mirror).
-FUSABLE_BLOCKS: dict[str, tuple[str, tuple[str, ...]]] = {
+# Pre-norm blocks whose residual add can move into the second norm: class path -> (name of the
+# second norm, the forward parameters of a layout the fused forward mirrors). transformers 5.24
+# renamed the cache argument ``past_key_values`` to ``cache``: either name is accepted, as the
+# fused forwards pass every argument on by the name the original forward gives it.
+_CACHE_NAMES = ("past_key_values", "cache")
+FUSABLE_BLOCKS: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {
     "transformers.models.gpt2.modeling_gpt2.GPT2Block": (
         "ln_2",
-        (
-            "self",
-            "hidden_states",
-            "past_key_values",
-            "attention_mask",
-            "encoder_hidden_states",
-            "encoder_attention_mask",
-            "use_cache",
-            "kwargs",
+        tuple(
+            (
+                "self",
+                "hidden_states",
+                cache,
+                "attention_mask",
+                "encoder_hidden_states",
+                "encoder_attention_mask",
+                "use_cache",
+                "kwargs",
+            )
+            for cache in _CACHE_NAMES
         ),
     ),
     **{
         f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer": (
             "post_attention_layernorm",
-            (
-                "self",
-                "hidden_states",
-                "attention_mask",
-                "position_ids",
-                "past_key_values",
-                "use_cache",
-                "position_embeddings",
-                "kwargs",
+            tuple(
+                (
+                    "self",
+                    "hidden_states",
+                    "attention_mask",
+                    "position_ids",
+                    cache,
+                    "use_cache",
+                    "position_embeddings",
+                    "kwargs",
+                )
+                for cache in _CACHE_NAMES
             ),
         )
         for m, c in [("llama", "Llama"), ("gemma", "Gemma")]
@@ -141,59 +150,33 @@ def _norm_forward(self, x: Tensor) -> Tensor:
     return add_norm_forward(self, x)
 
 
-def _gpt2_block_forward(
-    self,
-    hidden_states,
-    past_key_values=None,
-    attention_mask=None,
-    encoder_hidden_states=None,
-    encoder_attention_mask=None,
-    use_cache=False,
-    **kwargs,
-):
-    if encoder_hidden_states is not None:  # cross-attention sits between the adds: keep the original
-        return getattr(self, _ORIGINAL).forward(
-            self,
-            hidden_states,
-            past_key_values,
-            attention_mask,
-            encoder_hidden_states,
-            encoder_attention_mask,
-            use_cache,
-            **kwargs,
-        )
+def _block_arguments(self, hidden_states, args, kwargs) -> dict:
+    """The arguments of the original block forward after ``hidden_states``, by name, with its
+    defaults filled in and its ``**kwargs`` spread (the fused forwards pass them on as the
+    original does, whichever name its cache argument has)."""
+    bound = type(self)._addnorm_signature.bind(self, hidden_states, *args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    del named["self"], named["hidden_states"]
+    named.update(named.pop("kwargs", {}))
+    return named
+
+
+def _gpt2_block_forward(self, hidden_states, *args, **kwargs):
+    named = _block_arguments(self, hidden_states, args, kwargs)
+    if named.pop("encoder_hidden_states") is not None:  # cross-attention sits between the adds
+        return getattr(self, _ORIGINAL).forward(self, hidden_states, *args, **kwargs)
+    del named["encoder_attention_mask"]
     residual = hidden_states
-    attn_output, _ = self.attn(
-        self.ln_1(hidden_states),
-        past_key_values=past_key_values,
-        attention_mask=attention_mask,
-        use_cache=use_cache,
-        **kwargs,
-    )
+    attn_output, _ = self.attn(self.ln_1(hidden_states), **named)
     hidden_states, residual = add_norm_forward(self.ln_2, attn_output, residual)
     return residual + self.mlp(hidden_states)
 
 
-def _llama_layer_forward(
-    self,
-    hidden_states,
-    attention_mask=None,
-    position_ids=None,
-    past_key_values=None,
-    use_cache=False,
-    position_embeddings=None,
-    **kwargs,
-):
+def _llama_layer_forward(self, hidden_states, *args, **kwargs):
+    named = _block_arguments(self, hidden_states, args, kwargs)
     residual = hidden_states
-    hidden_states, _ = self.self_attn(
-        hidden_states=self.input_layernorm(hidden_states),
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=past_key_values,
-        use_cache=use_cache,
-        position_embeddings=position_embeddings,
-        **kwargs,
-    )
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **named)
     hidden_states, residual = add_norm_forward(self.post_attention_layernorm, hidden_states, residual)
     return residual + self.mlp(hidden_states)
 
@@ -207,7 +190,10 @@ def _subclass(cls: type, kind: str) -> type:
         if kind in STYLES:
             body = {"forward": _norm_forward, "addnorm_style": kind}
         else:
-            body = {"forward": _gpt2_block_forward if kind == "gpt2" else _llama_layer_forward}
+            body = {
+                "forward": _gpt2_block_forward if kind == "gpt2" else _llama_layer_forward,
+                "_addnorm_signature": inspect.signature(cls.forward),
+            }
         body |= {"__module__": __name__, "__reduce_ex__": _reduce_ex, "_addnorm_made_from": (cls, kind)}
         _SUBCLASSES[cls, kind] = type(f"Addnorm{cls.__name__}", (cls,), body)
     return _SUBCLASSES[cls, kind]
@@ -304,10 +290,10 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
 
 
 def _fuse_block(m: nn.Module) -> str | None:
-    norm_name, params = FUSABLE_BLOCKS[_path(type(m))]
+    norm_name, layouts = FUSABLE_BLOCKS[_path(type(m))]
     if norm_style(getattr(m, norm_name, None)) is None:
         return f"its {norm_name} was not patched"
-    if tuple(inspect.signature(type(m).forward).parameters) != params:
+    if tuple(inspect.signature(type(m).forward).parameters) not in layouts:
         return "its forward differs from the transformers 5 layout the fused forward mirrors"
     kind = "gpt2" if norm_name == "ln_2" else "llama_layer"
     original = type(m)
