@@ -188,6 +188,8 @@ def auto_name(x: Tensor) -> str:
 def resolve(name: str, x: Tensor) -> Backend:
     """The backend that runs ``backend=name`` on ``x``, or a RuntimeError saying why it cannot."""
     if name == "auto":
+        if x.is_cpu and "cpu" in _AUTO:  # (x.device costs more than the rest of this call)
+            return _LOADED[_AUTO["cpu"]]
         return _LOADED[auto_name(x)]
     reason = unavailable_reason(name, x)
     if reason is not None:

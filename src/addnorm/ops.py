@@ -78,6 +78,8 @@ def plan(
     not ``ds``, the layer scale's gradient reads ``x``, and the keep mask is recomputed from the
     seed, never saved.
     """
+    if residual is None:
+        return _NORM_ONLY
     if branch is not None:
         return Plan(prenorm, True)
     save_inputs = (
@@ -88,6 +90,9 @@ def plan(
         and residual_dtype in (None, x.dtype)
     )
     return Plan(residual is not None and not save_inputs, save_inputs)
+
+
+_NORM_ONLY = Plan(False, False)  # no residual: nothing to write but y, and x is saved
 
 
 # --------------------------------------------------------------------------- custom ops and autograd
@@ -113,8 +118,17 @@ def _train_forward(
     impl = backends.resolve(backend, x)
     branch = _branch(dropout_p, seed, layer_scale, rowscale)
     p = plan(impl, x, residual, residual_dtype, prenorm, branch)
-    kw = dict(eps=eps, rms=rms, residual_dtype=residual_dtype, write_stream=p.write_stream, branch=branch)
-    return p, impl.forward(x, residual, weight, bias, **kw)
+    return p, impl.forward(
+        x,
+        residual,
+        weight,
+        bias,
+        eps=eps,
+        rms=rms,
+        residual_dtype=residual_dtype,
+        write_stream=p.write_stream,
+        branch=branch,
+    )
 
 
 def _forward_impl(
@@ -147,13 +161,15 @@ def _forward_impl(
 def _branch(p: float, seed: Tensor | None, layer_scale: Tensor | None, rowscale: Tensor | None):
     """The :class:`~addnorm.backend.Branch` of these arguments, None when it changes nothing
     (``rowscale`` flat, one factor per row, as backends take it)."""
+    if rowscale is None and layer_scale is None and not p:  # the common case, first: no tuple made
+        return None
     rowscale = None if rowscale is None else rowscale.reshape(-1)
     return backends.active(backends.Branch(p, seed, layer_scale, rowscale))
 
 
 def _run_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend, *branch_args) -> backends.Grads:
     return backends.resolve(backend, s_parts[0]).backward(
-        dy, dstream, tuple(s_parts), weight, mean, rstd, rms=rms, has_bias=has_bias, branch=_branch(*branch_args)
+        dy, dstream, s_parts, weight, mean, rstd, rms=rms, has_bias=has_bias, branch=_branch(*branch_args)
     )
 
 
@@ -174,6 +190,7 @@ def _backward_impl(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     mean = None if mean is None else mean.reshape(-1)  # statistics flat, as backends take them
     branch_args = (dropout_p, seed, layer_scale, rowscale)
+    s_parts = tuple(s_parts)
     g = _run_backward(dy, dstream, s_parts, weight, mean, rstd.reshape(-1), rms, has_bias, backend, *branch_args)
     cd = rstd.dtype
     return (
@@ -291,6 +308,7 @@ def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
     """``(dx, dresidual, dweight, dbias, dlayer_scale)``: the one backward of both autograd
     wrappers, from the saved ``(weight, mean, rstd, seed, layer_scale, rowscale, *s_parts)``."""
     weight, mean, rstd, seed, layer_scale, rowscale, *s_parts = saved
+    s_parts = tuple(s_parts)
     branch_args = (meta.dropout_p, seed, layer_scale, rowscale)
     branch = _branch(*branch_args)
     if dy is None:  # only the stream output was used (zeros_like: a DTensor's zeros are one too)
@@ -301,9 +319,7 @@ def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
         g = reference.differentiable_backward(dy, dstream, tuple(s_parts), weight, meta.eps, meta.rms, has_bias, branch)
     else:
-        g = backends.Grads(
-            *backward_fn(dy, dstream, s_parts, weight, mean, rstd, meta.rms, has_bias, meta.backend, *branch_args)
-        )
+        g = backward_fn(dy, dstream, s_parts, weight, mean, rstd, meta.rms, has_bias, meta.backend, *branch_args)
     return (
         _to(g.ds if branch is None else g.dx, meta.x_dtype),
         None if meta.residual_dtype is None else _to(g.ds, meta.residual_dtype),
@@ -313,8 +329,12 @@ def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
     )
 
 
+def _op_backward_grads(*args) -> backends.Grads:
+    return backends.Grads(*_backward_op(*args))
+
+
 def _op_backward(ctx, dy, dstream, _dmean, _drstd):
-    dx, dresidual, dweight, dbias, dlayer_scale = _grads(dy, dstream, ctx.saved_tensors, ctx.meta, _backward_op)
+    dx, dresidual, dweight, dbias, dlayer_scale = _grads(dy, dstream, ctx.saved_tensors, ctx.meta, _op_backward_grads)
     return (dx, dresidual, dweight, dbias) + (None,) * 7 + (dlayer_scale, None)
 
 
@@ -325,11 +345,13 @@ class _EagerAddNorm(torch.autograd.Function):
     """Eager-mode twin of ``addnorm::forward``: the same implementation, plan and backward, no op
     dispatch, and less autograd bookkeeping: the outputs are ``y`` (and ``s`` for pre-norm) alone
     (the statistics are saved, not returned), the arguments that are no tensors travel as one
-    tuple. (The old-style ``forward(ctx, ...)`` on purpose: with a separate ``setup_context``,
-    ``Function.apply`` binds the arguments with ``inspect.signature`` on every call.)"""
+    tuple, and ``residual`` and ``layer_scale`` are passed only when given (each input costs the
+    autograd graph some bookkeeping). (The old-style ``forward(ctx, ...)`` on purpose: with a
+    separate ``setup_context``, ``Function.apply`` binds the arguments with ``inspect.signature``
+    on every call.)"""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, layer_scale, options):
+    def forward(ctx, x, weight, bias, options, residual=None, layer_scale=None):
         eps, rms, residual_dtype, backend, prenorm, p, seed, rowscale = options
         pl, (y, s, mean, rstd) = _train_forward(
             x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, p, seed, layer_scale, rowscale
@@ -345,7 +367,8 @@ class _EagerAddNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dstream=None):
-        return (*_grads(dy, dstream, ctx.saved_tensors, ctx.meta, _run_backward), None)
+        dx, dresidual, dweight, dbias, dlayer_scale = _grads(dy, dstream, ctx.saved_tensors, ctx.meta, _run_backward)
+        return dx, dweight, dbias, None, dresidual, dlayer_scale  # (trailing Nones beyond the inputs are dropped)
 
 
 # Function.apply's Python wrapper binds setup_context arguments and unwraps functorch tensors:
@@ -359,10 +382,11 @@ _eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _EagerAddN
 _FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
 # float8 and other exotic floats pass is_floating_point() but no backend computes in them.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 def _check_float_tensor(name: str, t: object) -> Tensor:
-    if type(t) in _PLAIN and t.dtype in SUPPORTED_DTYPES:
+    if type(t) in _PLAIN and t.dtype in _SUPPORTED:
         return t
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -432,12 +456,17 @@ def check_inputs(
     eps: object,
     residual_dtype: object,
 ) -> tuple[tuple[int, ...], float]:
-    """Validate the arguments of a public op; returns ``(normalized_shape, eps)``. (The common
-    case, an int shape and a float eps, is checked in few steps: a small norm takes ~10 µs.)"""
-    x = _check_float_tensor("x", x)
-    if type(normalized_shape) is int and 2 < normalized_shape:
-        shape: tuple[int, ...] = (normalized_shape,)
-        if x.dim() == 0 or x.shape[-1] != normalized_shape:
+    """Validate the arguments of a public op; returns ``(normalized_shape, eps)``. Each check
+    first tests the common case in a few attribute reads (a small norm's whole call costs a few
+    µs); only a failing test calls the function that finds and words the error."""
+    if not (type(x) in _PLAIN and x.dtype in _SUPPORTED):
+        x = _check_float_tensor("x", x)
+    n = normalized_shape
+    if type(n) is not int and type(n) in (tuple, torch.Size) and len(n) == 1 and type(n[0]) is int:
+        n = n[0]  # a module's (n,)
+    if type(n) is int and 2 < n:
+        shape: tuple[int, ...] = (n,)
+        if x.dim() == 0 or x.shape[-1] != n:
             raise ValueError(f"x of shape {tuple(x.shape)} must end with normalized_shape {shape}")
     else:
         shape = normalize_shape(normalized_shape)
@@ -451,13 +480,21 @@ def check_inputs(
                 UserWarning,
                 stacklevel=4,
             )
-    _check_param("weight", weight, shape, x)
-    _check_param("bias", bias, shape, x)
+    cpu = x.is_cpu
+    if weight is not None and not (
+        type(weight) in _PLAIN and weight.dtype in _SUPPORTED and weight.shape == shape and weight.is_cpu and cpu
+    ):
+        _check_param("weight", weight, shape, x)
+    if bias is not None and not (
+        type(bias) in _PLAIN and bias.dtype in _SUPPORTED and bias.shape == shape and bias.is_cpu and cpu
+    ):
+        _check_param("bias", bias, shape, x)
     if residual is not None:
-        residual = _check_float_tensor("residual", residual)
+        if not (type(residual) in _PLAIN and residual.dtype in _SUPPORTED):
+            residual = _check_float_tensor("residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-        if residual.device != x.device:
+        if not (residual.is_cpu and cpu) and residual.device != x.device:
             raise ValueError(f"residual is on {residual.device} but x is on {x.device}; expected the same device")
     if residual_dtype is not None:
         check_residual_dtype(residual_dtype)
@@ -538,7 +575,7 @@ def add_norm(
     if backend != "auto":
         check_backend(backend)
     branch = None
-    if sublayer != _NO_SUBLAYER:  # a field off its default (cheap: a tuple comparison)
+    if sublayer is not _NO_SUBLAYER and sublayer != _NO_SUBLAYER:  # a field off its default
         weight, branch = _sublayer(x, residual, shape, weight, sublayer)
     if (_is_exporting() or _tracing_state() is not None) and torch.onnx.is_in_onnx_export():
         branch = None if branch is None else _branch(*branch)  # rowscale flat
@@ -561,7 +598,7 @@ def add_norm(
         _check_out(x, residual, out, residual_out, reference.stream_dtype(x, residual, residual_dtype), needs_grad)
     if branch is not None:  # the stream dtype is the saved residual's (backend.Branch)
         residual = _to(residual, reference.stream_dtype(x, residual, residual_dtype))
-    args = (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, *(branch or _NO_BRANCH))
+    p, seed, layer_scale, rowscale = branch or _NO_BRANCH
     if (
         type(x) not in _PLAIN
         or (residual is not None and type(residual) not in _PLAIN)
@@ -573,13 +610,22 @@ def add_norm(
         or _functorch_level() is not None
         or forward_ad._current_level >= 0
     ):
+        args = (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, p, seed, layer_scale, rowscale)
         y, s = _traced_or_transformed(args, buffers, out, residual_out)
-    elif needs_grad:
-        p, seed, layer_scale, rowscale = branch or _NO_BRANCH  # layer_scale may take a gradient
-        out = _eager_apply(x, residual, weight, bias, layer_scale, (*args[4:9], p, seed, rowscale))
+    elif needs_grad:  # layer_scale may take a gradient
+        options = (eps, rms, residual_dtype, backend, prenorm, p, seed, rowscale)
+        if layer_scale is not None:
+            out = _eager_apply(x, weight, bias, options, residual, layer_scale)
+        elif residual is not None:
+            out = _eager_apply(x, weight, bias, options, residual)
+        else:
+            out = _eager_apply(x, weight, bias, options)
         y, s = out if type(out) is tuple else (out, None)
     else:
-        y, s = _infer(args, out, residual_out)
+        branch = None if branch is None else _branch(*branch)  # rowscale flat
+        y, s = _infer(x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, branch, out, residual_out)
+    if len(shape) == 1 and not prenorm and not sublayer.return_dropout_mask:
+        return y  # the common case, without the tuple below
     result = (y, s) if prenorm else (y,)
     if sublayer.return_dropout_mask:
         result += (_dropout_mask(x, branch),)
@@ -640,10 +686,10 @@ def _dropout_mask(x: Tensor, branch: backends.Branch | None) -> Tensor:
     return reference.keep_mask(branch.seed, rows, x.shape[-1], branch.p).view(x.shape)
 
 
-def _infer(args, out, residual_out) -> tuple[Tensor, Tensor | None]:
+def _infer(x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, branch, out, residual_out):
     """Inference: the backend's forward alone, no autograd, nothing saved, the stream only when
-    it is returned, into ``out``/``residual_out`` when given."""
-    x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, *branch_args = args
+    it is returned, into ``out``/``residual_out`` when given. (``branch`` as the backends take it:
+    None when inactive, ``rowscale`` flat.)"""
     y, s, _, _ = backends.resolve(backend, x).forward(
         x,
         residual,
@@ -656,7 +702,7 @@ def _infer(args, out, residual_out) -> tuple[Tensor, Tensor | None]:
         write_stats=False,
         out=out,
         residual_out=residual_out,
-        branch=_branch(*branch_args),
+        branch=branch,
     )
     return y, s
 
@@ -685,7 +731,7 @@ def _traced_or_transformed(args, buffers: bool, out, residual_out) -> tuple[Tens
     if _dtensor_rules():
         _check_dtensors(x, residual, weight, bias, buffers, dropout_p=branch_args[0])
     if buffers:  # written eagerly, outside any graph (no autograd: _check_out)
-        return _infer(args, out, residual_out)
+        return _infer(*args[:9], _branch(*branch_args), out, residual_out)
     y, s, _, _ = _forward_op(*args)
     return y, s
 

@@ -50,6 +50,7 @@ import math
 import mmap
 import os
 import struct
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -480,7 +481,7 @@ def _forward_rows(
         rs = one / np.sqrt(var + eps * k * k)  # rstd / k
         yi = y[i]
         for j in range(n):
-            _put(yi, j, ((row[j] - mu) - c) * rs * w[j] + b[j])
+            _put(yi, j, ((row[j] - mu) - c) * rs * _load(w, j) + _load(b, j))
         if write_stats:
             if not rms:
                 mean[i] = (mu + c) / k
@@ -540,7 +541,7 @@ def _backward_sums(si, ri, dyi, w, k, mu, rs_k):
     sum_d = sum_g = sum_gx = mu - mu
     for j in range(w.shape[0]):
         d = _stream_at(si, ri, j) * k - mu
-        gj = _round(w, _load(dyi, j)) * w[j]
+        gj = _load(dyi, j) * _load(w, j)
         sum_d += d
         sum_g += gj
         sum_gx += gj * (d * rs_k)
@@ -589,18 +590,18 @@ def _backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, d
         if has_dstream:
             dsti = dstream[i]
             for j in range(w.shape[0]):
-                dj = _round(w, _load(dyi, j))
+                dj = _load(dyi, j)
                 xh = ((_stream_at(si, ri, j) * k - mu) - c) * rs_k
                 dw[j] += dj * xh
                 db[j] += dj
-                _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs + _load(dsti, j))
+                _put(dsi, j, (dj * _load(w, j) - xh * mgx - mg) * rs + _load(dsti, j))
         else:
             for j in range(w.shape[0]):
-                dj = _round(w, _load(dyi, j))
+                dj = _load(dyi, j)
                 xh = ((_stream_at(si, ri, j) * k - mu) - c) * rs_k
                 dw[j] += dj * xh
                 db[j] += dj
-                _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs)
+                _put(dsi, j, (dj * _load(w, j) - xh * mgx - mg) * rs)
 
 
 @numba.njit
@@ -622,18 +623,18 @@ def _backward_rows_branch(
         if has_dstream:
             dsti = dstream[i]
             for j in range(w.shape[0]):
-                dj = _round(w, _load(dyi, j))
+                dj = _load(dyi, j)
                 xh = ((sbuf[j] * k - mu) - c) * rs_k
                 dw[j] += dj * xh
                 db[j] += dj
-                _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs + _load(dsti, j))
+                _put(dsi, j, (dj * _load(w, j) - xh * mgx - mg) * rs + _load(dsti, j))
         else:
             for j in range(w.shape[0]):
-                dj = _round(w, _load(dyi, j))
+                dj = _load(dyi, j)
                 xh = ((sbuf[j] * k - mu) - c) * rs_k
                 dw[j] += dj * xh
                 db[j] += dj
-                _put(dsi, j, (dj * w[j] - xh * mgx - mg) * rs)
+                _put(dsi, j, (dj * _load(w, j) - xh * mgx - mg) * rs)
         for j in range(w.shape[0]):
             _put(dxi, j, _load(dsi, j) * factor[j] * rsc)
         if layer_scaled:  # (a row of ones stands in for a missing layer scale: no gradient to take)
@@ -670,10 +671,10 @@ def _forward_kernel(
     x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, sched, block_rows, direct, br
 ):
     m, n = x.shape
-    buf = np.empty(n, w.dtype)
-    kbuf = np.empty(1, w.dtype)
+    buf = np.empty(n, rstd.dtype)
+    kbuf = np.empty(1, rstd.dtype)
     bk = _branch_keys(br, n)
-    gates = np.empty((2, n if br is not None else 0), w.dtype)
+    gates = np.empty((2, n if br is not None else 0), rstd.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
         _forward_rows(
@@ -710,13 +711,16 @@ def _backward_kernel(
     """``dw``/``db`` (and ``dls``): one partial row per block (not per thread), so that the sums
     do not depend on which thread ran which block."""
     m, n = s.shape
-    sbuf = np.empty(n, w.dtype)
-    kbuf = np.empty(1, w.dtype)
+    sbuf = np.empty(n, rstd.dtype)
+    kbuf = np.empty(1, rstd.dtype)
     bk = _branch_keys(br, n)
-    gates = np.empty((2, n if br is not None else 0), w.dtype)
+    gates = np.empty((2, n if br is not None else 0), rstd.dtype)
     blk, lo, hi = _claim_rows(sched, block_rows, m)
     while blk >= 0:
+        dw[blk][:] = 0  # (scratch from torch.empty: zeros would cost a call each)
+        db[blk][:] = 0
         if br is not None:  # an argument: the other branch is pruned when compiling
+            dls[blk][:] = 0
             _backward_rows_branch(
                 dy[lo:hi],
                 dstream[lo:hi],
@@ -771,6 +775,22 @@ def _backward_kernel(
 # tens of µs per call.
 _SLOTS = 25
 _SCHED = _SLOTS - 2  # [next block to claim, blocks done]
+_NO_BRANCH_SLOTS = (0,) * 6  # see _branch_slots
+_FORWARD_PAD = (0,) * (_SLOTS - 13 - len(_NO_BRANCH_SLOTS))  # zeros up to and with the counters
+_BACKWARD_PAD = (0,) * (_SLOTS - 17 - len(_NO_BRANCH_SLOTS))
+_pack_slots = struct.Struct(f"{_SLOTS}q").pack_into  # (block, 0, *slots): fewer µs than a new array
+_THREAD = threading.local()  # .block: this thread's argument block, reused by each of its calls
+
+
+def _block() -> ctypes.Array:
+    """This thread's argument block: a call holds it until its kernel returns, so that calls on
+    other threads need blocks of their own (see _launch for the thread pool's case)."""
+    block = getattr(_THREAD, "block", None)
+    if block is None:
+        block = _THREAD.block = (ctypes.c_int64 * _SLOTS)()
+    return block
+
+
 _NUMPY_DTYPES = {
     torch.float32: np.float32,
     torch.float64: np.float64,
@@ -826,11 +846,12 @@ def _branch_slots_impl(a, f, at, m, n, cd, branched):
     return slots
 
 
-def _forward_entry(sd, yd, branched):
+def _forward_entry(sd, yd, pd, branched):
     """Slots: x, residual, weight, bias, y, s, mean, rstd, rows, cols, block_rows, flags (has_residual
     | write_s << 1 | rms << 2 | write_stats << 3), eps (float64 bits), then the branch's (see
-    _branch_slots); ``sd``: the dtype of x, residual and s, ``yd`` that of y (numpy dtypes; 16-bit
-    floats as uint16/int16); ``branched``: True, or None without a branch."""
+    _branch_slots); ``sd``: the dtype of x, residual and s, ``yd`` that of y, ``pd`` that of weight
+    and bias (numpy dtypes; 16-bit floats as uint16/int16); ``branched``: True, or None without a
+    branch."""
     cd = np.float64 if sd == np.float64 else np.float32
     direct = True if sd == cd else None  # see _forward_rows
 
@@ -842,8 +863,8 @@ def _forward_entry(sd, yd, branched):
         _forward_kernel(
             carray(_ptr(a[0]), (m, n), sd),
             carray(_ptr(a[1]), (m, n), sd),
-            carray(_ptr(a[2]), n, cd),
-            carray(_ptr(a[3]), n, cd),
+            carray(_ptr(a[2]), n, pd),
+            carray(_ptr(a[3]), n, pd),
             cd(f[12]),
             cd(n),
             flags & 1 != 0,
@@ -863,12 +884,12 @@ def _forward_entry(sd, yd, branched):
     return _compile_entry(entry)
 
 
-def _backward_entry(sd, gd, td, summed, branched):
+def _backward_entry(sd, gd, td, pd, summed, branched):
     """Slots: dy, dstream, s (or x), weight, mean, rstd, ds, dweight blocks, dbias blocks, rows,
     cols, block_rows, flags (has_dstream | rms << 1), blocks, residual, dx, dlayer_scale blocks,
     then the branch's (see _branch_slots); ``sd``: the dtype of s and ds, ``gd`` of dy, ``td`` of
-    dstream; ``summed``: the stream is recomputed as x + residual; ``branched``: True (the stream
-    recomputed through the branch), or None."""
+    dstream, ``pd`` of weight; ``summed``: the stream is recomputed as x + residual; ``branched``:
+    True (the stream recomputed through the branch), or None."""
     cd = np.float64 if sd == np.float64 else np.float32
 
     def entry(block):
@@ -883,7 +904,7 @@ def _backward_entry(sd, gd, td, summed, branched):
             carray(_ptr(a[1]), (m, n), td),
             carray(_ptr(a[2]), (m, n), sd),
             r,
-            carray(_ptr(a[3]), n, cd),
+            carray(_ptr(a[3]), n, pd),
             carray(_ptr(a[4]), m, cd),
             carray(_ptr(a[5]), m, cd),
             cd(n),
@@ -902,30 +923,32 @@ def _backward_entry(sd, gd, td, summed, branched):
     return _compile_entry(entry)
 
 
-# compiled entries, made on first use: (stream dtype, y dtype, branched) and (s, dy, dstream
-# dtypes, summed, branched)
+# compiled entries, made on first use: (stream, y, parameter dtypes, branched) and (s, dy,
+# dstream, weight dtypes, summed, branched)
 _FORWARD_ENTRIES: dict[tuple, object] = {}
 _BACKWARD_ENTRIES: dict[tuple, object] = {}
 
 
-def _forward_entry_for(sd: torch.dtype, yd: torch.dtype, branched: bool = False):
-    key = (sd, yd, branched)
+def _forward_entry_for(sd: torch.dtype, yd: torch.dtype, pd: torch.dtype, branched: bool = False):
+    key = (sd, yd, pd, branched)
     entry = _FORWARD_ENTRIES.get(key)
     if entry is None:
-        entry = _FORWARD_ENTRIES[key] = _forward_entry(_NUMPY_DTYPES[sd], _NUMPY_DTYPES[yd], True if branched else None)
+        dtypes = (_NUMPY_DTYPES[d] for d in (sd, yd, pd))
+        entry = _FORWARD_ENTRIES[key] = _forward_entry(*dtypes, True if branched else None)
     return entry
 
 
-def _backward_entry_for(sd: torch.dtype, gd: torch.dtype, td: torch.dtype, summed: bool, branched: bool = False):
-    key = (sd, gd, td, summed, branched)
+def _backward_entry_for(
+    sd: torch.dtype, gd: torch.dtype, td: torch.dtype, pd: torch.dtype, summed: bool, branched: bool = False
+):
+    key = (sd, gd, td, pd, summed, branched)
     entry = _BACKWARD_ENTRIES.get(key)
     if entry is None:
-        dtypes = (_NUMPY_DTYPES[d] for d in (sd, gd, td))
+        dtypes = (_NUMPY_DTYPES[d] for d in (sd, gd, td, pd))
         entry = _BACKWARD_ENTRIES[key] = _backward_entry(*dtypes, summed, True if branched else None)
     return entry
 
 
-_BLOCK = ctypes.c_int64 * _SLOTS
 _EPS_BITS: dict[float, int] = {}  # eps -> its float64 bits, for the argument block
 
 
@@ -942,7 +965,9 @@ def _eps_bits(eps: float) -> int:
 def _plan(rows: int, cols: int, max_blocks: int | None = None) -> tuple[int, int]:
     """``(threads, block_rows)`` for one call: torch's thread count (one for small inputs), and
     BLOCKS_PER_THREAD blocks per thread, at most ``max_blocks`` (but one per thread)."""
-    threads = 1 if rows * cols < PARALLEL_MIN_ELEMENTS else max(1, min(rows, torch.get_num_threads()))
+    if rows * cols < PARALLEL_MIN_ELEMENTS:
+        return 1, rows  # one block on this thread (forward tests this itself: a call less)
+    threads = max(1, min(rows, torch.get_num_threads()))
     blocks = BLOCKS_PER_THREAD * threads if threads > 1 else 1
     if max_blocks is not None:
         blocks = min(blocks, max(threads, max_blocks))
@@ -970,22 +995,27 @@ _GOMP_PID = os.getpid()  # a forked child has no OpenMP team (its threads stayed
 
 
 def _launch(entry, threads: int, block: ctypes.Array) -> None:
-    """Run the C ``entry`` on ``block`` on ``threads`` threads: each claims blocks of rows until
-    none is left, and the call returns once all are done, so a thread that starts late only
-    takes fewer blocks. The threads are torch's own OpenMP team when torch runs on libgomp,
-    else this thread and a small pool. (A ctypes call releases the GIL.)"""
+    """Run the C ``entry`` on the argument ``block`` (see _SLOTS) on ``threads`` threads: each
+    claims blocks of rows until none is left, and the call returns once all are done, so a thread
+    that starts late only takes fewer blocks. The threads are torch's own OpenMP team when torch
+    runs on libgomp (GOMP_parallel returns once every thread has left the entry), else this
+    thread and a small pool. (A ctypes call releases the GIL.)"""
     global _POOL
     if threads == 1:
-        entry.ctypes(block)
+        entry.ctypes(ctypes.addressof(block))
     elif _GOMP is not None and _GOMP_PID == os.getpid():
         _GOMP(entry.address, ctypes.addressof(block), threads, 0)
     else:
         # a new pool when more threads are asked for, or in a forked child (its threads stayed behind)
         if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < threads - 1:
             _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="addnorm-cpu"))
-        for _ in range(threads - 1):  # each task holds the block until it has run (it only claims then)
-            _POOL[1].submit(entry.ctypes, block)
-        entry.ctypes(block)
+        # a copy of the block for this call alone: a pool thread may start after the call has
+        # returned (it then finds no rows left), while this thread's block holds its next call
+        own = type(block).from_buffer_copy(block)
+        run = lambda: entry.ctypes(ctypes.addressof(own))  # noqa: E731 (holds the copy until it has run)
+        for _ in range(threads - 1):
+            _POOL[1].submit(run)
+        run()
 
 
 def _transparent_huge_pages():
@@ -1012,8 +1042,9 @@ _MADVISE = _transparent_huge_pages() if hasattr(mmap, "MADV_HUGEPAGE") else None
 
 
 def _empty(like: Tensor, dtype: torch.dtype) -> Tensor:
-    """A contiguous ``torch.empty_like``; a large one asks for huge pages over the pages it spans."""
-    t = torch.empty_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+    """``torch.empty_like`` of a contiguous ``like`` (so contiguous too); a large one asks for huge
+    pages over the pages it spans."""
+    t = torch.empty_like(like) if dtype is like.dtype else torch.empty_like(like, dtype=dtype)
     if _MADVISE is not None and t.nbytes >= HUGE_PAGES_MIN_BYTES:
         start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (t.data_ptr() + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
@@ -1027,13 +1058,23 @@ def _constant(n: int, dtype: torch.dtype, value: float) -> Tensor:
     return torch.full((n,), value, dtype=dtype)
 
 
-def _param(p: Tensor | None, n: int, cd: torch.dtype, fill: float) -> Tensor:
-    """``p`` as ``n`` contiguous values of the statistics dtype (``fill`` when None)."""
+def _param(p: Tensor | None, n: int, dtype: torch.dtype, fill: float) -> Tensor:
+    """``p`` as ``n`` contiguous values of ``dtype`` (``fill`` when None)."""
     if p is None:
-        return _constant(n, cd, fill)
-    if p.dtype is cd and p.is_contiguous():
+        return _constant(n, dtype, fill)
+    if p.dtype is dtype and p.is_contiguous():
         return p
-    return p.detach().to(cd, memory_format=torch.contiguous_format)
+    return p.detach().to(dtype, memory_format=torch.contiguous_format)
+
+
+def _param_dtype(sd: torch.dtype, cd: torch.dtype, *params: Tensor | None) -> torch.dtype:
+    """The dtype the kernels read the weight (and bias) in: the stream dtype ``sd`` when every
+    one given has it (a 16-bit float widens exactly: the same results as in ``cd``, without a
+    conversion on every call), else the statistics dtype ``cd``."""
+    for p in params:
+        if p is not None and p.dtype is not sd:
+            return cd
+    return sd
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -1071,16 +1112,19 @@ def forward(
     """:func:`addnorm.reference.forward` in one pass over the rows; ``y`` and ``s`` are written
     straight into ``out``/``residual_out`` when given."""
     n = x.shape[-1]
-    sd = x.dtype if residual is None else reference.stream_dtype(x, residual, residual_dtype)
+    y_dtype = sd = x.dtype
+    if residual is not None:
+        sd = reference.stream_dtype(x, residual, residual_dtype)
+        if x.dtype is not sd or residual.dtype is not sd:
+            # mixed dtypes (e.g. bf16 x, fp32 stream): cast first, as the reference does, so that one
+            # compiled kernel per dtype serves; y then goes through the statistics dtype
+            x, residual = x.to(sd), residual.to(sd)
+        residual = _rows(residual)
     cd = torch.float64 if sd is torch.float64 else torch.float32
-    y_dtype = x.dtype
-    if residual is not None and (x.dtype is not sd or residual.dtype is not sd):
-        # mixed dtypes (e.g. bf16 x, fp32 stream): cast first, as the reference does, so that one
-        # compiled kernel per dtype serves; y then goes through the statistics dtype
-        x, residual = x.to(sd), residual.to(sd)
-    x = _rows(x)
+    if not x.is_contiguous():
+        x = x.contiguous()
     m = x.numel() // n if n else 0
-    direct = x.dtype is y_dtype  # else y is computed in the statistics dtype, then cast once
+    direct = sd is y_dtype  # else y is computed in the statistics dtype, then cast once
     y = out if out is not None and direct else _empty(x, y_dtype if direct else cd)
     write_s = residual is not None and (write_stream or residual_out is not None)
     s = None
@@ -1091,14 +1135,16 @@ def forward(
         mean = None if rms else torch.empty(m, dtype=cd)
         rstd = torch.empty(m, dtype=cd)
     if m:
-        r = _rows(residual) if residual is not None else x
-        threads, block_rows = _plan(m, n)
-        flags = (residual is not None) | write_s << 1 | rms << 2 | write_stats << 3
-        w, b = _param(weight, n, cd, 1.0), _param(bias, n, cd, 0.0)  # held: the kernel reads them
-        branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else ((), ())
-        block = _BLOCK(
+        threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else _plan(m, n)  # (see _plan)
+        pd = cd if sd is cd else _param_dtype(sd, cd, weight, bias)
+        w, b = _param(weight, n, pd, 1.0), _param(bias, n, pd, 0.0)  # held: the kernel reads them
+        branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else (_NO_BRANCH_SLOTS, ())
+        block = _block()
+        _pack_slots(
+            block,
+            0,
             x.data_ptr(),
-            r.data_ptr(),
+            x.data_ptr() if residual is None else residual.data_ptr(),
             w.data_ptr(),
             b.data_ptr(),
             y.data_ptr(),
@@ -1108,11 +1154,12 @@ def forward(
             m,
             n,
             block_rows,
-            flags,
-            _eps_bits(eps),
+            (residual is not None) | write_s << 1 | rms << 2 | write_stats << 3,
+            _EPS_BITS.get(eps) or _eps_bits(eps),
             *branch_slots,
+            *_FORWARD_PAD,
         )
-        _launch(_forward_entry_for(sd, y.dtype, branch is not None), threads, block)
+        _launch(_forward_entry_for(sd, y.dtype, pd, branch is not None), threads, block)
         del held
     if y.dtype is not y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
@@ -1123,29 +1170,42 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
     """:func:`addnorm.reference.backward` in two passes over each row; from ``s_parts = (x,
     residual)`` the stream is recomputed as it is read (through the branch, when given)."""
     check_s_parts(s_parts, branch)
-    n = s_parts[0].shape[-1]
-    residual = _rows(s_parts[1]) if len(s_parts) == 2 else None
+    s, residual = s_parts if len(s_parts) == 2 else (s_parts[0], None)
     sd = s_parts[-1].dtype  # the stream dtype (with a branch, residual's)
-    s = _rows(s_parts[0] if s_parts[0].dtype is sd else s_parts[0].to(sd))
-    m = s.numel() // n if n else 0
     cd = rstd.dtype
+    if s.dtype is not sd:
+        s = s.to(sd)
     # a gradient of another dtype than s is cast to the statistics dtype first (as the reference)
-    dy = _rows(dy if dy.dtype is s.dtype else dy.to(cd))
-    if dstream is not None:
-        dstream = _rows(dstream if dstream.dtype is s.dtype else dstream.to(cd))
-    ds = _empty(s, s.dtype)
-    dx = _empty(s, s.dtype) if branch is not None else None
+    if dy.dtype is not sd:
+        dy = dy.to(cd)
+    if dstream is not None and dstream.dtype is not sd:
+        dstream = dstream.to(cd)
+    s, dy = _rows(s), _rows(dy)
+    if residual is not None:
+        residual = _rows(residual)
+    n = s.shape[-1]
+    m = s.numel() // n if n else 0
+    ds = _empty(s, sd)
+    dx = _empty(s, sd) if branch is not None else None
     # one fp32 partial row of dweight and of dbias per block: at most 1/16 of ds's rows, so that
     # the scratch stays small beside the (m, n) tensors for few, wide rows
-    threads, block_rows = _plan(m, n, max_blocks=m // 16)
+    threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else _plan(m, n, max_blocks=m // 16)
     blocks = -(-m // block_rows) if m else 1
-    # separate tensors: the custom op's outputs may not alias; one block's partial row is the sum itself
-    partials = [torch.zeros((blocks, n) if blocks > 1 else n, dtype=cd) for _ in range(2 if branch is None else 3)]
+    # separate tensors: the custom op's outputs may not alias; one block's partial row is the sum
+    # itself. The kernel zeroes each block's row before it sums into it: zeros only when it does
+    # not run.
+    alloc, shape = torch.empty if m else torch.zeros, (blocks, n) if blocks > 1 else n
+    dw, db = alloc(shape, dtype=cd), alloc(shape, dtype=cd)
+    dls = alloc(shape, dtype=cd) if branch is not None else None
     if m:
-        dst = dstream if dstream is not None else s
-        w = _param(weight, n, cd, 1.0)  # held: the kernel reads it
-        branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else ((0,) * 6, ())
-        block = _BLOCK(
+        dst = s if dstream is None else _rows(dstream)
+        pd = cd if sd is cd else _param_dtype(sd, cd, weight)
+        w = _param(weight, n, pd, 1.0)  # held: the kernel reads it
+        branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else (_NO_BRANCH_SLOTS, ())
+        block = _block()
+        _pack_slots(
+            block,
+            0,
             dy.data_ptr(),
             dst.data_ptr(),
             s.data_ptr(),
@@ -1153,8 +1213,8 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             (rstd if rms else mean).data_ptr(),
             rstd.data_ptr(),
             ds.data_ptr(),
-            partials[0].data_ptr(),
-            partials[1].data_ptr(),
+            dw.data_ptr(),
+            db.data_ptr(),
             m,
             n,
             block_rows,
@@ -1162,14 +1222,16 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             blocks,
             0 if residual is None else residual.data_ptr(),
             0 if dx is None else dx.data_ptr(),
-            0 if branch is None else partials[2].data_ptr(),
+            0 if dls is None else dls.data_ptr(),
             *branch_slots,
+            *_BACKWARD_PAD,
         )
-        entry = _backward_entry_for(s.dtype, dy.dtype, dst.dtype, residual is not None, branch is not None)
+        entry = _backward_entry_for(sd, dy.dtype, dst.dtype, pd, residual is not None, branch is not None)
         _launch(entry, threads, block)
         del held
-    # the per-block partial rows summed by torch (no atomics, a fixed order for a given shape):
-    # bit-identical from run to run for a given thread count
-    sums = [p if blocks == 1 else p.sum(0) for p in partials]
-    dlayer_scale = sums[2] if branch is not None and branch.layer_scale is not None else None
-    return Grads(ds, sums[0] if weight is not None else None, sums[1] if has_bias else None, dx, dlayer_scale)
+    if blocks > 1:  # the per-block partial rows summed by torch (no atomics, a fixed order for a
+        # given shape): bit-identical from run to run for a given thread count
+        dw, db, dls = dw.sum(0), db.sum(0), None if dls is None else dls.sum(0)
+    if branch is None or branch.layer_scale is None:
+        dls = None
+    return Grads(ds, dw if weight is not None else None, db if has_bias else None, dx, dls)
