@@ -135,6 +135,27 @@ def test_backward_from_x_and_residual_is_backward_from_the_stream(backend, dtype
         )
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [37, 300])  # one block; several blocks (and threads) on the CPU
+def test_backward_returns_weight_grads_in_param_dtype(backend, param_dtype, rows):
+    """``param_dtype``: dweight and dbias come back in the parameters' dtype, rounded once from
+    the sums in the statistics dtype: bit for bit the conversion of what comes back without it."""
+    impl = backends.resolve(backend, torch.empty(1, 4))
+    x, r, w, b = make(rows, 512, torch.bfloat16)
+    w, b = w.to(param_dtype), b.to(param_dtype)
+    _, s, mean, rstd = impl.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
+    dy = make(rows, 512, torch.bfloat16, seed=1)[0]
+    plain = impl.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True)
+    rounded = impl.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True, param_dtype=param_dtype)
+    assert plain.dweight.dtype == plain.dbias.dtype == torch.float32
+    assert rounded.dweight.dtype == rounded.dbias.dtype == param_dtype
+    assert torch.equal(rounded.dweight, plain.dweight.to(param_dtype))
+    assert torch.equal(rounded.dbias, plain.dbias.to(param_dtype))
+    assert torch.equal(rounded.ds, plain.ds)
+    no_bias = impl.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=False, param_dtype=param_dtype)
+    assert no_bias.dbias is None and torch.equal(no_bias.dweight, rounded.dweight)
+
+
 @pytest.mark.parametrize("rms", [False, True])
 def test_prenorm_returns_normed_and_stream(backend, rms):
     x, r, w, b = make(6, 16, torch.float32, bias=not rms)

@@ -52,9 +52,11 @@ class Branch(NamedTuple):
 
 class Grads(NamedTuple):
     """What a backend's ``backward`` returns. ``ds``: the gradient of ``s`` (so of ``residual``),
-    in the stream dtype; ``dweight``/``dbias``: in the statistics dtype, ``None`` where there is no
-    such parameter; with a :class:`Branch`, ``dx`` (in the stream dtype) and ``dlayer_scale`` (in
-    the statistics dtype, ``None`` without a layer scale), else both ``None`` (``dx`` is ``ds``)."""
+    in the stream dtype; ``dweight``/``dbias``: summed in the statistics dtype and returned in
+    ``backward``'s ``param_dtype`` (rounded once), or in the statistics dtype when that is None;
+    ``None`` where there is no such parameter; with a :class:`Branch`, ``dx`` (in the stream dtype)
+    and ``dlayer_scale`` (in the statistics dtype, ``None`` without a layer scale), else both
+    ``None`` (``dx`` is ``ds``)."""
 
     ds: Tensor
     dweight: Tensor | None
@@ -107,11 +109,14 @@ class Backend(Protocol):
         rms: bool,
         has_bias: bool,
         branch: Branch | None = None,
+        param_dtype: torch.dtype | None = None,
     ) -> Grads:
         """:class:`Grads`. ``s_parts`` holds the norm's input ``s`` as it was saved: ``(s,)``, or
         ``(x, residual)`` (both in the stream dtype, see :func:`check_s_parts`), from which the
         forward's ``s`` is recomputed bit for bit (through ``branch``, which needs them). ``dstream``
-        is the gradient of the returned stream (pre-norm) or ``None``."""
+        is the gradient of the returned stream (pre-norm) or ``None``. ``param_dtype``: the dtype
+        of the weight and bias (given when they share it), which ``dweight``/``dbias`` are
+        returned in: a kernel that rounds its sums to it spares the caller a conversion per call."""
 
 
 @dataclass(frozen=True)

@@ -167,9 +167,13 @@ def _branch(p: float, seed: Tensor | None, layer_scale: Tensor | None, rowscale:
     return backends.active(backends.Branch(p, seed, layer_scale, rowscale))
 
 
-def _run_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend, *branch_args) -> backends.Grads:
-    return backends.resolve(backend, s_parts[0]).backward(
-        dy, dstream, s_parts, weight, mean, rstd, rms=rms, has_bias=has_bias, branch=_branch(*branch_args)
+def _run_backward(
+    dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend, p, seed, layer_scale, rowscale, param_dtype
+) -> backends.Grads:
+    impl = backends.resolve(backend, s_parts[0])
+    branch = _branch(p, seed, layer_scale, rowscale)
+    return impl.backward(
+        dy, dstream, s_parts, weight, mean, rstd, rms=rms, has_bias=has_bias, branch=branch, param_dtype=param_dtype
     )
 
 
@@ -187,11 +191,13 @@ def _backward_impl(
     seed: Tensor | None = None,
     layer_scale: Tensor | None = None,
     rowscale: Tensor | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     mean = None if mean is None else mean.reshape(-1)  # statistics flat, as backends take them
     branch_args = (dropout_p, seed, layer_scale, rowscale)
     s_parts = tuple(s_parts)
-    g = _run_backward(dy, dstream, s_parts, weight, mean, rstd.reshape(-1), rms, has_bias, backend, *branch_args)
+    rstd = rstd.reshape(-1)
+    g = _run_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend, *branch_args, param_dtype)
     cd = rstd.dtype
     return (
         g.ds.contiguous(),
@@ -246,14 +252,16 @@ def _backward_fake(
     seed=None,
     layer_scale=None,
     rowscale=None,
+    param_dtype=None,
 ):
     s = s_parts[-1]  # ds and dx have the stream dtype: the residual's with a branch
     n, cd = s.shape[-1], rstd.dtype
     branch = _branch(dropout_p, seed, layer_scale, rowscale)
-    vector = lambda present: s.new_empty((n,), dtype=cd) if present else _empty(s, cd)  # noqa: E731
+    vector = lambda present, dt=cd: s.new_empty((n,), dtype=dt) if present else _empty(s, cd)  # noqa: E731
     dx = s.new_empty(s.shape) if branch is not None else s.new_empty((*_rows(s), 0))
     layer_scaled = branch is not None and branch.layer_scale is not None
-    return s.new_empty(s.shape), vector(weight is not None), vector(has_bias), dx, vector(layer_scaled)
+    pd = param_dtype or cd
+    return s.new_empty(s.shape), vector(weight is not None, pd), vector(has_bias, pd), dx, vector(layer_scaled)
 
 
 def _saved(x: Tensor, residual: Tensor | None, s: Tensor | None, p: Plan) -> tuple[Tensor, ...]:
@@ -307,24 +315,44 @@ def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
 def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
     """``(dx, dresidual, dweight, dbias, dlayer_scale)``: the one backward of both autograd
     wrappers, from the saved ``(weight, mean, rstd, seed, layer_scale, rowscale, *s_parts)``."""
-    weight, mean, rstd, seed, layer_scale, rowscale, *s_parts = saved
-    s_parts = tuple(s_parts)
-    branch_args = (meta.dropout_p, seed, layer_scale, rowscale)
-    branch = _branch(*branch_args)
+    weight, mean, rstd, seed, layer_scale, rowscale = saved[:6]
+    s_parts = tuple(saved[6:])
+    x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_output, p = meta
+    branch = _branch(p, seed, layer_scale, rowscale)
     if dy is None:  # only the stream output was used (zeros_like: a DTensor's zeros are one too)
-        dy = torch.zeros_like(s_parts[0], dtype=meta.x_dtype)
-    if not meta.stream_output:  # no stream output, or an empty placeholder (its gradient too)
+        dy = torch.zeros_like(s_parts[0], dtype=x_dtype)
+    if not stream_output:  # no stream output, or an empty placeholder (its gradient too)
         dstream = None
-    has_bias = meta.bias_dtype is not None
+    has_bias = bias_dtype is not None
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
-        g = reference.differentiable_backward(dy, dstream, tuple(s_parts), weight, meta.eps, meta.rms, has_bias, branch)
+        g = reference.differentiable_backward(dy, dstream, s_parts, weight, eps, rms, has_bias, branch)
     else:
-        g = backward_fn(dy, dstream, s_parts, weight, mean, rstd, meta.rms, has_bias, meta.backend, *branch_args)
+        # dweight and dbias straight in the parameters' dtype when they share one
+        param_dtype = bias_dtype if weight is None else weight.dtype
+        if has_bias and bias_dtype is not param_dtype:
+            param_dtype = None
+        g = backward_fn(
+            dy,
+            dstream,
+            s_parts,
+            weight,
+            mean,
+            rstd,
+            rms,
+            has_bias,
+            backend,
+            p,
+            seed,
+            layer_scale,
+            rowscale,
+            param_dtype,
+        )
+    ds = g.ds
     return (
-        _to(g.ds if branch is None else g.dx, meta.x_dtype),
-        None if meta.residual_dtype is None else _to(g.ds, meta.residual_dtype),
+        _to(ds if branch is None else g.dx, x_dtype),
+        None if residual_dtype is None else _to(ds, residual_dtype),
         None if weight is None else _to(g.dweight, weight.dtype),
-        _to(g.dbias, meta.bias_dtype) if has_bias else None,
+        _to(g.dbias, bias_dtype) if has_bias else None,
         _to(g.dlayer_scale, layer_scale.dtype) if layer_scale is not None else None,
     )
 
@@ -577,7 +605,8 @@ def add_norm(
     branch = None
     if sublayer is not _NO_SUBLAYER and sublayer != _NO_SUBLAYER:  # a field off its default
         weight, branch = _sublayer(x, residual, shape, weight, sublayer)
-    if (_is_exporting() or _tracing_state() is not None) and torch.onnx.is_in_onnx_export():
+    exporting, tracing = _is_exporting(), _tracing_state() is not None
+    if (exporting or tracing) and torch.onnx.is_in_onnx_export():
         branch = None if branch is None else _branch(*branch)  # rowscale flat
         return _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, branch)
     if len(shape) > 1:  # rows of n features: the normalized dims flattened into one
@@ -604,9 +633,9 @@ def add_norm(
         or (residual is not None and type(residual) not in _PLAIN)
         or (weight is not None and type(weight) not in _PLAIN)
         or (bias is not None and type(bias) not in _PLAIN)
+        or exporting
+        or tracing
         or _is_compiling()
-        or _is_exporting()
-        or _tracing_state() is not None
         or _functorch_level() is not None
         or forward_ad._current_level >= 0
     ):

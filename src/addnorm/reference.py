@@ -412,15 +412,16 @@ def backward(
     rms: bool,
     has_bias: bool,
     branch: Branch | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> Grads:
     """Gradients of :func:`forward` from the saved ``s`` (``s_parts = (s,)``, or ``(x, residual)``
     from which ``s`` is recomputed), ``mean`` and ``rstd``.
 
     ``dy`` is the gradient of ``y``; ``dstream`` that of the returned stream ``s`` (pre-norm)
     or ``None``. Returns :class:`~addnorm.backend.Grads`: ``ds`` in the dtype of ``s`` (the
-    gradient of ``residual``, and of ``x`` without a branch), ``dweight`` and ``dbias`` in the
-    statistics dtype (``None`` where there is no such parameter); with a ``branch``, ``dx`` and
-    ``dlayer_scale`` by :func:`branch_backward`.
+    gradient of ``residual``, and of ``x`` without a branch), ``dweight`` and ``dbias`` summed in
+    the statistics dtype, returned in ``param_dtype`` when given (``None`` where there is no such
+    parameter); with a ``branch``, ``dx`` and ``dlayer_scale`` by :func:`branch_backward`.
     """
     check_s_parts(s_parts, branch)
     n = s_parts[0].shape[-1]
@@ -461,6 +462,8 @@ def backward(
         if dbias is not None:
             dbias += st["dbias"]
     shape = s_parts[0].shape
+    if param_dtype is not None:
+        dweight, dbias = (None if g is None else g.to(param_dtype) for g in (dweight, dbias))
     return Grads(ds.view(shape), dweight, dbias, None if dx is None else dx.view(shape), dlayer_scale)
 
 

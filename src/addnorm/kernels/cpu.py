@@ -884,12 +884,16 @@ def _forward_entry(sd, yd, pd, branched):
     return _compile_entry(entry)
 
 
-def _backward_entry(sd, gd, td, pd, summed, branched):
-    """Slots: dy, dstream, s (or x), weight, mean, rstd, ds, dweight blocks, dbias blocks, rows,
-    cols, block_rows, flags (has_dstream | rms << 1), blocks, residual, dx, dlayer_scale blocks,
-    then the branch's (see _branch_slots); ``sd``: the dtype of s and ds, ``gd`` of dy, ``td`` of
-    dstream, ``pd`` of weight; ``summed``: the stream is recomputed as x + residual; ``branched``:
-    True (the stream recomputed through the branch), or None."""
+def _backward_entry(sd, gd, td, pd, od, summed, branched):
+    """Slots: dy, dstream, s (or x), weight, mean, rstd, ds, dweight, dbias, rows, cols,
+    block_rows, flags (has_dstream | rms << 1), blocks, residual, dx, dlayer_scale blocks, then the
+    branch's (see _branch_slots); ``sd``: the dtype of s and ds, ``gd`` of dy, ``td`` of dstream,
+    ``pd`` of weight, ``od`` of dweight and dbias; ``summed``: the stream is recomputed as x +
+    residual; ``branched``: True (the stream recomputed through the branch), or None.
+
+    dweight and dbias: with one block (one thread), ``n`` values of ``od`` (or address 0: not
+    wanted), summed here and rounded once; with several, one partial row per block in the
+    statistics dtype, which the caller sums."""
     cd = np.float64 if sd == np.float64 else np.float32
 
     def entry(block):
@@ -899,6 +903,9 @@ def _backward_entry(sd, gd, td, pd, summed, branched):
         r = carray(_ptr(a[14]), (m, n), sd) if summed else None  # pruned when compiling: a constant
         br = _branch_slots(a, f, 17, m, n, cd, branched)
         rows_dx = m if br is not None else 0
+        single = blocks == 1
+        dw = np.empty((1, n), cd) if single else carray(_ptr(a[7]), (blocks, n), cd)
+        db = np.empty((1, n), cd) if single else carray(_ptr(a[8]), (blocks, n), cd)
         _backward_kernel(
             carray(_ptr(a[0]), (m, n), gd),
             carray(_ptr(a[1]), (m, n), td),
@@ -911,20 +918,26 @@ def _backward_entry(sd, gd, td, pd, summed, branched):
             flags & 1 != 0,
             flags & 2 != 0,
             carray(_ptr(a[6]), (m, n), sd),
-            carray(_ptr(a[7]), (blocks, n), cd),
-            carray(_ptr(a[8]), (blocks, n), cd),
+            dw,
+            db,
             a[_SCHED:],
             a[11],
             br,
             carray(_ptr(a[15]), (rows_dx, n), sd),
             carray(_ptr(a[16]), (blocks if br is not None else 0, n), cd),
         )
+        if single:
+            for at, sums in ((7, dw[0]), (8, db[0])):
+                if a[at] != 0:
+                    out = carray(_ptr(a[at]), n, od)
+                    for j in range(n):
+                        _put(out, j, sums[j])
 
     return _compile_entry(entry)
 
 
 # compiled entries, made on first use: (stream, y, parameter dtypes, branched) and (s, dy,
-# dstream, weight dtypes, summed, branched)
+# dstream, weight, weight gradient dtypes, summed, branched)
 _FORWARD_ENTRIES: dict[tuple, object] = {}
 _BACKWARD_ENTRIES: dict[tuple, object] = {}
 
@@ -939,12 +952,18 @@ def _forward_entry_for(sd: torch.dtype, yd: torch.dtype, pd: torch.dtype, branch
 
 
 def _backward_entry_for(
-    sd: torch.dtype, gd: torch.dtype, td: torch.dtype, pd: torch.dtype, summed: bool, branched: bool = False
+    sd: torch.dtype,
+    gd: torch.dtype,
+    td: torch.dtype,
+    pd: torch.dtype,
+    od: torch.dtype,
+    summed: bool,
+    branched: bool = False,
 ):
-    key = (sd, gd, td, pd, summed, branched)
+    key = (sd, gd, td, pd, od, summed, branched)
     entry = _BACKWARD_ENTRIES.get(key)
     if entry is None:
-        dtypes = (_NUMPY_DTYPES[d] for d in (sd, gd, td, pd))
+        dtypes = (_NUMPY_DTYPES[d] for d in (sd, gd, td, pd, od))
         entry = _BACKWARD_ENTRIES[key] = _backward_entry(*dtypes, summed, True if branched else None)
     return entry
 
@@ -1139,7 +1158,7 @@ def forward(
         pd = cd if sd is cd else _param_dtype(sd, cd, weight, bias)
         w, b = _param(weight, n, pd, 1.0), _param(bias, n, pd, 0.0)  # held: the kernel reads them
         branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else (_NO_BRANCH_SLOTS, ())
-        block = _block()
+        block = getattr(_THREAD, "block", None) or _block()
         _pack_slots(
             block,
             0,
@@ -1159,14 +1178,20 @@ def forward(
             *branch_slots,
             *_FORWARD_PAD,
         )
-        _launch(_forward_entry_for(sd, y.dtype, pd, branch is not None), threads, block)
+        entry = _FORWARD_ENTRIES.get((sd, y.dtype, pd, branch is not None)) or _forward_entry_for(
+            sd, y.dtype, pd, branch is not None
+        )
+        if threads == 1:  # (_launch's first case, without the call)
+            entry.ctypes(ctypes.addressof(block))
+        else:
+            _launch(entry, threads, block)
         del held
     if y.dtype is not y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
     return y, s, mean, rstd
 
 
-def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=None):
+def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=None, param_dtype=None):
     """:func:`addnorm.reference.backward` in two passes over each row; from ``s_parts = (x,
     residual)`` the stream is recomputed as it is read (through the branch, when given)."""
     check_s_parts(s_parts, branch)
@@ -1187,22 +1212,27 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
     m = s.numel() // n if n else 0
     ds = _empty(s, sd)
     dx = _empty(s, sd) if branch is not None else None
-    # one fp32 partial row of dweight and of dbias per block: at most 1/16 of ds's rows, so that
-    # the scratch stays small beside the (m, n) tensors for few, wide rows
+    # one block (one thread): the kernel sums dweight and dbias itself, rounded to ``od`` once;
+    # else one partial row per block in the statistics dtype, at most 1/16 of ds's rows (the
+    # scratch stays small beside the (m, n) tensors for few, wide rows), summed below
     threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else _plan(m, n, max_blocks=m // 16)
     blocks = -(-m // block_rows) if m else 1
-    # separate tensors: the custom op's outputs may not alias; one block's partial row is the sum
-    # itself. The kernel zeroes each block's row before it sums into it: zeros only when it does
-    # not run.
-    alloc, shape = torch.empty if m else torch.zeros, (blocks, n) if blocks > 1 else n
-    dw, db = alloc(shape, dtype=cd), alloc(shape, dtype=cd)
-    dls = alloc(shape, dtype=cd) if branch is not None else None
+    od = param_dtype if param_dtype is cd or param_dtype is sd else cd
+    # separate tensors: the custom op's outputs may not alias. The kernel zeroes each block's row
+    # before it sums into it: zeros only where it does not run
+    alloc = torch.empty if m else torch.zeros
+    if blocks == 1:
+        dw = alloc(n, dtype=od) if weight is not None else None
+        db = alloc(n, dtype=od) if has_bias else None
+    else:
+        dw, db = alloc((blocks, n), dtype=cd), alloc((blocks, n), dtype=cd)
+    dls = alloc((blocks, n) if blocks > 1 else n, dtype=cd) if branch is not None else None
     if m:
         dst = s if dstream is None else _rows(dstream)
         pd = cd if sd is cd else _param_dtype(sd, cd, weight)
         w = _param(weight, n, pd, 1.0)  # held: the kernel reads it
         branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else (_NO_BRANCH_SLOTS, ())
-        block = _block()
+        block = getattr(_THREAD, "block", None) or _block()
         _pack_slots(
             block,
             0,
@@ -1213,8 +1243,8 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             (rstd if rms else mean).data_ptr(),
             rstd.data_ptr(),
             ds.data_ptr(),
-            dw.data_ptr(),
-            db.data_ptr(),
+            0 if dw is None else dw.data_ptr(),
+            0 if db is None else db.data_ptr(),
             m,
             n,
             block_rows,
@@ -1226,12 +1256,20 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             *branch_slots,
             *_BACKWARD_PAD,
         )
-        entry = _backward_entry_for(sd, dy.dtype, dst.dtype, pd, residual is not None, branch is not None)
-        _launch(entry, threads, block)
+        key = (sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None)
+        entry = _BACKWARD_ENTRIES.get(key) or _backward_entry_for(*key)
+        if threads == 1:  # (_launch's first case, without the call)
+            entry.ctypes(ctypes.addressof(block))
+        else:
+            _launch(entry, threads, block)
         del held
     if blocks > 1:  # the per-block partial rows summed by torch (no atomics, a fixed order for a
         # given shape): bit-identical from run to run for a given thread count
-        dw, db, dls = dw.sum(0), db.sum(0), None if dls is None else dls.sum(0)
+        dw = dw.sum(0) if weight is not None else None
+        db = db.sum(0) if has_bias else None
+        dls = None if dls is None else dls.sum(0)
+    if param_dtype is not None:
+        dw, db = (g if g is None or g.dtype is param_dtype else g.to(param_dtype) for g in (dw, db))
     if branch is None or branch.layer_scale is None:
         dls = None
-    return Grads(ds, dw if weight is not None else None, db if has_bias else None, dx, dls)
+    return Grads(ds, dw, db, dx, dls)

@@ -814,8 +814,10 @@ def backward(
     rms: bool,
     has_bias: bool,
     branch=None,
+    param_dtype: torch.dtype | None = None,
 ) -> Grads:
-    """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias. (From
+    """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias (summed in the
+    statistics dtype, then converted to ``param_dtype`` when given). (From
     ``s_parts = (x, residual)`` without a branch the stream is summed first: on a GPU writing
     ``s`` in the forward costs what reading ``x`` and ``residual`` again would, so
     ``recomputes_stream`` is off and autograd never asks for this. With a branch the kernels
@@ -831,6 +833,10 @@ def backward(
     rows = [None if t is None else _rows(t.reshape(-1, n)) for t in (dy, dstream, s, residual)]
     with _device(s):
         g = _backward(*rows, _rows(weight), mean, rstd, rms, has_bias, branch)
+        if param_dtype is not None:
+            g = g._replace(
+                **{k: getattr(g, k).to(param_dtype) for k in ("dweight", "dbias") if getattr(g, k) is not None}
+            )
     return g._replace(ds=g.ds.view(shape), dx=None if g.dx is None else g.dx.view(shape))
 
 
