@@ -78,12 +78,17 @@ def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkey
     run = lambda *args: subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
     run("init", "-q")
     (repo / "pkg" / "f.py").write_text("a = 1\n")
+    (repo / "benchmarks" / "results").mkdir(parents=True)
+    (repo / "benchmarks" / "results" / "bench.jsonl").write_text("{}\n")
     run("add", ".")
     run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
     ).stdout.strip()
     monkeypatch.setattr(bench, "__file__", str(repo / "pkg" / "bench.py"))
+    assert bench.git_commit() == head
+    # rows appended by an earlier run (--save) leave the code as it was
+    (repo / "benchmarks" / "results" / "bench.jsonl").write_text("{}\n{}\n")
     assert bench.git_commit() == head
     (repo / "pkg" / "f.py").write_text("a = 2\n")
     assert bench.git_commit() == head + "-dirty"

@@ -312,8 +312,8 @@ def git_commit() -> str:
         ).stdout.strip()
         if not head:
             return "unknown"
-        changed = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+        changed = subprocess.run(  # (rows appended to the results file leave the code as it was)
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude)benchmarks/results"],
             cwd=here,
             capture_output=True,
             text=True,
