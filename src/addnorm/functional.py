@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .ops import Sublayer, _check_float_tensor, add_norm
+from .ops import _NO_SUBLAYER, Sublayer, _check_float_tensor, add_norm
 
 Shape = int | Sequence[int]
 
@@ -51,7 +51,7 @@ def layer_norm(
         residual_dtype=None,
         backend=backend,
         out=out,
-        sublayer=Sublayer(zero_centered_weight=zero_centered_weight),
+        sublayer=_NO_SUBLAYER if zero_centered_weight is False else Sublayer(zero_centered_weight=zero_centered_weight),
     )
 
 
@@ -81,7 +81,7 @@ def rms_norm(
         residual_dtype=None,
         backend=backend,
         out=out,
-        sublayer=Sublayer(zero_centered_weight=zero_centered_weight),
+        sublayer=_NO_SUBLAYER if zero_centered_weight is False else Sublayer(zero_centered_weight=zero_centered_weight),
     )
 
 
