@@ -15,7 +15,8 @@ rather than stored (and ``s`` itself recomputed from ``x`` and ``residual`` for 
 CAPABILITIES).
 ``dweight``/``dbias`` accumulate into one partial row per block (not per thread, so the result
 does not depend on which thread ran which block), summed in block order afterwards:
-bit-identical from run to run for the same thread count.
+bit-identical from run to run for the same thread count. A call of one block (small inputs)
+rounds its sums into the parameters' dtype itself.
 
 Threads. The blocks run on torch's own OpenMP team (``GOMP_parallel`` of the libgomp torch
 loaded), whose threads are awake and pinned after torch's previous op; elsewhere (another
