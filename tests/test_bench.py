@@ -87,8 +87,16 @@ def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkey
     ).stdout.strip()
     monkeypatch.setattr(bench, "__file__", str(repo / "pkg" / "bench.py"))
     assert bench.git_commit() == head
-    # rows appended by an earlier run (--save) leave the code as it was
+    # rows appended by an earlier run (--save) and edited docs leave the code as it was
     (repo / "benchmarks" / "results" / "bench.jsonl").write_text("{}\n{}\n")
+    (repo / "docs").mkdir()
+    (repo / "docs" / "benchmarks.md").write_text("rows\n")
+    run("add", "docs")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "docs")
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
+    (repo / "docs" / "benchmarks.md").write_text("rows and a reading\n")
     assert bench.git_commit() == head
     (repo / "pkg" / "f.py").write_text("a = 2\n")
     assert bench.git_commit() == head + "-dirty"

@@ -312,8 +312,16 @@ def git_commit() -> str:
         ).stdout.strip()
         if not head:
             return "unknown"
-        changed = subprocess.run(  # (rows appended to the results file leave the code as it was)
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top,exclude)benchmarks/results"],
+        changed = subprocess.run(  # (saved rows and edited docs leave the code as it was)
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ":(top,exclude)benchmarks/results",
+                ":(top,exclude)docs",
+            ],
             cwd=here,
             capture_output=True,
             text=True,
