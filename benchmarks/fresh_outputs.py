@@ -39,7 +39,7 @@ def main() -> None:
         kept = torch.empty(shape)
         calls = {
             "torch.empty + fill": lambda shape=shape: torch.empty(shape).fill_(1),
-            "kernels' _empty + fill": lambda shape=shape: cpu._empty(shape, torch.float32).fill_(1),
+            "kernels' _empty + fill": lambda kept=kept: cpu._empty(kept, torch.float32).fill_(1),
             "refill a kept tensor": lambda kept=kept: kept.fill_(1),
         }
         times: dict[str, list[float]] = {name: [] for name in calls}

@@ -783,12 +783,11 @@ _pack_slots = struct.Struct(f"{_SLOTS}q").pack_into  # (block, 0, *slots): fewer
 _THREAD = threading.local()  # .block: this thread's argument block, reused by each of its calls
 
 
-def _block() -> ctypes.Array:
-    """This thread's argument block: a call holds it until its kernel returns, so that calls on
-    other threads need blocks of their own (see _launch for the thread pool's case)."""
-    block = getattr(_THREAD, "block", None)
-    if block is None:
-        block = _THREAD.block = (ctypes.c_int64 * _SLOTS)()
+def _new_block() -> ctypes.Array:
+    """This thread's argument block, made on its first call: a call holds it until its kernel
+    returns, so that calls on other threads need blocks of their own (see _launch for the thread
+    pool's case)."""
+    block = _THREAD.block = (ctypes.c_int64 * _SLOTS)()
     return block
 
 
@@ -1015,15 +1014,14 @@ _GOMP_PID = os.getpid()  # a forked child has no OpenMP team (its threads stayed
 
 
 def _launch(entry, threads: int, block: ctypes.Array) -> None:
-    """Run the C ``entry`` on the argument ``block`` (see _SLOTS) on ``threads`` threads: each
-    claims blocks of rows until none is left, and the call returns once all are done, so a thread
-    that starts late only takes fewer blocks. The threads are torch's own OpenMP team when torch
-    runs on libgomp (GOMP_parallel returns once every thread has left the entry), else this
-    thread and a small pool. (A ctypes call releases the GIL.)"""
+    """Run the C ``entry`` on the argument ``block`` (see _SLOTS) on ``threads`` > 1 threads (a
+    single thread calls ``entry.ctypes`` itself): each claims blocks of rows until none is left,
+    and the call returns once all are done, so a thread that starts late only takes fewer blocks.
+    The threads are torch's own OpenMP team when torch runs on libgomp (GOMP_parallel returns
+    once every thread has left the entry), else this thread and a small pool. (A ctypes call
+    releases the GIL.)"""
     global _POOL
-    if threads == 1:
-        entry.ctypes(ctypes.addressof(block))
-    elif _GOMP is not None and _GOMP_PID == os.getpid():
+    if _GOMP is not None and _GOMP_PID == os.getpid():
         _GOMP(entry.address, ctypes.addressof(block), threads, 0)
     else:
         # a new pool when more threads are asked for, or in a forked child (its threads stayed behind)
@@ -1159,7 +1157,7 @@ def forward(
         pd = cd if sd is cd else _param_dtype(sd, cd, weight, bias)
         w, b = _param(weight, n, pd, 1.0), _param(bias, n, pd, 0.0)  # held: the kernel reads them
         branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else (_NO_BRANCH_SLOTS, ())
-        block = getattr(_THREAD, "block", None) or _block()
+        block = getattr(_THREAD, "block", None) or _new_block()
         _pack_slots(
             block,
             0,
@@ -1182,7 +1180,7 @@ def forward(
         entry = _FORWARD_ENTRIES.get((sd, y.dtype, pd, branch is not None)) or _forward_entry_for(
             sd, y.dtype, pd, branch is not None
         )
-        if threads == 1:  # (_launch's first case, without the call)
+        if threads == 1:
             entry.ctypes(ctypes.addressof(block))
         else:
             _launch(entry, threads, block)
@@ -1233,7 +1231,7 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
         pd = cd if sd is cd else _param_dtype(sd, cd, weight)
         w = _param(weight, n, pd, 1.0)  # held: the kernel reads it
         branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else (_NO_BRANCH_SLOTS, ())
-        block = getattr(_THREAD, "block", None) or _block()
+        block = getattr(_THREAD, "block", None) or _new_block()
         _pack_slots(
             block,
             0,
@@ -1259,7 +1257,7 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
         )
         key = (sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None)
         entry = _BACKWARD_ENTRIES.get(key) or _backward_entry_for(*key)
-        if threads == 1:  # (_launch's first case, without the call)
+        if threads == 1:
             entry.ctypes(ctypes.addressof(block))
         else:
             _launch(entry, threads, block)
