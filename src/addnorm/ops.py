@@ -161,10 +161,9 @@ def _forward_impl(
 def _branch(p: float, seed: Tensor | None, layer_scale: Tensor | None, rowscale: Tensor | None):
     """The :class:`~addnorm.backend.Branch` of these arguments, None when it changes nothing
     (``rowscale`` flat, one factor per row, as backends take it)."""
-    if rowscale is None and layer_scale is None and not p:  # the common case, first: no tuple made
+    if rowscale is None and layer_scale is None and not p:  # (as backends.active, without a tuple)
         return None
-    rowscale = None if rowscale is None else rowscale.reshape(-1)
-    return backends.active(backends.Branch(p, seed, layer_scale, rowscale))
+    return backends.Branch(p, seed, layer_scale, None if rowscale is None else rowscale.reshape(-1))
 
 
 def _run_backward(

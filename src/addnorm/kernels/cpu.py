@@ -783,14 +783,6 @@ _pack_slots = struct.Struct(f"{_SLOTS}q").pack_into  # (block, 0, *slots): fewer
 _THREAD = threading.local()  # .block: this thread's argument block, reused by each of its calls
 
 
-def _new_block() -> ctypes.Array:
-    """This thread's argument block, made on its first call: a call holds it until its kernel
-    returns, so that calls on other threads need blocks of their own (see _launch for the thread
-    pool's case)."""
-    block = _THREAD.block = (ctypes.c_int64 * _SLOTS)()
-    return block
-
-
 _NUMPY_DTYPES = {
     torch.float32: np.float32,
     torch.float64: np.float64,
@@ -985,7 +977,7 @@ def _plan(rows: int, cols: int, max_blocks: int | None = None) -> tuple[int, int
     """``(threads, block_rows)`` for one call: torch's thread count (one for small inputs), and
     BLOCKS_PER_THREAD blocks per thread, at most ``max_blocks`` (but one per thread)."""
     if rows * cols < PARALLEL_MIN_ELEMENTS:
-        return 1, rows  # one block on this thread (forward tests this itself: a call less)
+        return 1, rows  # one block on this thread (forward and backward test this first: a call less)
     threads = max(1, min(rows, torch.get_num_threads()))
     blocks = BLOCKS_PER_THREAD * threads if threads > 1 else 1
     if max_blocks is not None:
@@ -1013,15 +1005,22 @@ _GOMP = _torch_gomp()
 _GOMP_PID = os.getpid()  # a forked child has no OpenMP team (its threads stayed behind): the pool then
 
 
-def _launch(entry, threads: int, block: ctypes.Array) -> None:
-    """Run the C ``entry`` on the argument ``block`` (see _SLOTS) on ``threads`` > 1 threads (a
-    single thread calls ``entry.ctypes`` itself): each claims blocks of rows until none is left,
-    and the call returns once all are done, so a thread that starts late only takes fewer blocks.
-    The threads are torch's own OpenMP team when torch runs on libgomp (GOMP_parallel returns
-    once every thread has left the entry), else this thread and a small pool. (A ctypes call
-    releases the GIL.)"""
+def _launch(entry, threads: int, *slots: int) -> None:
+    """Run the C ``entry`` on ``threads`` threads, its arguments ``slots`` (see _SLOTS) packed into
+    this thread's argument block (a call holds it until its kernel returns; calls on other threads
+    have blocks of their own). Each thread claims blocks of rows until none is left, and the call
+    returns once all are done, so a thread that starts late only takes fewer blocks. The threads
+    are torch's own OpenMP team when torch runs on libgomp (GOMP_parallel returns once every
+    thread has left the entry), else this thread and a small pool. (A ctypes call releases the
+    GIL.)"""
     global _POOL
-    if _GOMP is not None and _GOMP_PID == os.getpid():
+    block = getattr(_THREAD, "block", None)
+    if block is None:
+        block = _THREAD.block = (ctypes.c_int64 * _SLOTS)()
+    _pack_slots(block, 0, *slots)
+    if threads == 1:
+        entry.ctypes(ctypes.addressof(block))
+    elif _GOMP is not None and _GOMP_PID == os.getpid():
         _GOMP(entry.address, ctypes.addressof(block), threads, 0)
     else:
         # a new pool when more threads are asked for, or in a forked child (its threads stayed behind)
@@ -1153,14 +1152,13 @@ def forward(
         mean = None if rms else torch.empty(m, dtype=cd)
         rstd = torch.empty(m, dtype=cd)
     if m:
-        threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else _plan(m, n)  # (see _plan)
+        threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else _plan(m, n)  # (a call less)
         pd = cd if sd is cd else _param_dtype(sd, cd, weight, bias)
         w, b = _param(weight, n, pd, 1.0), _param(bias, n, pd, 0.0)  # held: the kernel reads them
         branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else (_NO_BRANCH_SLOTS, ())
-        block = getattr(_THREAD, "block", None) or _new_block()
-        _pack_slots(
-            block,
-            0,
+        _launch(
+            _forward_entry_for(sd, y.dtype, pd, branch is not None),
+            threads,
             x.data_ptr(),
             x.data_ptr() if residual is None else residual.data_ptr(),
             w.data_ptr(),
@@ -1173,17 +1171,10 @@ def forward(
             n,
             block_rows,
             (residual is not None) | write_s << 1 | rms << 2 | write_stats << 3,
-            _EPS_BITS.get(eps) or _eps_bits(eps),
+            _eps_bits(eps),
             *branch_slots,
             *_FORWARD_PAD,
         )
-        entry = _FORWARD_ENTRIES.get((sd, y.dtype, pd, branch is not None)) or _forward_entry_for(
-            sd, y.dtype, pd, branch is not None
-        )
-        if threads == 1:
-            entry.ctypes(ctypes.addressof(block))
-        else:
-            _launch(entry, threads, block)
         del held
     if y.dtype is not y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
@@ -1231,10 +1222,9 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
         pd = cd if sd is cd else _param_dtype(sd, cd, weight)
         w = _param(weight, n, pd, 1.0)  # held: the kernel reads it
         branch_slots, held = _branch_block(branch, m, n, cd) if branch is not None else (_NO_BRANCH_SLOTS, ())
-        block = getattr(_THREAD, "block", None) or _new_block()
-        _pack_slots(
-            block,
-            0,
+        _launch(
+            _backward_entry_for(sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None),
+            threads,
             dy.data_ptr(),
             dst.data_ptr(),
             s.data_ptr(),
@@ -1255,12 +1245,6 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             *branch_slots,
             *_BACKWARD_PAD,
         )
-        key = (sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None)
-        entry = _BACKWARD_ENTRIES.get(key) or _backward_entry_for(*key)
-        if threads == 1:
-            entry.ctypes(ctypes.addressof(block))
-        else:
-            _launch(entry, threads, block)
         del held
     if blocks > 1:  # the per-block partial rows summed by torch (no atomics, a fixed order for a
         # given shape): bit-identical from run to run for a given thread count
