@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import addnorm
-from addnorm import cli
+from addnorm.tools import cli
 
 X = torch.randn(4, 8)
 W = torch.ones(8)

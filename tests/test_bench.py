@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from addnorm import bench
-from addnorm.cli import main
+from addnorm.tools import bench
+from addnorm.tools.cli import main
 
 
 def test_bench_writes_rows_in_the_documented_format(tmp_path, capsys):

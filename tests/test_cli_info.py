@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from addnorm import backend as backends
-from addnorm.cli import main
+from addnorm.tools.cli import main
 
 
 def test_info_lists_backends_and_passes_self_test(capsys):
@@ -22,7 +22,7 @@ def test_info_lists_backends_and_passes_self_test(capsys):
 
 
 def test_info_self_test_detects_a_wrong_backend(monkeypatch):
-    from addnorm import info
+    from addnorm.tools import info
 
     monkeypatch.setattr(info, "WORKED_OUTPUT", [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert main(["info"]) == 1
@@ -39,7 +39,7 @@ def test_unknown_command_exits_2(capsys):
 
 
 def test_console_script_runs():
-    done = subprocess.run([sys.executable, "-m", "addnorm.cli", "--version"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "addnorm", "--version"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith("addnorm ")
 
 
@@ -49,7 +49,7 @@ def test_console_script_runs():
 @pytest.fixture
 def command(monkeypatch):
     """``addnorm boom`` runs the function this fixture is given: ``command(fn)``."""
-    from addnorm import cli
+    from addnorm.tools import cli
 
     def install(fn):
         def register(sub):
@@ -88,7 +88,7 @@ def _raise(err):
     ],
 )
 def test_every_failure_is_one_line_with_its_status(command, capsys, err, status, line):
-    from addnorm.cli import UsageError
+    from addnorm.tools.cli import UsageError
 
     command(_raise(err if err is not None else UsageError("--n must be positive")))
     assert main(["boom"]) == status
@@ -97,7 +97,7 @@ def test_every_failure_is_one_line_with_its_status(command, capsys, err, status,
 
 
 def test_command_error_is_status_1_and_traceback_on_request(command, capsys):
-    from addnorm.cli import CommandError
+    from addnorm.tools.cli import CommandError
 
     command(_raise(CommandError("the disk went away")))
     assert main(["boom"]) == 1

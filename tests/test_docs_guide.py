@@ -19,7 +19,7 @@ import shlex
 
 import pytest
 
-from addnorm import cli
+from addnorm.tools import cli
 
 GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "guide.md"
 ELIDED = re.compile(r"\[\.\.\. .* \.\.\.\]")

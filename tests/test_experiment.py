@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from addnorm import cli, experiment
-from addnorm.experiment import (
+from addnorm.tools import cli, experiment
+from addnorm.tools.experiment import (
     ARMS,
     FAIL_RATIO,
     N_TEST,

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as TF
 
 import addnorm
-from addnorm import cli
-from addnorm.explain import parse_literal
+from addnorm.tools import cli
+from addnorm.tools.explain import parse_literal
 
 SEEDS_X = [[0.2, 0.1, 0.3], [0.5, 0.1, 0.1]]
 # The seeds' worked example (seeds 000, 001, 004): torch's values with eps = 1e-5 ...
@@ -339,7 +339,7 @@ def test_huge_values_are_normalized_not_rejected(capsys):
 
 
 def test_json_size_guard(capsys, monkeypatch):
-    from addnorm import explain
+    from addnorm.tools import explain
 
     monkeypatch.setattr(explain, "MAX_JSON_NUMBERS", 400)
     x = json.dumps(torch.arange(30.0).reshape(3, 10).tolist())
@@ -359,7 +359,7 @@ def test_json_into_a_closed_pipe_is_quiet(tmp_path):
     import sys
 
     torch.save(torch.randn(60, 60, generator=torch.Generator().manual_seed(0)), tmp_path / "x.pt")
-    argv = [sys.executable, "-m", "addnorm.cli", "explain", "--json", "--input", str(tmp_path / "x.pt")]
+    argv = [sys.executable, "-m", "addnorm", "explain", "--json", "--input", str(tmp_path / "x.pt")]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert len(proc.stdout.read(100)) == 100
     proc.stdout.close()  # as `head -c 100` does

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from addnorm import cli
-from addnorm.plot import hist_data
+from addnorm.tools import cli
+from addnorm.tools.plot import hist_data
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -233,7 +233,7 @@ def two_runs() -> list[dict]:
 def test_plot_bench_draws_the_latest_run(tmp_path, capsys, monkeypatch):
     from matplotlib.image import imread
 
-    from addnorm import plot
+    from addnorm.tools import plot
 
     drawn = []
     real = plot.draw_bench

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from addnorm import cli, reference, textbook
-from addnorm.explain import TEXTBOOK_ROWS
+from addnorm import reference, textbook
+from addnorm.tools import cli
+from addnorm.tools.explain import TEXTBOOK_ROWS
 from conftest import TOLERANCES
 
 EPS = 1e-5

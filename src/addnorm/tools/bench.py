@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import backend as backends
-from . import reference
+from .. import backend as backends
+from .. import reference
 from .cli import UsageError, check_threads, output_file
 
 # "*_dropout": Add & Norm with residual dropout at DROPOUT_P (the original Transformer's P_drop),
@@ -114,7 +114,7 @@ def _torch_norm(op: str) -> Callable:
 
 
 def _addnorm_norm(op: str, backend: str) -> Callable:
-    from . import functional
+    from .. import functional
 
     if op.endswith("_dropout"):
         fn = getattr(functional, op.removesuffix("_dropout"))

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .transformer import Seq2SeqTransformer
+from ..transformer import Seq2SeqTransformer
 
 CORNERS = np.array([[-1.0, -1.0], [-1.0, 1.0], [1.0, 1.0], [1.0, -1.0]])  # clockwise
 NOISE = 0.1

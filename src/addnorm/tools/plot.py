@@ -3,7 +3,7 @@
 - ``plot hist``: histograms of each data point's features before and after LayerNorm
   (random data + sinusoidal positional encoding, as in the seeds).
 - ``plot bench``: GB/s per implementation from the rows ``addnorm bench --save`` wrote.
-- ``plot train``: the training experiment's curves (drawn by :mod:`addnorm.experiment`).
+- ``plot train``: the training experiment's curves (drawn by :mod:`addnorm.tools.experiment`).
 
 matplotlib is an optional dependency (``pip install 'addnorm[plot]'``), imported only here,
 and only the Agg canvas is used: no display is needed.
@@ -54,8 +54,8 @@ def _save(fig, path: Path) -> Path:
 def hist_data(points: int, d_model: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The seeds' setup: ``randn(points, 1, d_model)·√d_model`` + positional encoding, and
     its LayerNorm (addnorm's, eps 1e-5, γ=1, β=0)."""
-    from .functional import layer_norm
-    from .transformer import sinusoidal_table
+    from ..functional import layer_norm
+    from ..transformer import sinusoidal_table
 
     torch.manual_seed(seed)
     data = torch.randn(points, 1, d_model)

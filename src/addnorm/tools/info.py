@@ -7,8 +7,8 @@ import platform
 
 import torch
 
-from . import backend as backends
-from .functional import layer_norm
+from .. import backend as backends
+from ..functional import layer_norm
 
 # The seeds' worked example: LayerNorm over the last dim with eps 1e-5 (hand-checked values).
 WORKED_INPUT = [[0.2, 0.1, 0.3], [0.5, 0.1, 0.1]]
@@ -41,7 +41,7 @@ def run(args) -> int:
 
     console = Console()
     table = Table(title="addnorm", show_header=False)
-    from . import __version__
+    from .. import __version__
 
     table.add_row("addnorm", __version__)
     for name, version in versions().items():

@@ -24,11 +24,11 @@ from pathlib import Path
 
 # Modules that define register(subparsers), in the order `addnorm --help` lists them.
 COMMAND_MODULES = [
-    "addnorm.info",
-    "addnorm.experiment",
-    "addnorm.explain",
-    "addnorm.plot",
-    "addnorm.bench",
+    "addnorm.tools.info",
+    "addnorm.tools.experiment",
+    "addnorm.tools.explain",
+    "addnorm.tools.plot",
+    "addnorm.tools.bench",
 ]
 
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
@@ -203,8 +203,8 @@ def output_file(text: str, flag: str, *, suffixes: tuple[str, ...] = (), default
 
 
 if __name__ == "__main__":
-    # Under `python -m addnorm.cli` this file is __main__; run the imported addnorm.cli so that
+    # Under `python -m addnorm.tools.cli` this file is __main__; run the imported addnorm.tools.cli so that
     # the errors the subcommands raise are the classes main() catches.
-    from addnorm.cli import main as _main
+    from addnorm.tools.cli import main as _main
 
     sys.exit(_main())

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as TF
 from torch import Tensor
 
-from . import backend, functional, ops, reference
-from .backend import Branch
+from .. import backend, functional, ops, reference
+from ..backend import Branch
 from .cli import UsageError
 from .info import WORKED_INPUT
 
@@ -336,7 +336,7 @@ def compare_batchnorm(x2: Tensor, eps: float) -> dict:
     Row 0 is normalized inside batches that differ in their other rows or their size: its
     LayerNorm output never changes, its BatchNorm output does. Then train vs eval mode.
     """
-    from .nn import LayerNorm
+    from ..nn import LayerNorm
 
     m, n = x2.shape
     ln = LayerNorm(n, eps=eps, dtype=torch.float64)
@@ -763,7 +763,7 @@ TEXTBOOK_ROWS = [
 
 
 def _textbook_layer_norm(x: Tensor, eps: float) -> tuple[Tensor, tuple]:
-    from . import textbook
+    from .. import textbook
 
     n = x.shape[-1]
     return textbook.layer_norm_forward(x, torch.ones(n, dtype=x.dtype), torch.zeros(n, dtype=x.dtype), eps)
@@ -782,7 +782,7 @@ def textbook_comparison(eps: float = 1e-5) -> dict:
     RMSNorm (ε the dtype's machine epsilon, as torch), what the textbook computed on the way
     (its mean, its var from 1/std) and the two lines that explain it.
     """
-    from . import textbook
+    from .. import textbook
 
     x = torch.tensor(WORKED_INPUT)
     oracle = TF.layer_norm(x.double(), x.shape[-1:], eps=eps)
