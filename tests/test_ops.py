@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as TF
 
 import addnorm
+from addnorm import autograd
 from addnorm import backend as backends
-from addnorm import ops
 
 
 def _inputs(requires_grad=True, n=16):
@@ -96,8 +96,8 @@ def test_custom_ops_pass_opcheck(backend, rms, residual):
     x2, r2 = x.detach().reshape(-1, 8).requires_grad_(), r.detach().reshape(-1, 8).requires_grad_()
     for prenorm in (False, True):
         args = (x2, r2 if residual else None, w, None if rms else b, 1e-5, rms, None, backend, prenorm)
-        torch.library.opcheck(ops._forward_op, args)
-        y, s, mean, rstd = ops._forward_op(*args)
+        torch.library.opcheck(autograd.forward_op, args)
+        y, s, mean, rstd = autograd.forward_op(*args)
         s_parts = [s.detach()] if s.numel() else [x2.detach()] + ([r2.detach()] if residual else [])
         dy = torch.randn_like(y)
         bargs = (
@@ -111,13 +111,12 @@ def test_custom_ops_pass_opcheck(backend, rms, residual):
             not rms,
             backend,
         )
-        torch.library.opcheck(ops._backward_op, bargs)
+        torch.library.opcheck(autograd.backward_op, bargs)
 
 
 def test_gradcheck_through_the_custom_op_path(backend):
     """The graph-traced path (custom op + registered autograd) has the same exact gradients."""
     x, r, w, b = (t.detach().double().requires_grad_() for t in _inputs(n=6))
-    f = lambda x, r, w, b: ops._forward_op(x.reshape(-1, 6), r.reshape(-1, 6), w, b, 1e-5, False, None, backend, True)[
-        :2
-    ]
+    op = autograd.forward_op
+    f = lambda x, r, w, b: op(x.reshape(-1, 6), r.reshape(-1, 6), w, b, 1e-5, False, None, backend, True)[:2]
     assert torch.autograd.gradcheck(f, (x, r, w, b))

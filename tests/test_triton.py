@@ -20,7 +20,7 @@ import torch.nn.functional as TF
 import addnorm
 import test_numerics
 from addnorm import backend as backends
-from addnorm import reference
+from addnorm.kernels import torch as torch_kernels
 from conftest import TEST_DEVICE, TOLERANCES, assert_matches_oracle
 
 pytest.importorskip("triton")  # the optional [gpu] extra; CI installs it
@@ -209,7 +209,7 @@ def test_one_row_writes_dweight_and_dbias(monkeypatch, path):
         force_chunked(monkeypatch)
     s, dy = rows_of(1, 1000, torch.float32), rows_of(1, 1000, torch.float32, seed=1)
     w = rows_of(1, 1000, torch.float32, seed=2)[0]
-    _, _, mean, rstd = reference.forward(s, None, w, None, eps=1e-5, rms=False, residual_dtype=None)
+    _, _, mean, rstd = torch_kernels.forward(s, None, w, None, eps=1e-5, rms=False, residual_dtype=None)
     _, dweight, dbias, *_ = K.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True)
     xhat = (s.double() - s.double().mean()) / s.double().var(unbiased=False).add(1e-5).sqrt()
     torch.testing.assert_close(dweight.double(), (dy.double() * xhat)[0], rtol=1e-5, atol=1e-5)
@@ -223,11 +223,11 @@ def test_dweight_is_bit_identical_across_runs(monkeypatch, path, m):
         force_chunked(monkeypatch)
     s, dy = rows_of(m, 600, torch.float32), rows_of(m, 600, torch.float32, seed=1)
     w = rows_of(1, 600, torch.float32, seed=2)[0]
-    _, _, mean, rstd = reference.forward(s, None, w, None, eps=1e-5, rms=False, residual_dtype=None)
+    _, _, mean, rstd = torch_kernels.forward(s, None, w, None, eps=1e-5, rms=False, residual_dtype=None)
     first = K.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True)
     again = K.backward(dy.clone(), None, (s.clone(),), w, mean, rstd, rms=False, has_bias=True)
     assert all(a is b is None or torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    oracle = reference.backward(
+    oracle = torch_kernels.backward(
         dy.double(), None, (s.double(),), w.double(), mean.double(), rstd.double(), rms=False, has_bias=True
     )
     torch.testing.assert_close(first[1].double(), oracle[1], rtol=1e-5, atol=1e-4)

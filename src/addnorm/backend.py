@@ -129,7 +129,9 @@ class BackendSpec:
 REGISTRY: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
-        BackendSpec("reference", "addnorm.reference", "the plain-torch formulas; test oracle and fallback, any device"),
+        BackendSpec(
+            "reference", "addnorm.kernels.torch", "the plain-torch formulas; test oracle and fallback, any device"
+        ),
         BackendSpec("cpu", "addnorm.kernels.cpu", "fused numba kernels, CPU"),
         BackendSpec(
             "triton", "addnorm.kernels.triton", "fused Triton kernels, CUDA (CPU tensors through the interpreter)"

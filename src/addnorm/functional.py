@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .ops import _NO_SUBLAYER, Sublayer, _check_float_tensor, add_norm
+from .checks import check_float_tensor
+from .ops import NO_SUBLAYER, Sublayer, add_norm
 
 Shape = int | Sequence[int]
 
@@ -51,7 +52,7 @@ def layer_norm(
         residual_dtype=None,
         backend=backend,
         out=out,
-        sublayer=_NO_SUBLAYER if zero_centered_weight is False else Sublayer(zero_centered_weight=zero_centered_weight),
+        sublayer=NO_SUBLAYER if zero_centered_weight is False else Sublayer(zero_centered_weight=zero_centered_weight),
     )
 
 
@@ -81,7 +82,7 @@ def rms_norm(
         residual_dtype=None,
         backend=backend,
         out=out,
-        sublayer=_NO_SUBLAYER if zero_centered_weight is False else Sublayer(zero_centered_weight=zero_centered_weight),
+        sublayer=NO_SUBLAYER if zero_centered_weight is False else Sublayer(zero_centered_weight=zero_centered_weight),
     )
 
 
@@ -131,7 +132,7 @@ def add_layer_norm(
       that weight decay pulls the scale toward 1 (Gemma).
     """
     if type(residual) is not Tensor:  # None here would silently be a plain norm
-        _check_float_tensor("residual", residual)
+        check_float_tensor("residual", residual)
     return add_norm(
         x,
         residual,
@@ -171,7 +172,7 @@ def add_rms_norm(
     """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`, the sublayer
     branch (dropout, layer scale, rowscale) and ``zero_centered_weight`` included."""
     if type(residual) is not Tensor:  # None here would silently be a plain norm
-        _check_float_tensor("residual", residual)
+        check_float_tensor("residual", residual)
     return add_norm(
         x,
         residual,

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from . import checks
 from . import functional as F
-from . import ops
 
 Shape = int | Sequence[int]
 
@@ -40,12 +40,12 @@ class _Norm(_NotScriptable):
     zero_centered_weight = False
 
     def _setup(self, zero_centered_weight: bool, backend: str) -> None:
-        self.zero_centered_weight = ops.check_flag("zero_centered_weight", zero_centered_weight)
+        self.zero_centered_weight = checks.check_flag("zero_centered_weight", zero_centered_weight)
         if zero_centered_weight:
             if self.weight is None:
                 raise ValueError("zero_centered_weight=True scales by 1 + weight: it needs elementwise_affine=True")
             self.reset_parameters()
-        self.backend = ops.check_backend(backend)
+        self.backend = checks.check_backend(backend)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -211,14 +211,14 @@ class AddNorm(_NotScriptable, nn.Module):
         else:
             raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
         self.kind = norm
-        self.prenorm = ops.check_flag("prenorm", prenorm)
-        self.residual_dtype = ops.check_residual_dtype(residual_dtype)
+        self.prenorm = checks.check_flag("prenorm", prenorm)
+        self.residual_dtype = checks.check_residual_dtype(residual_dtype)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
             raise ValueError(f"dropout must be a probability in [0, 1], got {dropout!r}")
         self.dropout = float(dropout)
         self.generator = generator
         self.layer_scale = None
-        if ops.check_flag("layer_scale", layer_scale):
+        if checks.check_flag("layer_scale", layer_scale):
             shape = self.norm.normalized_shape
             self.layer_scale = nn.Parameter(torch.full(shape, float(layer_scale_init), device=device, dtype=dtype))
 

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from . import nn as addnorm_nn
-from .ops import Sublayer, add_norm, check_backend
+from .checks import check_backend
+from .ops import Sublayer, add_norm
 
 STYLES = ("layer", "rms", "llama", "gemma")
 

@@ -1,10 +1,12 @@
 r"""The math of every addnorm op, in plain torch: the one place to read the formulas.
 
-This module is the documentation, the test oracle and the fallback backend at once.
-Every kernel (``kernels/cpu.py``, ``kernels/triton.py``) implements exactly the two
-functions below, :func:`forward` and :func:`backward`, with the same arguments and
-results, on rows of a 2-D ``(M, N)`` view: ``M`` rows, each normalized over its ``N``
-features (the product of ``normalized_shape``).
+This module is the documentation and the test oracle; the ``reference`` backend
+(:mod:`addnorm.kernels.torch`) runs these formulas as torch ops. Every backend computes them, bit
+for bit where this page says so (the dropout hash), on rows of a 2-D ``(M, N)`` view: ``M`` rows,
+each normalized over its ``N`` features (the product of ``normalized_shape``). The functions:
+the stream (:func:`stream`) and the sublayer branch (:func:`branch_terms`, :func:`keep_mask`);
+the forward and backward of a block of rows, every step kept (:func:`forward_rows`,
+:func:`backward_rows`) and of all rows at once (:func:`forward_steps`, :func:`backward_steps`).
 
 Forward (one row ``s`` of ``N`` features, optional residual add first)::
 
@@ -58,7 +60,7 @@ import math
 import torch
 from torch import Tensor
 
-from .backend import Branch, Capabilities, Grads, check_s_parts
+from .backend import Branch
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -187,18 +189,6 @@ def branch_backward(ds: Tensor, x: Tensor, branch: Branch, rows: Tensor) -> tupl
     return branch_terms(ds, branch, rows)["t"], dlayer_scale
 
 
-# Rows are processed in blocks of about BLOCK_ELEMENTS elements: the float32 temporaries of
-# the formulas below then take a fixed ~0.5 MiB instead of several copies of the whole input,
-# so forward + backward peak at torch eager's memory (s, y and ds) plus that fixed buffer.
-# The block size depends only on N, so dweight/dbias are summed in the same order every run.
-BLOCK_ELEMENTS = 1 << 14
-
-
-def row_blocks(m: int, n: int) -> list[slice]:
-    step = max(1, BLOCK_ELEMENTS // max(n, 1))
-    return [slice(i, min(i + step, m)) for i in range(0, m, step)]
-
-
 def row_scale(sf: Tensor) -> Tensor:
     """Per row, a power of two ``k <= 1`` with ``max|s * k| < 1``, shape ``(rows, 1)``.
 
@@ -315,7 +305,7 @@ def forward_steps(
     residual_dtype: torch.dtype | None,
     branch: Branch | None = None,
 ) -> dict[str, Tensor | None]:
-    """:func:`forward` on all rows at once, keeping every step (``s`` too), for ``addnorm explain``."""
+    """:func:`forward_rows` on all rows at once from the inputs, keeping every step (``s`` too)."""
     s = stream(x, residual, residual_dtype, branch)
     cd = stats_dtype(s.dtype)
     st = forward_rows(s.to(cd), *(None if t is None else t.to(cd) for t in (weight, bias)), eps, rms)
@@ -333,7 +323,8 @@ def backward_steps(
     rms: bool,
     has_bias: bool,
 ) -> dict[str, Tensor | None]:
-    """:func:`backward` on all rows at once, keeping every step, for ``addnorm explain``."""
+    """:func:`backward_rows` on all rows at once, keeping every step, with ``dweight``/``dbias``
+    ``None`` where there is no such parameter."""
     cd = rstd.dtype
     st = backward_rows(
         dy.to(cd),
@@ -345,165 +336,3 @@ def backward_steps(
         rms,
     )
     return dict(st, dweight=st["dweight"] if weight is not None else None, dbias=st["dbias"] if has_bias else None)
-
-
-# The reference as a backend (addnorm.backend): any device, and post-norm saves ``s`` (its backward
-# would recompute the sum in torch ops, one more pass over memory, so nothing is gained)
-CAPABILITIES = Capabilities(device_types=None)
-
-
-def unavailable_reason(x: Tensor | None) -> str | None:
-    return None
-
-
-def forward(
-    x: Tensor,
-    residual: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    *,
-    eps: float,
-    rms: bool,
-    residual_dtype: torch.dtype | None,
-    write_stream: bool = True,
-    write_stats: bool = True,
-    out: Tensor | None = None,
-    residual_out: Tensor | None = None,
-    branch: Branch | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-    """Normalize each row of ``x`` (after adding ``residual`` if given, through ``branch``).
-
-    Returns ``(y, s, mean, rstd)``: ``y`` in ``x.dtype``; ``s`` the residual stream
-    ``x + residual`` (``None`` without a residual); ``mean`` (``None`` for RMSNorm) and
-    ``rstd`` of shape ``(M,)`` in :func:`stats_dtype`. (``write_stream``/``write_stats`` let a
-    fused kernel skip writing what the caller will not use; here ``s`` is the norm's input and
-    the statistics cost nothing extra, so they are returned anyway.) ``out``/``residual_out``
-    receive ``y`` and ``s``.
-    """
-    s = stream(x, residual, residual_dtype, branch)
-    if residual_out is not None:
-        s = residual_out.copy_(s)
-    cd = stats_dtype(s.dtype)
-    n = s.shape[-1]
-    s2 = s.reshape(-1, n)
-    m = s2.shape[0]
-    y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y2 = y.view(m, n)
-    mean = None if rms else torch.empty(m, dtype=cd, device=x.device)
-    rstd = torch.empty(m, dtype=cd, device=x.device)
-    w = weight.to(cd) if weight is not None else None
-    b = bias.to(cd) if bias is not None else None
-    for rows in row_blocks(m, n):
-        st = forward_rows(s2[rows].to(cd), w, b, eps, rms)
-        y2[rows], rstd[rows] = st["y"], st["rstd"]
-        if mean is not None:
-            mean[rows] = st["mean"]
-    return y, (s if residual is not None else None), mean, rstd
-
-
-def backward(
-    dy: Tensor,
-    dstream: Tensor | None,
-    s_parts: tuple[Tensor, ...],
-    weight: Tensor | None,
-    mean: Tensor | None,
-    rstd: Tensor,
-    *,
-    rms: bool,
-    has_bias: bool,
-    branch: Branch | None = None,
-    param_dtype: torch.dtype | None = None,
-) -> Grads:
-    """Gradients of :func:`forward` from the saved ``s`` (``s_parts = (s,)``, or ``(x, residual)``
-    from which ``s`` is recomputed), ``mean`` and ``rstd``.
-
-    ``dy`` is the gradient of ``y``; ``dstream`` that of the returned stream ``s`` (pre-norm)
-    or ``None``. Returns :class:`~addnorm.backend.Grads`: ``ds`` in the dtype of ``s`` (the
-    gradient of ``residual``, and of ``x`` without a branch), ``dweight`` and ``dbias`` summed in
-    the statistics dtype, returned in ``param_dtype`` when given (``None`` where there is no such
-    parameter); with a ``branch``, ``dx`` and ``dlayer_scale`` by :func:`branch_backward`.
-    """
-    check_s_parts(s_parts, branch)
-    n = s_parts[0].shape[-1]
-    s, *r = (part.reshape(-1, n) for part in s_parts)
-    dy = dy.reshape(-1, n)
-    dstream = dstream.reshape(-1, n) if dstream is not None else None
-    cd = rstd.dtype
-    m = s.shape[0]
-    sd = s_parts[-1].dtype  # the stream dtype (with a branch, residual's)
-    ds = torch.empty((m, n), dtype=sd, device=s.device)
-    dx = torch.empty((m, n), dtype=sd, device=s.device) if branch is not None else None
-    zeros = lambda: torch.zeros(n, dtype=cd, device=s.device)  # noqa: E731
-    dweight = zeros() if weight is not None else None
-    dbias = zeros() if has_bias else None
-    dlayer_scale = zeros() if branch is not None and branch.layer_scale is not None else None
-    w = weight.to(cd) if weight is not None else None
-    for rows in row_blocks(m, n):
-        sf = (stream(s[rows], r[0][rows], sd, branch, rows.start) if r else s[rows]).to(cd)
-        st = backward_rows(
-            dy[rows].to(cd),
-            dstream[rows].to(cd) if dstream is not None else None,
-            sf,
-            w,
-            None if rms else mean[rows],
-            rstd[rows],
-            rms,
-        )
-        ds[rows] = st["ds"]
-        if branch is not None:
-            # from ds as stored (rounded to the stream dtype), as autograd would
-            indices = torch.arange(rows.start, rows.stop, device=s.device)
-            dx_rows, dls = branch_backward(ds[rows].to(cd), s[rows].to(sd).to(cd), branch, indices)
-            dx[rows] = dx_rows
-            if dls is not None:
-                dlayer_scale += dls
-        if dweight is not None:
-            dweight += st["dweight"]
-        if dbias is not None:
-            dbias += st["dbias"]
-    shape = s_parts[0].shape
-    if param_dtype is not None:
-        dweight, dbias = (None if g is None else g.to(param_dtype) for g in (dweight, dbias))
-    return Grads(ds.view(shape), dweight, dbias, None if dx is None else dx.view(shape), dlayer_scale)
-
-
-def composite(
-    x: Tensor,
-    residual: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    rms: bool,
-    residual_dtype: torch.dtype | None,
-    branch: Branch | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``(y, s)`` by :func:`forward_rows` on all rows at once, as differentiable torch ops (no
-    in-place writes): what runs under ``torch.func`` transforms and forward-mode AD, where
-    torch's autograd differentiates these formulas (to any order)."""
-    st = forward_steps(x, residual, weight, bias, eps, rms, residual_dtype, branch)
-    return st["y"].to(x.dtype), st["s"]
-
-
-def differentiable_backward(
-    dy: Tensor,
-    dstream: Tensor | None,
-    s_parts: tuple[Tensor, ...],
-    weight: Tensor | None,
-    eps: float,
-    rms: bool,
-    has_bias: bool,
-    branch: Branch | None = None,
-) -> Grads:
-    """:func:`backward` on all rows at once as differentiable torch ops, for a second derivative
-    (``create_graph=True``): the statistics are recomputed from ``s`` by the forward formulas, so
-    that the gradient's dependence on ``s`` through ``mean`` and ``rstd`` is part of the graph."""
-    s = s_parts[0] if len(s_parts) == 1 else stream(*s_parts, s_parts[1].dtype, branch)
-    st = forward_steps(s, None, None, None, eps, rms, None)
-    bt = backward_steps(dy, dstream, s, weight, st["mean"], st["rstd"], rms=rms, has_bias=has_bias)
-    ds = bt["ds"].to(s.dtype)
-    if branch is None:
-        return Grads(ds, bt["dweight"], bt["dbias"])
-    x = s_parts[0]
-    rows = torch.arange(x.numel() // x.shape[-1], device=x.device).view(x.shape[:-1])
-    dx, dlayer_scale = branch_backward(ds.to(st["rstd"].dtype), x.to(st["rstd"].dtype), branch, rows)
-    return Grads(ds, bt["dweight"], bt["dbias"], dx.to(s.dtype), dlayer_scale)

@@ -1,0 +1,399 @@
+"""Training calls: what a forward writes and saves, the custom ops, and one backward.
+
+Two wrappers run a call that takes gradients, with the same save plan (:func:`save_plan`) and the
+same backward (:func:`_grads`):
+
+- :class:`EagerAddNorm`, an ``autograd.Function`` for plain tensors in eager mode, with as little
+  autograd bookkeeping per call as the custom op allows (a small norm's whole call costs little
+  more than that bookkeeping: docs/benchmarks.md, "What limits it");
+- the custom ops ``addnorm::forward`` / ``addnorm::backward``, whose fake kernels and autograd
+  registration serve ``torch.compile``, ``torch.export``, ``torch.jit.trace`` and tensor
+  subclasses (FakeTensor, DTensor through :mod:`addnorm.sharding`).
+
+A second derivative (``create_graph=True``) differentiates the hand-written backward formulas
+themselves (:func:`addnorm.kernels.torch.differentiable_backward`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import backend as backends
+from . import reference
+from .kernels import torch as torch_kernels
+
+
+class OpArgs(NamedTuple):
+    """The arguments of one call of the op, as every route takes them: ``x`` and ``residual`` as
+    rows of ``N`` features (``normalized_shape`` flattened into the last dim), the sublayer
+    branch ``s = residual + rowscale * layer_scale * dropout(x)`` in its last four fields. The
+    custom op's schema (:data:`_FORWARD_SCHEMA`) lists the same fields, checked at import."""
+
+    x: Tensor
+    residual: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+    eps: float
+    rms: bool
+    residual_dtype: torch.dtype | None
+    backend: str
+    prenorm: bool
+    dropout_p: float = 0.0
+    seed: Tensor | None = None  # int64 0-d, drawn when dropout_p > 0
+    layer_scale: Tensor | None = None  # (N,)
+    rowscale: Tensor | None = None  # x's leading dims: one factor per row
+
+
+# OpArgs(*fields) without NamedTuple's Python-level __new__ (a call less on every op call): all
+# thirteen fields, always
+op_args = partial(tuple.__new__, OpArgs)
+
+
+def make_branch(
+    dropout_p: float, seed: Tensor | None, layer_scale: Tensor | None, rowscale: Tensor | None
+) -> backends.Branch | None:
+    """The :class:`~addnorm.backend.Branch` of these arguments as backends take it (``rowscale``
+    flat, one factor per row), None when it changes nothing."""
+    if rowscale is None and layer_scale is None and not dropout_p:
+        return None
+    return backends.Branch(dropout_p, seed, layer_scale, None if rowscale is None else rowscale.reshape(-1))
+
+
+def row_shape(x: Tensor) -> tuple[int, ...]:
+    """The shape of the per-row tensors (the statistics, ``rowscale``): ``x.shape[:-1]``. Their
+    placeholders (RMSNorm's mean, a stream or ``dx`` not written) are empty, of shape
+    ``row_shape(x) + (0,)``. Keeping x's leading dims lets a DTensor shard them like x's
+    (:mod:`addnorm.sharding`); a backend takes them flat."""
+    return x.shape[:-1]
+
+
+def _no_vector(like: Tensor, dtype: torch.dtype) -> Tensor:
+    """The custom op's placeholder for a parameter gradient that does not exist."""
+    return torch.empty((0,), dtype=dtype, device=like.device)
+
+
+# --------------------------------------------------------------------------- the save plan
+
+
+class SavePlan(NamedTuple):
+    """What a training call's forward writes (besides y, mean and rstd) and what it saves."""
+
+    write_stream: bool  # the forward writes s = x + residual
+    save_inputs: bool  # training saves x and residual (the backward recomputes s), else s (or x)
+
+
+_NORM_ONLY = SavePlan(False, False)  # no residual: nothing to write but y, and x is saved
+
+
+def save_plan(impl: backends.Backend, a: OpArgs, branch: backends.Branch | None) -> SavePlan:
+    """One plan for both wrappers.
+
+    Training saves ``s`` (``x`` without a residual), ``mean``, ``rstd`` and the weight. Post-norm
+    on a backend that ``recomputes_stream`` saves ``x`` and ``residual`` instead and the forward
+    never writes ``s``: in a Transformer the memory kept is the same (``residual`` is kept anyway
+    as the input of the next sublayer), and a fresh output fewer is written. Only when both
+    already have the stream dtype, so that the sum is bit for bit the forward's. With a branch
+    (dropout, layer scale, rowscale) every backend saves ``x`` and ``residual``: ``dx`` is not
+    ``ds``, the layer scale's gradient reads ``x``, and the keep mask is recomputed from the seed,
+    never saved. (Inference writes the stream only when it is returned, and no statistics.)
+    """
+    x, residual = a.x, a.residual
+    if residual is None:
+        return _NORM_ONLY
+    if branch is not None:
+        return SavePlan(a.prenorm, True)
+    save_inputs = (
+        not a.prenorm
+        and impl.CAPABILITIES.recomputes_stream
+        and x.dtype == residual.dtype
+        and a.residual_dtype in (None, x.dtype)
+    )
+    return SavePlan(not save_inputs, save_inputs)
+
+
+def _saved(a: OpArgs, s: Tensor | None, plan: SavePlan) -> tuple[Tensor, ...]:
+    """The backward's ``s_parts`` under ``plan``: ``(x, residual)`` to recompute ``s`` from, or the
+    stream itself (``x`` without a residual)."""
+    return (a.x, a.residual) if plan.save_inputs else (a.x if a.residual is None else s,)
+
+
+def train_forward(a: OpArgs) -> tuple[SavePlan, backends.Branch | None, tuple]:
+    """``(plan, branch, (y, s, mean, rstd))``: the forward of a training call, as the plan says."""
+    impl = backends.resolve(a.backend, a.x)
+    branch = make_branch(a.dropout_p, a.seed, a.layer_scale, a.rowscale)
+    plan = save_plan(impl, a, branch)
+    outputs = impl.forward(
+        a.x,
+        a.residual,
+        a.weight,
+        a.bias,
+        eps=a.eps,
+        rms=a.rms,
+        residual_dtype=a.residual_dtype,
+        write_stream=plan.write_stream,
+        branch=branch,
+    )
+    return plan, branch, outputs
+
+
+# --------------------------------------------------------------------------- the one backward
+
+
+class _Meta(NamedTuple):
+    """What the backward needs besides the saved tensors, in one ctx attribute."""
+
+    x_dtype: torch.dtype
+    residual_dtype: torch.dtype | None
+    bias_dtype: torch.dtype | None
+    eps: float
+    rms: bool
+    backend: str
+    stream_output: bool  # the stream is an output with a gradient to take
+    dropout_p: float
+
+
+def _meta(a: OpArgs, stream_output: bool) -> _Meta:
+    residual, bias = a.residual, a.bias
+    fields = (
+        a.x.dtype,
+        None if residual is None else residual.dtype,
+        None if bias is None else bias.dtype,
+        a.eps,
+        a.rms,
+        a.backend,
+        stream_output,
+        a.dropout_p,
+    )
+    return tuple.__new__(_Meta, fields)
+
+
+def _save(ctx, a: OpArgs, plan: SavePlan, mean: Tensor | None, rstd: Tensor, s: Tensor | None) -> None:
+    ctx.save_for_backward(a.weight, mean, rstd, a.seed, a.layer_scale, a.rowscale, *_saved(a, s, plan))
+    ctx.meta = _meta(a, plan.write_stream)
+
+
+def run_backward(
+    dy,
+    dstream,
+    s_parts,
+    weight,
+    mean,
+    rstd,
+    rms,
+    has_bias,
+    backend,
+    dropout_p=0.0,
+    seed=None,
+    layer_scale=None,
+    rowscale=None,
+    param_dtype=None,
+) -> backends.Grads:
+    """The backend's backward, eagerly (the custom op ``addnorm::backward`` runs the same)."""
+    impl = backends.resolve(backend, s_parts[0])
+    branch = make_branch(dropout_p, seed, layer_scale, rowscale)
+    return impl.backward(
+        dy, dstream, s_parts, weight, mean, rstd, rms=rms, has_bias=has_bias, branch=branch, param_dtype=param_dtype
+    )
+
+
+def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)  # (.to() costs a dispatch even when a no-op)
+
+
+def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
+    """``(dx, dresidual, dweight, dbias, dlayer_scale)``: the one backward of both wrappers, from
+    the saved ``(weight, mean, rstd, seed, layer_scale, rowscale, *s_parts)``; ``backward_fn``
+    takes :func:`run_backward`'s arguments."""
+    weight, mean, rstd, seed, layer_scale, rowscale = saved[:6]
+    s_parts = tuple(saved[6:])
+    x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_output, dropout_p = meta
+    branch = make_branch(dropout_p, seed, layer_scale, rowscale)
+    if dy is None:  # only the stream output was used (zeros_like: a DTensor's zeros are one too)
+        dy = torch.zeros_like(s_parts[0], dtype=x_dtype)
+    if not stream_output:  # no stream output, or an empty placeholder (its gradient too)
+        dstream = None
+    has_bias = bias_dtype is not None
+    if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
+        g = torch_kernels.differentiable_backward(dy, dstream, s_parts, weight, eps, rms, has_bias, branch)
+    else:
+        # dweight and dbias straight in the parameters' dtype when they share one
+        param_dtype = bias_dtype if weight is None else weight.dtype
+        if has_bias and bias_dtype is not param_dtype:
+            param_dtype = None
+        branch_args = (dropout_p, seed, layer_scale, rowscale)
+        g = backward_fn(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend, *branch_args, param_dtype)
+    ds = g.ds
+    return (
+        _to(ds if branch is None else g.dx, x_dtype),
+        None if residual_dtype is None else _to(ds, residual_dtype),
+        None if weight is None else _to(g.dweight, weight.dtype),
+        _to(g.dbias, bias_dtype) if has_bias else None,
+        _to(g.dlayer_scale, layer_scale.dtype) if layer_scale is not None else None,
+    )
+
+
+# --------------------------------------------------------------------------- eager
+
+
+class EagerAddNorm(torch.autograd.Function):
+    """Eager-mode twin of ``addnorm::forward``: the same plan and backward, no op dispatch, and
+    less autograd bookkeeping: the outputs are ``y`` (and ``s`` when written) alone (the
+    statistics are saved, not returned), the arguments travel as one :class:`OpArgs`, and
+    ``residual`` and ``layer_scale`` are passed as inputs only when given (each input costs the
+    graph some bookkeeping). (The old-style ``forward(ctx, ...)`` on purpose: with a separate
+    ``setup_context``, ``Function.apply`` binds the arguments with ``inspect.signature`` on every
+    call.) The tensors in ``a`` are the inputs themselves."""
+
+    @staticmethod
+    def forward(ctx, a, x, weight, bias, residual=None, layer_scale=None):
+        plan, _, (y, s, mean, rstd) = train_forward(a)
+        _save(ctx, a, plan, mean, rstd, s)
+        # s is an output whenever it is written (and so saved), so that a second derivative
+        # reaches x and residual through it; post-norm discards it
+        if not plan.write_stream:
+            return y
+        ctx.set_materialize_grads(False)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, dstream=None):
+        dx, dresidual, dweight, dbias, dlayer_scale = _grads(dy, dstream, ctx.saved_tensors, ctx.meta, run_backward)
+        return None, dx, dweight, dbias, dresidual, dlayer_scale  # (trailing Nones beyond the inputs are dropped)
+
+
+# Function.apply's Python wrapper binds setup_context arguments and unwraps functorch tensors:
+# neither applies here (the eager route runs only outside torch.func transforms), so the C
+# implementation it ends in is called directly.
+eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, EagerAddNorm)
+
+
+# --------------------------------------------------------------------------- the custom ops
+
+_FORWARD_SCHEMA = (
+    "(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps, bool rms, ScalarType? residual_dtype, "
+    "str backend, bool prenorm, float dropout_p=0.0, Tensor? seed=None, Tensor? layer_scale=None, "
+    "Tensor? rowscale=None) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_BACKWARD_SCHEMA = (
+    "(Tensor dy, Tensor? dstream, Tensor[] s_parts, Tensor? weight, Tensor? mean, Tensor rstd, bool rms, "
+    "bool has_bias, str backend, float dropout_p=0.0, Tensor? seed=None, Tensor? layer_scale=None, "
+    "Tensor? rowscale=None, ScalarType? param_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+if [arg.name for arg in torch._C.parse_schema("f" + _FORWARD_SCHEMA).arguments] != list(OpArgs._fields):
+    raise AssertionError("addnorm::forward's schema and OpArgs list different fields")
+
+
+# The dispatcher may leave out trailing arguments at their defaults: OpArgs(*args) fills them.
+
+
+def _forward_impl(*args, **kwargs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    a = OpArgs(*args, **kwargs)
+    plan, _, (y, s, mean, rstd) = train_forward(a)
+    x, rows = a.x, row_shape(a.x)
+    return (
+        y.contiguous(),
+        s.contiguous() if plan.write_stream else x.new_empty((*rows, 0)),
+        mean.view(rows) if mean is not None else x.new_empty((*rows, 0), dtype=rstd.dtype),
+        rstd.view(rows),
+    )
+
+
+def _forward_fake(*args, **kwargs):
+    a = OpArgs(*args, **kwargs)
+    x = a.x
+    branch = make_branch(a.dropout_p, a.seed, a.layer_scale, a.rowscale)
+    plan = save_plan(backends.resolve(a.backend, x), a, branch)
+    sd = reference.stream_dtype(x, a.residual, a.residual_dtype)
+    cd, rows = reference.stats_dtype(sd), row_shape(x)
+    s = x.new_empty(x.shape, dtype=sd) if plan.write_stream else x.new_empty((*rows, 0))
+    mean = x.new_empty((*rows, 0) if a.rms else rows, dtype=cd)
+    return x.new_empty(x.shape), s, mean, x.new_empty(rows, dtype=cd)
+
+
+def _backward_impl(
+    dy,
+    dstream,
+    s_parts,
+    weight,
+    mean,
+    rstd,
+    rms,
+    has_bias,
+    backend,
+    dropout_p=0.0,
+    seed=None,
+    layer_scale=None,
+    rowscale=None,
+    param_dtype=None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    mean = None if mean is None else mean.reshape(-1)  # statistics flat, as backends take them
+    rstd = rstd.reshape(-1)
+    branch_args = (dropout_p, seed, layer_scale, rowscale)
+    g = run_backward(dy, dstream, tuple(s_parts), weight, mean, rstd, rms, has_bias, backend, *branch_args, param_dtype)
+    cd = rstd.dtype
+    return (
+        g.ds.contiguous(),
+        g.dweight if g.dweight is not None else _no_vector(g.ds, cd),
+        g.dbias if g.dbias is not None else _no_vector(g.ds, cd),
+        g.dx.contiguous() if g.dx is not None else g.ds.new_empty((*row_shape(g.ds), 0)),
+        g.dlayer_scale if g.dlayer_scale is not None else _no_vector(g.ds, cd),
+    )
+
+
+def _backward_fake(
+    dy,
+    dstream,
+    s_parts,
+    weight,
+    mean,
+    rstd,
+    rms,
+    has_bias,
+    backend,
+    dropout_p=0.0,
+    seed=None,
+    layer_scale=None,
+    rowscale=None,
+    param_dtype=None,
+):
+    s = s_parts[-1]  # ds and dx have the stream dtype: the residual's with a branch
+    n, cd = s.shape[-1], rstd.dtype
+    branch = make_branch(dropout_p, seed, layer_scale, rowscale)
+    vector = lambda present, dt=cd: s.new_empty((n,), dtype=dt) if present else _no_vector(s, cd)  # noqa: E731
+    dx = s.new_empty(s.shape) if branch is not None else s.new_empty((*row_shape(s), 0))
+    layer_scaled = branch is not None and branch.layer_scale is not None
+    pd = param_dtype or cd
+    return s.new_empty(s.shape), vector(weight is not None, pd), vector(has_bias, pd), dx, vector(layer_scaled)
+
+
+forward_op = torch.library.custom_op("addnorm::forward", _forward_impl, mutates_args=(), schema=_FORWARD_SCHEMA)
+backward_op = torch.library.custom_op("addnorm::backward", _backward_impl, mutates_args=(), schema=_BACKWARD_SCHEMA)
+forward_op.register_fake(_forward_fake)
+backward_op.register_fake(_backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    """The custom op's autograd: the plan its forward made, the statistics saved as tensors."""
+    a = OpArgs(*inputs)
+    y, s, mean, rstd = output
+    branch = make_branch(a.dropout_p, a.seed, a.layer_scale, a.rowscale)
+    plan = save_plan(backends.resolve(a.backend, a.x), a, branch)
+    _save(ctx, a, plan, None if a.rms else mean, rstd, s)
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.set_materialize_grads(False)
+
+
+def _op_backward_grads(*args) -> backends.Grads:
+    return backends.Grads(*backward_op(*args))
+
+
+def _op_backward(ctx, dy, dstream, _dmean, _drstd):
+    dx, dresidual, dweight, dbias, dlayer_scale = _grads(dy, dstream, ctx.saved_tensors, ctx.meta, _op_backward_grads)
+    return (dx, dresidual, dweight, dbias) + (None,) * 7 + (dlayer_scale, None)
+
+
+forward_op.register_autograd(_op_backward, setup_context=_setup_context)

@@ -1,0 +1,213 @@
+"""Argument checks of the public ops: each names the argument and what was expected.
+
+The checks of :func:`check_inputs` run on every call, so each first tests the common case in a
+few attribute reads and only a failing test calls the function that finds and words the error
+(a small norm's whole call costs little more than the checks: docs/benchmarks.md, "What limits it").
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from . import backend as backends
+
+PLAIN = (Tensor, torch.nn.Parameter)  # the tensor types the eager routes hand to a kernel
+
+
+_FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
+# float8 and other exotic floats pass is_floating_point() but no backend computes in them.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+
+
+def check_float_tensor(name: str, t: object) -> Tensor:
+    if type(t) in PLAIN and t.dtype in _SUPPORTED:
+        return t
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor ({_FLOAT_DTYPES}), got {t.dtype}")
+    return t
+
+
+def normalize_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
+    """``normalized_shape`` as a tuple of positive ints, or a clear error."""
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        shape: tuple = (int(normalized_shape),)
+    elif isinstance(normalized_shape, (Sequence, torch.Size)) and not isinstance(normalized_shape, str):
+        shape = tuple(normalized_shape)
+    else:
+        raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__}")
+    if not shape or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise ValueError(f"normalized_shape must be one or more positive ints, got {normalized_shape!r}")
+    return tuple(int(d) for d in shape)
+
+
+def check_param(name: str, p: Tensor | None, shape: tuple[int, ...], x: Tensor) -> None:
+    if p is None:
+        return
+    check_float_tensor(name, p)
+    if p.shape != shape:
+        raise ValueError(f"{name} must have shape {shape} (normalized_shape), got {tuple(p.shape)}")
+    if not (p.is_cpu and x.is_cpu) and p.device != x.device:
+        raise ValueError(f"{name} is on {p.device} but x is on {x.device}; expected the same device")
+
+
+def check_eps(eps: object) -> float:
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a non-negative finite number, got {type(eps).__name__} {eps!r}")
+    if not math.isfinite(eps) or eps < 0:  # eps=inf would silently turn every output into bias
+        raise ValueError(f"eps must be a non-negative finite number, got {eps!r}")
+    return float(eps)
+
+
+def check_backend(backend: object) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {backends.names()}, got {type(backend).__name__}")
+    if backend != "auto" and backend not in backends.REGISTRY:
+        raise ValueError(f"backend must be one of {backends.names()}, got {backend!r}")
+    return backend
+
+
+def check_flag(name: str, value: object) -> bool:
+    # A truthy string such as prenorm="no" would silently change what is returned.
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_residual_dtype(residual_dtype: object) -> torch.dtype | None:
+    if residual_dtype is not None and residual_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"residual_dtype must be None or a torch dtype ({_FLOAT_DTYPES}), got {residual_dtype!r}")
+    return residual_dtype
+
+
+def check_inputs(
+    x: object,
+    residual: object,
+    normalized_shape: int | Sequence[int],
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: object,
+    residual_dtype: object,
+) -> tuple[tuple[int, ...], float]:
+    """Validate the arguments of a public op; returns ``(normalized_shape, eps)`` (module
+    docstring: the common case first)."""
+    if not (type(x) in PLAIN and x.dtype in _SUPPORTED):
+        x = check_float_tensor("x", x)
+    n = normalized_shape
+    if type(n) is not int and type(n) in (tuple, torch.Size) and len(n) == 1 and type(n[0]) is int:
+        n = n[0]  # a module's (n,)
+    if type(n) is int and 2 < n:
+        shape: tuple[int, ...] = (n,)
+        if x.dim() == 0 or x.shape[-1] != n:
+            raise ValueError(f"x of shape {tuple(x.shape)} must end with normalized_shape {shape}")
+    else:
+        shape = normalize_shape(normalized_shape)
+        if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
+            raise ValueError(f"x of shape {tuple(x.shape)} must end with normalized_shape {shape}")
+        n = math.prod(shape)
+        if n <= 2:
+            warnings.warn(
+                f"normalizing over {n} feature(s): every output row is then ±1 (or 0) times weight, "
+                "plus bias, whatever the input; project the features to a wider dimension first",
+                UserWarning,
+                stacklevel=4,
+            )
+    cpu = x.is_cpu
+    if weight is not None and not (
+        type(weight) in PLAIN and weight.dtype in _SUPPORTED and weight.shape == shape and weight.is_cpu and cpu
+    ):
+        check_param("weight", weight, shape, x)
+    if bias is not None and not (
+        type(bias) in PLAIN and bias.dtype in _SUPPORTED and bias.shape == shape and bias.is_cpu and cpu
+    ):
+        check_param("bias", bias, shape, x)
+    if residual is not None:
+        if not (type(residual) in PLAIN and residual.dtype in _SUPPORTED):
+            residual = check_float_tensor("residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+        if not (residual.is_cpu and cpu) and residual.device != x.device:
+            raise ValueError(f"residual is on {residual.device} but x is on {x.device}; expected the same device")
+    if residual_dtype is not None:
+        check_residual_dtype(residual_dtype)
+    if type(eps) is not float or not 0.0 <= eps < math.inf:
+        eps = check_eps(eps)
+    return shape, eps
+
+
+def check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
+    """``out``/``residual_out`` must be contiguous buffers of the results' shape, dtype and device."""
+    if needs_grad:
+        raise RuntimeError(
+            "out= and residual_out= do not support autograd: an input requires grad; "
+            "call under torch.no_grad() / torch.inference_mode(), or drop out="
+        )
+    if residual_out is not None and residual is None:
+        raise ValueError("residual_out= needs a residual: only add_layer_norm/add_rms_norm produce a stream")
+    for name, t, dtype in (("out", out, x.dtype), ("residual_out", residual_out, sd)):
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != x.shape or t.dtype != dtype or t.device != x.device or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous {dtype} tensor of shape {tuple(x.shape)} on "
+                f"{x.device}, got {'' if t.is_contiguous() else 'non-contiguous '}"
+                f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
+            )
+
+
+def check_sublayer(x: Tensor, residual: Tensor | None, shape: tuple[int, ...], weight, sublayer) -> None:
+    """The keyword-only arguments of the sublayer branch (:class:`addnorm.ops.Sublayer`)."""
+    p, generator, layer_scale, rowscale, zero_centered, return_mask = sublayer
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 1:  # NaN fails too
+        raise ValueError(f"dropout_p must be a probability in [0, 1], got {p!r}")
+    check_flag("zero_centered_weight", zero_centered)
+    check_flag("return_dropout_mask", return_mask)
+    if residual is None and (p or layer_scale is not None or rowscale is not None):
+        raise ValueError("dropout_p, layer_scale and rowscale act on the sublayer output added to a residual")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if generator.device.type != x.device.type or (x.is_cuda and generator.device != x.device):
+            raise ValueError(f"generator is on {generator.device} but x is on {x.device}; expected x's device")
+    check_param("layer_scale", layer_scale, shape, x)
+    if rowscale is not None:
+        check_float_tensor("rowscale", rowscale)
+        lead = tuple(x.shape[: x.dim() - len(shape)])
+        if tuple(rowscale.shape) != lead or rowscale.device != x.device:
+            raise ValueError(
+                f"rowscale must have x's leading dims {lead} (one factor per row) on {x.device}, "
+                f"got {tuple(rowscale.shape)} on {rowscale.device}"
+            )
+        if rowscale.requires_grad and torch.is_grad_enabled():
+            raise ValueError("rowscale is a per-row constant (drop path) and takes no gradient: pass rowscale.detach()")
+    if zero_centered and weight is None:
+        raise ValueError("zero_centered_weight=True scales by 1 + weight: it needs a weight")
+
+
+def check_dtensors(x, residual, weight, bias, buffers: bool, dropout_p: float) -> None:
+    """What DTensors cannot do here (DTensor loaded): write into ``out=`` buffers, and take
+    dropout on rows sharded over ranks, whose keep mask is a function of each row's index in the
+    call: a shard of the rows would draw the masks of other rows, the same on every rank (the
+    sharding rules would gather the rows instead: a cost better asked for than hidden)."""
+    dtensor = sys.modules["torch.distributed.tensor"].DTensor
+    if buffers and any(isinstance(t, dtensor) for t in (x, residual, weight, bias)):
+        raise ValueError("out= and residual_out= take plain tensors, not DTensors")
+    placements = [p for t in (x, residual) if isinstance(t, dtensor) for p in t.placements]
+    if dropout_p > 0 and not all(p.is_replicate() for p in placements):
+        raise ValueError(
+            "dropout_p > 0 needs x and residual replicated when they are DTensors: the keep mask is a function "
+            "of each row's index, which a shard of the rows does not know. Keep dropout_p=0 and apply "
+            "torch.nn.Dropout to the sublayer output before the norm, or redistribute x and residual to "
+            "Replicate()"
+        )
