@@ -1,20 +1,41 @@
-"""The backend contract: what a backend implements, what it declares, and the registry.
+"""The backend contract, the registry, and how to write a backend.
 
-A backend is a module that provides the three functions of :class:`Backend` and a
-:class:`Capabilities` declaration. The registry names each backend and imports it on first
-use; a module that lacks one of the functions or the declaration is rejected with the name
-of what is missing. Nothing else is read from a backend module.
+A backend is a module (in this package or your own) that computes :mod:`addnorm.reference`'s
+formulas on rows of a 2-D ``(M, N)`` view. It provides the three functions of :class:`Backend`
+and a :class:`Capabilities` declaration; nothing else is read from it. The registry names each
+backend and imports it on first use; a module that lacks a function or the declaration is
+rejected with the name of what is missing.
 
-Every backend computes :mod:`addnorm.reference`'s formulas on rows of a 2-D ``(M, N)`` view,
-with the same statistics dtype, the same corrected mean and the same row scaling, and each
-row's results depend on that row alone: never on how many rows are in the call, where the
-row sits, or how many threads run (batch invariance; ``tests/test_batch_invariance.py``).
+Writing a backend, the checklist:
+
+1. ``CAPABILITIES = Capabilities(device_types=("xpu",))``: the device types it runs on, and
+   ``recomputes_stream=True`` if its post-norm backward recomputes ``s = x + residual`` from the
+   saved inputs (then its forward need not write ``s``: :func:`addnorm.autograd.save_plan`).
+2. ``unavailable_reason(x)``: ``None`` if it can run (on ``x``, when given), else why not (a
+   missing dependency, another device); ``addnorm info`` prints it.
+3. ``forward(x, residual, weight, bias, *, eps, rms, residual_dtype, write_stream, write_stats,
+   out, residual_out, branch)`` returning ``(y, s, mean, rstd)`` (:meth:`Backend.forward`).
+4. ``backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch, param_dtype)``
+   returning :class:`Grads` (:meth:`Backend.backward`).
+5. The numerics every backend shares: statistics in float32 (float64 for float64 input); the
+   mean corrected by the mean of the centred row; rows scaled by a power of two before their
+   squares can overflow (:func:`addnorm.reference.row_scale`); ``y`` in ``x``'s dtype.
+6. Batch invariance: each row's results depend on that row alone, never on how many rows are
+   in the call, where the row sits, or how many threads run.
+7. The sublayer :class:`Branch`: dropout's keep mask is :func:`addnorm.reference.keep_mask`, bit
+   for bit, recomputed in the backward (never stored).
+8. ``register("mine", "my_package.my_backend", device_types_for_auto=("xpu",))`` makes
+   ``backend="mine"`` work everywhere (and ``"auto"`` pick it on those device types);
+   ``addnorm.testing.check_backend("mine")`` runs the conformance check that every backend of
+   this package passes in its test suite: forward and backward against a float64 oracle on the
+   rows that break naive code, batch invariance, the dropout mask bits, zero rows and bad input.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NamedTuple, Protocol
 
 import torch
@@ -28,7 +49,7 @@ class Capabilities:
     ``device_types``: the tensor device types it runs on (``None``: any device).
     ``recomputes_stream``: post-norm training is cheaper when the forward writes ``y`` alone
     and the backward recomputes ``s = x + residual`` from the saved inputs (see
-    ``addnorm.ops.plan``); else the forward writes ``s`` and it is saved.
+    ``addnorm.autograd.save_plan``); else the forward writes ``s`` and it is saved.
     """
 
     device_types: tuple[str, ...] | None
@@ -122,22 +143,16 @@ class Backend(Protocol):
 @dataclass(frozen=True)
 class BackendSpec:
     name: str
-    module: str  # imported on first use: an optional dependency is needed only when it runs
+    module: str | ModuleType  # a path is imported on first use: an optional dependency is needed only then
     summary: str
 
 
-REGISTRY: dict[str, BackendSpec] = {
-    spec.name: spec
-    for spec in (
-        BackendSpec(
-            "reference", "addnorm.kernels.torch", "the plain-torch formulas; test oracle and fallback, any device"
-        ),
-        BackendSpec("cpu", "addnorm.kernels.cpu", "fused numba kernels, CPU"),
-        BackendSpec(
-            "triton", "addnorm.kernels.triton", "fused Triton kernels, CUDA (CPU tensors through the interpreter)"
-        ),
-    )
-}
+_BUILT_IN = (
+    BackendSpec("reference", "addnorm.kernels.torch", "the plain-torch formulas; test oracle and fallback, any device"),
+    BackendSpec("cpu", "addnorm.kernels.cpu", "fused numba kernels, CPU"),
+    BackendSpec("triton", "addnorm.kernels.triton", "fused Triton kernels, CUDA (CPU tensors through the interpreter)"),
+)
+REGISTRY: dict[str, BackendSpec] = {spec.name: spec for spec in _BUILT_IN}
 _REQUIRED = ("unavailable_reason", "forward", "backward")
 _LOADED: dict[str, Backend] = {}
 
@@ -147,19 +162,64 @@ def names() -> list[str]:
     return ["auto", *REGISTRY]
 
 
+def _checked(name: str, module: ModuleType) -> Backend:
+    missing = [f for f in _REQUIRED if not callable(getattr(module, f, None))]
+    if not isinstance(getattr(module, "CAPABILITIES", None), Capabilities):
+        missing.append("CAPABILITIES")
+    if missing:
+        raise TypeError(f"backend {name!r} ({module.__name__}) does not implement {', '.join(missing)}")
+    return module
+
+
 def load(name: str) -> Backend:
     """The backend module ``name``, imported and checked against the contract once.
     ImportError when an optional dependency is missing."""
     backend = _LOADED.get(name)
     if backend is None:
-        module = importlib.import_module(REGISTRY[name].module)
-        missing = [f for f in _REQUIRED if not callable(getattr(module, f, None))]
-        if not isinstance(getattr(module, "CAPABILITIES", None), Capabilities):
-            missing.append("CAPABILITIES")
-        if missing:
-            raise TypeError(f"backend {name!r} ({module.__name__}) does not implement {', '.join(missing)}")
-        backend = _LOADED[name] = module
+        module = REGISTRY[name].module
+        if isinstance(module, str):
+            module = importlib.import_module(module)
+        backend = _LOADED[name] = _checked(name, module)
     return backend
+
+
+def register(
+    name: str, module: str | ModuleType, *, summary: str = "", device_types_for_auto: tuple[str, ...] = ()
+) -> None:
+    """Make ``backend=name`` run ``module`` (a module, or its import path, imported on first use).
+
+    ``device_types_for_auto``: device types on which ``backend="auto"`` picks this backend from
+    now on (where it can run; else the reference). A module object is checked against the
+    contract now, a path when first loaded. A name already registered is refused: call
+    :func:`unregister` first."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"backend name must be an identifier, got {name!r}")
+    if name == "auto" or name in REGISTRY:
+        raise ValueError(f"backend {name!r} is already registered; unregister({name!r}) first")
+    if not isinstance(module, (str, ModuleType)):
+        raise TypeError(f"module must be a module or its import path, got {type(module).__name__}")
+    if isinstance(module, ModuleType):
+        _LOADED[name] = _checked(name, module)
+    REGISTRY[name] = BackendSpec(name, module, summary or f"registered from {getattr(module, '__name__', module)}")
+    for device_type in device_types_for_auto:
+        _AUTO_PREFERENCE[device_type] = name
+        _AUTO.pop(device_type, None)
+
+
+def unregister(name: str) -> None:
+    """Remove a backend added by :func:`register` (the built-in ones stay), and ``"auto"``'s
+    preference for it: those device types fall back to the built-in choice."""
+    if any(spec.name == name for spec in _BUILT_IN):
+        raise ValueError(f"backend {name!r} is built in and cannot be unregistered")
+    if name not in REGISTRY:
+        raise ValueError(f"backend {name!r} is not registered")
+    del REGISTRY[name]
+    _LOADED.pop(name, None)
+    for device_type, preferred in list(_AUTO_PREFERENCE.items()):
+        if preferred == name:
+            _AUTO_PREFERENCE.pop(device_type)
+            _AUTO_PREFERENCE.update({k: v for k, v in _BUILT_IN_AUTO.items() if k == device_type})
+    _AUTO.clear()
 
 
 def unavailable_reason(name: str, x: Tensor | None = None) -> str | None:
@@ -177,7 +237,8 @@ def unavailable_reason(name: str, x: Tensor | None = None) -> str | None:
 # backend="auto" per device type: the fused kernels of that device where they can run, else the
 # reference. The choice depends on the device alone (every backend takes every supported dtype),
 # never on the size of the input: one path, the same numerics, at every size.
-_AUTO_PREFERENCE = {"cpu": "cpu", "cuda": "triton"}
+_BUILT_IN_AUTO = {"cpu": "cpu", "cuda": "triton"}
+_AUTO_PREFERENCE = dict(_BUILT_IN_AUTO)
 _AUTO: dict[str, str] = {}
 
 

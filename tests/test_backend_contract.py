@@ -1,0 +1,140 @@
+"""The backend contract from outside: register() and the conformance check of addnorm.testing.
+
+Every backend of the package passes ``check_backend``; a backend registered from outside the
+package runs through every public function; and the check fails, saying what failed, on a
+backend whose output is off by 1e-3, one that computes the variance as E[x²] − E[x]², and one
+that loses the dropout mask.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+import addnorm
+import toy_backend
+from addnorm import backend as backends
+from addnorm import reference
+from addnorm.kernels import torch as formulas
+from addnorm.testing import check_backend
+from conftest import TEST_DEVICE, usable_backends
+
+
+@pytest.mark.parametrize("name", usable_backends())
+def test_every_backend_of_the_package_passes_the_conformance_check(name):
+    dtypes = (torch.float32, torch.bfloat16) if name == "triton" and TEST_DEVICE.type == "cpu" else None
+    check_backend(name, device=TEST_DEVICE, **({"dtypes": dtypes} if dtypes else {}))
+
+
+@pytest.fixture
+def registered():
+    """Register backends for one test, and remove them after it."""
+    names = []
+
+    def register(name, module, **kwargs):
+        backends.register(name, module, **kwargs)
+        names.append(name)
+
+    yield register
+    for name in names:
+        backends.unregister(name)
+
+
+def _variant(name: str, **functions) -> types.ModuleType:
+    """The reference backend as a module of its own, with some functions replaced."""
+    module = types.ModuleType(name)
+    module.CAPABILITIES = backends.Capabilities(device_types=None)
+    module.unavailable_reason = lambda x: None
+    module.forward, module.backward = formulas.forward, formulas.backward
+    for key, fn in functions.items():
+        setattr(module, key, fn)
+    return module
+
+
+def test_a_backend_registered_from_outside_runs_every_public_function(registered):
+    registered("toy", "toy_backend")
+    assert "toy" in backends.names()
+    before = dict(toy_backend.calls)
+    x, r = torch.randn(6, 32, requires_grad=True), torch.randn(6, 32)
+    ln = addnorm.LayerNorm(32, backend="toy")
+    y, s = addnorm.add_layer_norm(ln(x), r, 32, ln.weight, ln.bias, prenorm=True, backend="toy")
+    (y.sum() + s.sum()).backward()
+    assert toy_backend.calls["forward"] == before["forward"] + 2
+    assert toy_backend.calls["backward"] == before["backward"] + 2
+    expected = torch.nn.functional.layer_norm(x.detach(), (32,))
+    torch.testing.assert_close(ln(x).detach(), expected)
+    check_backend("toy")
+
+
+def test_auto_picks_a_backend_registered_for_the_device_type_until_it_is_unregistered(registered):
+    registered("toy_auto", "toy_backend", device_types_for_auto=("cpu",))
+    before = toy_backend.calls["forward"]
+    addnorm.layer_norm(torch.randn(2, 8), 8)
+    assert toy_backend.calls["forward"] == before + 1
+    backends.unregister("toy_auto")
+    assert backends.auto_name(torch.empty(1)) == "cpu"
+    backends.register("toy_auto", "toy_backend")  # (the fixture unregisters it again)
+
+
+def test_a_y_off_by_1e_3_fails_the_check(registered):
+    def forward(*args, **kwargs):
+        y, s, mean, rstd = formulas.forward(*args, **kwargs)
+        return y + 1e-3, s, mean, rstd
+
+    registered("off", _variant("off", forward=forward))
+    with pytest.raises(AssertionError, match=r"(?s)backend 'off' failed .*float32 normal 37x256 layer: forward y"):
+        check_backend("off")
+
+
+def test_the_textbook_variance_fails_the_check_on_rows_far_from_zero(registered):
+    def forward(x, residual, weight, bias, *, eps, rms, residual_dtype, **kwargs):
+        s = reference.stream(x, residual, residual_dtype)
+        sf = s.float() if s.dtype != torch.float64 else s
+        mean = sf.mean(-1, keepdim=True)
+        var = (sf * sf).mean(-1, keepdim=True) - mean * mean  # E[x²] − E[x]²: cancels far from zero
+        rstd = torch.rsqrt(var.clamp(min=0) + eps)
+        y = (sf - mean) * rstd
+        y = y * weight if weight is not None else y
+        y = y + bias if bias is not None else y
+        return y.to(x.dtype), (s if residual is not None else None), mean[:, 0], rstd[:, 0]
+
+    registered("textbook", _variant("textbook", forward=forward))
+    with pytest.raises(AssertionError, match=r"float32 offset 9x1000 layer: forward y"):
+        check_backend("textbook", dtypes=(torch.float32,))
+
+
+def test_a_dropout_mask_of_its_own_fails_the_check(registered):
+    def forward(x, residual, weight, bias, *, branch=None, **kwargs):
+        if branch is not None and branch.p > 0:  # torch's dropout instead of the documented hash
+            gen = torch.Generator().manual_seed(int(branch.seed))
+            keep = torch.rand(x.shape, generator=gen) >= branch.p
+            x = torch.where(keep, x / (1 - branch.p), 0)
+            branch = branch._replace(p=0.0)
+        return formulas.forward(x, residual, weight, bias, branch=branch, **kwargs)
+
+    registered("own_mask", _variant("own_mask", forward=forward))
+    with pytest.raises(AssertionError, match=r"dropout: the kept elements are reference.keep_mask's"):
+        check_backend("own_mask", dtypes=(torch.float32,))
+
+
+def test_register_refuses_what_it_cannot_use(registered):
+    with pytest.raises(TypeError, match=r"backend 'half' \(half\) does not implement backward"):
+        registered("half", _variant("half", backward=None))
+    for name in ("auto", "cpu"):
+        with pytest.raises(ValueError, match="already registered"):
+            backends.register(name, "toy_backend")
+    with pytest.raises(ValueError, match="must be an identifier"):
+        backends.register("my backend", "toy_backend")
+    with pytest.raises(TypeError, match="module must be a module or its import path"):
+        backends.register("nothing", 3)
+    with pytest.raises(ValueError, match="built in"):
+        backends.unregister("reference")
+    with pytest.raises(ValueError, match="not registered"):
+        backends.unregister("never")
+
+
+def test_check_backend_names_an_unknown_backend():
+    with pytest.raises(AssertionError, match="backend 'nope' is not registered"):
+        check_backend("nope")
