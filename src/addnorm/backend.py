@@ -258,7 +258,7 @@ def resolve(name: str, x: Tensor) -> Backend:
     if name == "auto":
         if x.is_cpu and "cpu" in _AUTO:  # (x.device costs more than the rest of this call)
             return _LOADED[_AUTO["cpu"]]
-        return _LOADED[auto_name(x)]
+        return load(auto_name(x))
     reason = unavailable_reason(name, x)
     if reason is not None:
         raise RuntimeError(f"backend {name!r} cannot run here: {reason}")
