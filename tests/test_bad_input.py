@@ -139,10 +139,28 @@ FUNCTION_CASES = [
     ("eps bool", lambda b: addnorm.add_rms_norm(X, X, 8, eps=True, backend=b), TypeError, r"^eps must be.*bool"),
     # residual
     (
-        "residual None",
-        lambda b: addnorm.add_layer_norm(X, None, 8, backend=b),
-        TypeError,
-        r"^residual must be a torch.Tensor, got NoneType",
+        "x1 of another shape",
+        lambda b: addnorm.add_layer_norm(X, X, 8, x1=X[:1], backend=b),
+        ValueError,
+        r"^x1 must have the shape of x \(4, 8\)",
+    ),
+    (
+        "x1 with rowscale",
+        lambda b: addnorm.add_rms_norm(X, X, 8, x1=X, rowscale=torch.ones(4), backend=b),
+        ValueError,
+        r"^rowscale with x1 is ambiguous",
+    ),
+    (
+        "bias1 without weight1",
+        lambda b: addnorm.add_layer_norm(X, X, 8, bias1=torch.ones(8), backend=b),
+        ValueError,
+        r"^bias1 is the bias of the second norm: it needs weight1",
+    ),
+    (
+        "weight1 of another shape",
+        lambda b: addnorm.add_layer_norm(X, X, 8, weight1=torch.ones(4), backend=b),
+        ValueError,
+        r"^weight1 must have shape \(8,\)",
     ),
     (
         "residual list",
@@ -237,7 +255,6 @@ FUNCTION_CASES = [
     ),
     ("RMSNorm x int", lambda b: addnorm.RMSNorm(8, backend=b)(X.int()), TypeError, r"^x must be a floating"),
     ("RMSNorm eps str", lambda b: addnorm.RMSNorm(8, eps="a", backend=b)(X), TypeError, r"^eps must be"),
-    ("AddNorm residual None", lambda b: addnorm.AddNorm(8, backend=b)(X, None), TypeError, r"^residual must be"),
     (
         "AddNorm residual shape",
         lambda b: addnorm.AddNorm(8, norm="rms", backend=b)(X, X[:, :4]),

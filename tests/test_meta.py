@@ -58,6 +58,7 @@ def test_compiled_calls_on_meta():
 
 def test_a_patched_model_built_on_meta_infers_shapes():
     import transformers
+
     config = transformers.LlamaConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )

@@ -397,3 +397,50 @@ def _op_backward(ctx, dy, dstream, _dmean, _drstd):
 
 
 forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- a second sublayer output
+
+
+class DroppedAdd(torch.autograd.Function):
+    """``residual + dropout(x1)`` in the stream dtype ``sd`` (parallel blocks' ``x1``), with the
+    hash keep mask of :func:`addnorm.reference.keep_mask` over rows of ``n`` features: the
+    backward recomputes the mask from the seed instead of saving it."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(residual, x1, n, p, seed, sd):
+        branch = backends.Branch(p, seed, None, None)
+        return reference.stream(x1.reshape(-1, n), residual.reshape(-1, n), sd, branch).view(x1.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        residual, x1, n, p, seed, sd = inputs
+        ctx.save_for_backward(seed)
+        ctx.n, ctx.p, ctx.dtypes = n, p, (residual.dtype, x1.dtype)
+
+    @staticmethod
+    def backward(ctx, ds):
+        (seed,) = ctx.saved_tensors
+        return ds.to(ctx.dtypes[0]), _dropped(ds, ctx.n, ctx.p, seed).to(ctx.dtypes[1]), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, dresidual, dx1, *_):
+        (seed,) = ctx.saved_tensors
+        return dresidual + _dropped(dx1, ctx.n, ctx.p, seed).to(dresidual.dtype)
+
+
+def _dropped(t: Tensor, n: int, p: float, seed: Tensor | None) -> Tensor:
+    """``dropout(t)`` by the hash mask (rows of ``n`` features), in the statistics dtype."""
+    if p == 0:
+        return t
+    cd = reference.stats_dtype(t.dtype)
+    rows = torch.arange(t.numel() // n, device=t.device)
+    terms = reference.branch_terms(t.reshape(-1, n).to(cd), backends.Branch(p, seed, None, None), rows)
+    return terms["t"].view(t.shape)
+
+
+def dropped_add(residual: Tensor, x1: Tensor, n: int, p: float, seed: Tensor | None, sd: torch.dtype) -> Tensor:
+    """``residual + dropout(x1)`` in ``sd``, rows of ``n`` features (:class:`DroppedAdd`)."""
+    return DroppedAdd.apply(residual, x1, n, p, seed, sd)

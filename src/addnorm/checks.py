@@ -173,8 +173,6 @@ def check_sublayer(x: Tensor, residual: Tensor | None, shape: tuple[int, ...], w
         raise ValueError(f"dropout_p must be a probability in [0, 1], got {p!r}")
     check_flag("zero_centered_weight", zero_centered)
     check_flag("return_dropout_mask", return_mask)
-    if residual is None and (p or layer_scale is not None or rowscale is not None):
-        raise ValueError("dropout_p, layer_scale and rowscale act on the sublayer output added to a residual")
     if generator is not None:
         if not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -211,3 +209,25 @@ def check_dtensors(x, residual, weight, bias, buffers: bool, dropout_p: float) -
             "torch.nn.Dropout to the sublayer output before the norm, or redistribute x and residual to "
             "Replicate()"
         )
+
+
+def check_parallel(x: Tensor, shape: tuple[int, ...], parallel, sublayer, out, residual_out) -> None:
+    """``x1``, ``weight1`` and ``bias1`` (:class:`addnorm.ops.Parallel`), and what they cannot be
+    combined with."""
+    x1, weight1, bias1 = parallel
+    if x1 is not None:
+        check_float_tensor("x1", x1)
+        if x1.shape != x.shape or x1.device != x.device:
+            raise ValueError(
+                f"x1 must have the shape of x {tuple(x.shape)} on {x.device}, got {tuple(x1.shape)} on {x1.device}"
+            )
+        if sublayer.rowscale is not None:
+            raise ValueError(
+                "rowscale with x1 is ambiguous (which sublayer output does it scale?): scale x and x1 before the call"
+            )
+    check_param("weight1", weight1, shape, x)
+    check_param("bias1", bias1, shape, x)
+    if bias1 is not None and weight1 is None:
+        raise ValueError("bias1 is the bias of the second norm: it needs weight1")
+    if out is not None or residual_out is not None:
+        raise ValueError("out= and residual_out= are not supported with x1 or weight1")

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_float_tensor
-from .ops import NO_SUBLAYER, Sublayer, add_norm
+from .ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
 Shape = int | Sequence[int]
 
@@ -88,7 +88,7 @@ def rms_norm(
 
 def add_layer_norm(
     x: Tensor,
-    residual: Tensor,
+    residual: Tensor | None,
     normalized_shape: Shape,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
@@ -102,6 +102,9 @@ def add_layer_norm(
     rowscale: Tensor | None = None,
     zero_centered_weight: bool = False,
     return_dropout_mask: bool = False,
+    x1: Tensor | None = None,
+    weight1: Tensor | None = None,
+    bias1: Tensor | None = None,
     backend: str = "auto",
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
@@ -130,9 +133,21 @@ def add_layer_norm(
       gradient.
     - ``zero_centered_weight=True``: the norm scales by ``1 + weight`` (computed in float32), so
       that weight decay pulls the scale toward 1 (Gemma).
+
+    ``residual=None`` starts the stream (the first block of a pre-norm stack):
+    ``s = rowscale * layer_scale * dropout(x)`` in ``residual_dtype`` (``x`` itself when nothing
+    applies), returned with ``prenorm=True``.
+
+    Parallel blocks (GPT-J, GPT-NeoX, Falcon, PaLM), keyword-only: ``x1`` is a second sublayer
+    output added to the stream with a keep mask of its own (same ``dropout_p``; not with
+    ``rowscale``), ``s = (residual + dropout1(x1)) + rowscale * layer_scale * dropout(x)``; with
+    ``weight1`` (and ``bias1``) a second norm of the same ``s`` is returned too. The results, in
+    this order: ``y``, ``y1`` (with ``weight1``), ``s`` (``prenorm=True``), the keep masks of ``x``
+    and of ``x1`` (``return_dropout_mask=True``; the second with ``x1`` only).
     """
-    if type(residual) is not Tensor:  # None here would silently be a plain norm
+    if residual is not None and type(residual) is not Tensor:
         check_float_tensor("residual", residual)
+    parallel = NO_PARALLEL if x1 is None and weight1 is None and bias1 is None else Parallel(x1, weight1, bias1)
     return add_norm(
         x,
         residual,
@@ -147,12 +162,13 @@ def add_layer_norm(
         out=out,
         residual_out=residual_out,
         sublayer=Sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
+        parallel=parallel,
     )
 
 
 def add_rms_norm(
     x: Tensor,
-    residual: Tensor,
+    residual: Tensor | None,
     normalized_shape: Shape,
     weight: Tensor | None = None,
     eps: float | None = None,
@@ -165,14 +181,18 @@ def add_rms_norm(
     rowscale: Tensor | None = None,
     zero_centered_weight: bool = False,
     return_dropout_mask: bool = False,
+    x1: Tensor | None = None,
+    weight1: Tensor | None = None,
     backend: str = "auto",
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, ...]:
     """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`, the sublayer
-    branch (dropout, layer scale, rowscale) and ``zero_centered_weight`` included."""
-    if type(residual) is not Tensor:  # None here would silently be a plain norm
+    branch (dropout, layer scale, rowscale), ``zero_centered_weight``, ``residual=None`` and the
+    parallel block's ``x1`` / ``weight1`` included."""
+    if residual is not None and type(residual) is not Tensor:
         check_float_tensor("residual", residual)
+    parallel = NO_PARALLEL if x1 is None and weight1 is None else Parallel(x1, weight1)
     return add_norm(
         x,
         residual,
@@ -187,4 +207,5 @@ def add_rms_norm(
         out=out,
         residual_out=residual_out,
         sublayer=Sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
+        parallel=parallel,
     )

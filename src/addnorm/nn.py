@@ -222,7 +222,9 @@ class AddNorm(_NotScriptable, nn.Module):
             shape = self.norm.normalized_shape
             self.layer_scale = nn.Parameter(torch.full(shape, float(layer_scale_init), device=device, dtype=dtype))
 
-    def forward(self, x: Tensor, residual: Tensor, rowscale: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(
+        self, x: Tensor, residual: Tensor | None = None, rowscale: Tensor | None = None
+    ) -> Tensor | tuple[Tensor, Tensor]:
         n = self.norm
         common = dict(
             prenorm=self.prenorm,

@@ -38,14 +38,16 @@ from torch.autograd import forward_ad
 
 from . import backend as backends
 from . import reference
-from .autograd import OpArgs, eager_apply, forward_op, make_branch, op_args
+from .autograd import OpArgs, dropped_add, eager_apply, forward_op, make_branch, op_args
 from .checks import (
     PLAIN,
     check_backend,
     check_dtensors,
     check_flag,
+    check_float_tensor,
     check_inputs,
     check_out,
+    check_parallel,
     check_sublayer,
     normalize_shape,
 )
@@ -77,6 +79,19 @@ class Sublayer(NamedTuple):
 NO_SUBLAYER = Sublayer()
 
 
+class Parallel(NamedTuple):
+    """Parallel blocks (GPT-J, GPT-NeoX, Falcon, PaLM: attention and MLP on the same stream): a
+    second sublayer output ``x1`` added to the stream with a dropout mask of its own, and a
+    second norm of the same ``s`` (``weight1``, ``bias1``)."""
+
+    x1: Tensor | None = None
+    weight1: Tensor | None = None
+    bias1: Tensor | None = None
+
+
+NO_PARALLEL = Parallel()
+
+
 def add_norm(
     x: Tensor,
     residual: Tensor | None,
@@ -92,16 +107,34 @@ def add_norm(
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
     sublayer: Sublayer = NO_SUBLAYER,
+    parallel: Parallel = NO_PARALLEL,
 ) -> Tensor | tuple[Tensor, ...]:
-    """The one entry point behind every function of :mod:`addnorm.functional` (module docstring)."""
+    """The one entry point behind every function of :mod:`addnorm.functional` (module docstring).
+
+    ``residual=None`` in an Add & Norm call (pre-norm, a branch, or a stream dtype of its own)
+    starts the stream: ``s = rowscale * layer_scale * dropout(x)`` in ``residual_dtype``
+    (:func:`_stream_starts_here`); ``parallel`` adds ``x1`` and a second norm (:func:`_parallel`)."""
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
         eps = _RMS_DEFAULT_EPS.get(getattr(x, "dtype", None), 0.0)
     if isinstance(x, Tensor) and x.is_nested:
-        if sublayer != NO_SUBLAYER:
-            raise TypeError("dropout_p, layer_scale, rowscale and zero_centered_weight take plain tensors, not nested")
+        if sublayer != NO_SUBLAYER or parallel is not NO_PARALLEL:
+            raise TypeError(
+                "dropout_p, layer_scale, rowscale, zero_centered_weight, x1 and weight1 take plain tensors, not nested"
+            )
         return _nested(
             x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out
         )
+    call = (x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out)
+    if parallel is not NO_PARALLEL:
+        return _parallel(*call, sublayer, parallel)
+    if residual is None and (
+        prenorm
+        or residual_out is not None
+        or (residual_dtype is not None and residual_dtype != getattr(x, "dtype", None))
+        or (sublayer is not NO_SUBLAYER and (sublayer.dropout_p or sublayer.layer_scale is not None))
+        or (sublayer is not NO_SUBLAYER and sublayer.rowscale is not None)
+    ):
+        return _stream_starts_here(*call, sublayer)
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
     if type(prenorm) is not bool:
         check_flag("prenorm", prenorm)
@@ -141,7 +174,7 @@ def add_norm(
         return y  # the common case, without the tuple below
     result = (y, s) if prenorm else (y,)
     if sublayer.return_dropout_mask:
-        result += (_dropout_mask(x, dropout_p, seed),)
+        result += (_dropout_mask(x, x.shape[-1], dropout_p, seed),)
     if len(shape) > 1:
         result = tuple(t.unflatten(-1, shape) for t in result)
     return result if len(result) > 1 else result[0]
@@ -273,12 +306,88 @@ def draw_seed(generator: torch.Generator | None, device: torch.device) -> Tensor
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=generator)
 
 
-def _dropout_mask(x: Tensor, dropout_p: float, seed: Tensor | None) -> Tensor:
-    """The keep mask the call used, as a bool tensor of x's shape (all True without dropout)."""
+def _dropout_mask(x: Tensor, n: int, dropout_p: float, seed: Tensor | None) -> Tensor:
+    """The keep mask of ``x``'s rows of ``n`` features, as a bool tensor of x's shape (all True
+    without dropout)."""
     if dropout_p == 0:
         return torch.ones(x.shape, dtype=torch.bool, device=x.device)
-    rows = torch.arange(x.numel() // x.shape[-1] if x.shape[-1] else 0, device=x.device)
-    return reference.keep_mask(seed, rows, x.shape[-1], dropout_p).view(x.shape)
+    rows = torch.arange(x.numel() // n if n else 0, device=x.device)
+    return reference.keep_mask(seed, rows, n, dropout_p).view(x.shape)
+
+
+# --------------------------------------------------------------------------- first and parallel blocks
+
+
+def _stream_starts_here(
+    x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out, sublayer
+):
+    """Add & Norm without a residual: the first block of a pre-norm stack, whose stream is the
+    sublayer branch of ``x`` alone, in ``residual_dtype``. With a branch or a stream dtype of its
+    own the stream is ``0 + branch(x)``, rounded to that dtype: the residual case with a residual
+    of zeros, which is exactly ``branch(x)``. Else the stream is ``x`` itself (no copy)."""
+    x = check_float_tensor("x", x)
+    sd = residual_dtype or x.dtype
+    plain = sublayer is NO_SUBLAYER or not (sublayer.dropout_p or sublayer.layer_scale is not None)
+    if sd != x.dtype or residual_out is not None or not plain or sublayer.rowscale is not None:
+        zeros = torch.zeros_like(x, dtype=sd, requires_grad=False)
+        return add_norm(
+            x, zeros, shape, weight, bias, eps, rms=rms, prenorm=prenorm, residual_dtype=sd, backend=backend,
+            out=out, residual_out=residual_out, sublayer=sublayer,
+        )  # fmt: skip
+    result = add_norm(
+        x, None, shape, weight, bias, eps, rms=rms, prenorm=False, residual_dtype=None, backend=backend, out=out,
+        sublayer=sublayer,
+    )  # fmt: skip
+    y, *masks = result if type(result) is tuple else (result,)
+    return (y, x, *masks)
+
+
+def _parallel(
+    x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out, sublayer, parallel
+):
+    """Parallel blocks: ``s = residual + dropout1(x1)`` first (rounded to the stream dtype), then
+    ``s + rowscale * layer_scale * dropout(x)`` as any Add & Norm call, and ``y1``, the norm of the
+    same ``s`` with ``weight1`` and ``bias1``. Returns ``y``, ``y1`` (with ``weight1``), ``s``
+    (pre-norm), then the keep masks of ``x`` and ``x1`` (``return_dropout_mask``).
+
+    ``x1``'s mask is the same hash as ``x``'s (:func:`addnorm.reference.keep_mask`) with a seed of
+    its own, drawn before ``x``'s from the same generator: the two masks are independent."""
+    x1, weight1, bias1 = parallel
+    x = check_float_tensor("x", x)
+    norm_shape, eps_checked = check_inputs(x, residual, shape, weight, bias, eps, residual_dtype)
+    check_parallel(x, norm_shape, parallel, sublayer, out, residual_out)
+    n = math.prod(norm_shape)
+    p = float(sublayer.dropout_p)
+    masks = ()
+    if x1 is not None:
+        sd = reference.stream_dtype(x, residual, residual_dtype)
+        seed1 = draw_seed(sublayer.generator, x.device) if p > 0 else None
+        base = torch.zeros_like(x1, dtype=sd) if residual is None else residual.to(sd)
+        residual = dropped_add(base, x1, n, p, seed1, sd)
+        residual_dtype = sd
+        masks = (_dropout_mask(x1, n, p, seed1),)
+    want_stream = prenorm or weight1 is not None
+    result = add_norm(
+        x, residual, norm_shape, weight, bias, eps_checked, rms=rms, prenorm=want_stream,
+        residual_dtype=residual_dtype, backend=backend, sublayer=sublayer,
+    )  # fmt: skip
+    result = result if type(result) is tuple else (result,)
+    y, rest = result[0], result[1:]
+    s = rest[0] if want_stream else None
+    mask = rest[1:] if want_stream else rest
+    out_tuple = (y,)
+    if weight1 is not None:
+        second = NO_SUBLAYER if not sublayer.zero_centered_weight else Sublayer(zero_centered_weight=True)
+        y1 = add_norm(
+            s, None, norm_shape, weight1, bias1, eps_checked, rms=rms, prenorm=False, residual_dtype=None,
+            backend=backend, sublayer=second,
+        )  # fmt: skip
+        out_tuple += (y1.to(x.dtype),)
+    if prenorm:
+        out_tuple += (s,)
+    if sublayer.return_dropout_mask:
+        out_tuple += (*mask, *masks)
+    return out_tuple if len(out_tuple) > 1 else out_tuple[0]
 
 
 # --------------------------------------------------------------------------- nested, onnx
