@@ -25,13 +25,19 @@ from conftest import TEST_DEVICE, TOLERANCES, assert_matches_oracle
 
 pytest.importorskip("triton")  # the optional [gpu] extra; CI installs it
 from addnorm.kernels import triton as K  # noqa: E402
+from addnorm.kernels.triton import common, config  # noqa: E402
+
+
+def chunked_above(n: int) -> config.LaunchTable:
+    """The launch table with rows wider than ``n`` features on the chunked path (forward and
+    plain backward), in chunks of ``n``."""
+    table = config.TABLE.updated("forward", max_fused_n=n).updated("backward", max_fused_n=n)
+    return table.updated("chunked", chunk_n=n)
 
 
 def force_chunked(monkeypatch) -> None:
     """Rows wider than 256 features take the chunked path, in chunks of 256."""
-    monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
-    monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
-    monkeypatch.setattr(K, "CHUNK_N", 256)
+    monkeypatch.setattr(config, "TABLE", chunked_above(256))
 
 
 @pytest.fixture
@@ -42,8 +48,9 @@ def chunked(monkeypatch):
 @pytest.fixture
 def gpu_tiles(monkeypatch):
     """The tile shapes a GPU launch uses, instead of the interpreter's taller tiles."""
-    monkeypatch.setattr(K, "INTERPRETER_TILE_ELEMS", K.TILE_ELEMS)
-    monkeypatch.setattr(K, "INTERPRETER_MAX_BLOCK_M", K.MAX_BLOCK_M)
+    gpu = config.TABLE.forward
+    table = config.TABLE.updated("interpreter", tile_elems=gpu.tile_elems, max_block_m=gpu.max_block_m)
+    monkeypatch.setattr(config, "TABLE", table)
 
 
 def rows_of(m, n, dtype, seed=0, offset=0.0):
@@ -237,7 +244,7 @@ def test_strided_rows_are_read_in_place():
     """Rows with a stride (a slice of wider rows) run without a copy and match contiguous rows."""
     base = rows_of(40, 130, torch.float32)
     x, r = base[::2, :100], base[1::2, 3:103]
-    assert x.stride() == (260, 1) and K._rows(x) is x
+    assert x.stride() == (260, 1) and common._rows(x) is x
     w = rows_of(1, 100, torch.float32, seed=3)[0]
     y, s = addnorm.add_layer_norm(x, r, 100, w, prenorm=True, backend="triton")
     yc, sc = addnorm.add_layer_norm(x.contiguous(), r.contiguous(), 100, w, prenorm=True, backend="triton")

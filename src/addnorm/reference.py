@@ -1,7 +1,7 @@
 r"""The math of every addnorm op, in plain torch: the one place to read the formulas.
 
 This module is the documentation, the test oracle and the fallback backend at once.
-Every kernel (``kernels/cpu.py``, ``kernels/triton.py``) implements exactly the two
+Every kernel (``kernels/cpu.py``, ``kernels/triton/``) implements exactly the two
 functions below, :func:`forward` and :func:`backward`, with the same arguments and
 results, on rows of a 2-D ``(M, N)`` view: ``M`` rows, each normalized over its ``N``
 features (the product of ``normalized_shape``).
