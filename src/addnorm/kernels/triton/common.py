@@ -20,7 +20,7 @@ from ... import reference
 @triton.jit
 def _round(v, DT: tl.constexpr):
     """``v`` rounded to ``DT`` to nearest even. bf16 is rounded by hand, identically on GPU and
-    in Triton's interpreter, whose own fp32 -> bf16 cast truncates (docs/gpu.md)."""
+    in Triton's interpreter, whose own fp32 -> bf16 cast truncates."""
     if DT == tl.bfloat16:
         v = v.to(tl.float32)
         bits = v.to(tl.uint32, bitcast=True)
