@@ -1,12 +1,13 @@
 """Compile addnorm's Triton kernels for an H100 (sm_90) on a machine without a GPU.
 
-Prints, per kernel and launch configuration that ``_config`` picks, the registers per thread
-and the bytes spilled to the stack, read from the cubin with the ``cuobjdump`` bundled with
-Triton. A spill-free kernel at the widest fused row is the reason for ``BACKWARD_MAX_FUSED_N``.
+Prints, per kernel and the launch that ``config.plan`` picks from the launch table
+(``addnorm.kernels.triton.config.TABLE``), the registers per thread and the bytes spilled to the
+stack, read from the cubin with the ``cuobjdump`` bundled with Triton. A spill-free kernel at
+the widest fused row is the reason for each kind's ``max_fused_n`` and ``bytes_per_thread``.
 
     python benchmarks/triton_registers.py [--max-fused-n N] [--forward-bytes-per-thread B] [N ...]
-        (default widths: 1024 4096 8192 16384 65536; the options override the kernel module's
-        fused limits and bytes per thread, to see what another choice would compile to)
+        (default widths: 1024 4096 8192 16384 65536; the options override the table's fused
+        limits and bytes per thread, to see what another choice would compile to)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from addnorm.kernels import triton as K  # noqa: E402
+from addnorm.kernels.triton import backward_kernels, config, forward_kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64"}
@@ -57,9 +58,7 @@ def branch_sig(branch: bool, cd: torch.dtype) -> dict:
 
 def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool, branch: bool = False) -> str:
     cd = torch.float64 if stream == torch.float64 else torch.float32
-    block_m, block_n, warps, chunked = K._config(
-        n, torch.device("cuda"), dtype.itemsize, K.FORWARD_BYTES_PER_THREAD, K.FORWARD_MAX_FUSED_N
-    )
+    block_m, block_n, warps, chunked = config.plan("forward", n, torch.device("cuda"), dtype.itemsize)
     sig = {
         "X": PTR[dtype],
         "R": PTR[dtype],
@@ -86,17 +85,13 @@ def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool, branch: 
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
-    return resources(K._forward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
+    return resources(forward_kernels._forward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
 
 
 def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str:
     cd = torch.float64 if dtype == torch.float64 else torch.float32
-    limits = (
-        (K.BRANCH_BACKWARD_BYTES_PER_THREAD, K.BRANCH_BACKWARD_MAX_FUSED_N)
-        if branch
-        else (K.BACKWARD_BYTES_PER_THREAD, K.BACKWARD_MAX_FUSED_N)
-    )
-    block_m, block_n, warps, chunked = K._config(n, torch.device("cuda"), dtype.itemsize, *limits)
+    kind = "branch_backward" if branch else "backward"
+    block_m, block_n, warps, chunked = config.plan(kind, n, torch.device("cuda"), dtype.itemsize)
     coef = PTR[cd] if chunked else "constexpr"
     sig = {
         "DY": PTR[dtype],
@@ -135,13 +130,16 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
-    out = resources(K._backward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
+    out = resources(backward_kernels._backward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
     if chunked:
         keys = ("DY", "S", "R", "W", "MEAN", "RSTD", "K", "CORR", "C1", "C2", "M", "N", "sdy", "ss", "sr")
         keys += ("SEED", "SCALE", "LS", "RSC", "threshold")
         cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BRANCH", "BLOCK_M", "BLOCK_N")}
         out += "  coef: " + resources(
-            K._coef_kernel, {**{k: sig[k] for k in keys}, **dict.fromkeys(cconst, "constexpr")}, cconst, warps
+            backward_kernels._coef_kernel,
+            {**{k: sig[k] for k in keys}, **dict.fromkeys(cconst, "constexpr")},
+            cconst,
+            warps,
         )
     return out
 
@@ -163,12 +161,16 @@ def main(widths: list[int]) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("widths", nargs="*", type=int, default=[1024, 4096, 8192, 16384, 65536])
-    parser.add_argument("--max-fused-n", type=int, default=None, help="both FORWARD_ and BACKWARD_MAX_FUSED_N")
-    parser.add_argument("--forward-bytes-per-thread", type=int, default=K.FORWARD_BYTES_PER_THREAD)
-    parser.add_argument("--backward-bytes-per-thread", type=int, default=K.BACKWARD_BYTES_PER_THREAD)
+    table = config.TABLE
+    parser.add_argument("--max-fused-n", type=int, default=None, help="the forward's and backward's max_fused_n")
+    parser.add_argument("--forward-bytes-per-thread", type=int, default=table.forward.bytes_per_thread)
+    parser.add_argument("--backward-bytes-per-thread", type=int, default=table.backward.bytes_per_thread)
+    parser.add_argument("--branch-backward-bytes-per-thread", type=int, default=table.branch_backward.bytes_per_thread)
     args = parser.parse_args()
     if args.max_fused_n:
-        K.FORWARD_MAX_FUSED_N = K.BACKWARD_MAX_FUSED_N = args.max_fused_n
-    K.FORWARD_BYTES_PER_THREAD = args.forward_bytes_per_thread
-    K.BACKWARD_BYTES_PER_THREAD = args.backward_bytes_per_thread
+        table = table.updated("forward", max_fused_n=args.max_fused_n)
+        table = table.updated("backward", max_fused_n=args.max_fused_n)
+    table = table.updated("forward", bytes_per_thread=args.forward_bytes_per_thread)
+    table = table.updated("backward", bytes_per_thread=args.backward_bytes_per_thread)
+    config.TABLE = table.updated("branch_backward", bytes_per_thread=args.branch_backward_bytes_per_thread)
     main(args.widths)

@@ -1,13 +1,13 @@
-"""Time the Triton kernels' launch heuristics on a CUDA device: which settings of the module's
-constants (``FORWARD_BYTES_PER_THREAD``, ``BACKWARD_BYTES_PER_THREAD``,
-``BACKWARD_WARPS_PER_SM``, ``CHUNK_N``, ``*_MAX_FUSED_N``) are
-fastest, and what a call costs besides its kernels.
+"""Time the Triton kernels' launch heuristics on a CUDA device: which settings of the launch
+table (``addnorm.kernels.triton.config.TABLE``: each kind's ``bytes_per_thread``, the
+backward's ``warps_per_sm``, the chunked path's ``chunk_n`` and ``bytes_per_thread``, the fused
+limits ``max_fused_n``) are fastest, and what a call costs besides its kernels.
 
     python benchmarks/triton_tune.py                    # the sweep below, bf16 and fp32
     python benchmarks/triton_tune.py --shapes 32768x4096 --dtype bfloat16
 
 Kernel times are ``triton.testing.do_bench`` medians (CUDA events, L2 flushed between reps) of
-``kernels.triton.forward`` (add + LayerNorm with weight and bias) and ``backward``, as GB/s of
+``addnorm.kernels.triton.forward`` (add + LayerNorm with weight and bias) and ``backward``, as GB/s of
 the bytes they must move and as a fraction of a ``copy_`` measured the same way. Overhead is the
 wall time per call of tiny rows (8x768), kernels included, for addnorm and torch.
 """
@@ -24,6 +24,7 @@ import triton.testing
 
 import addnorm
 from addnorm.kernels import triton as K
+from addnorm.kernels.triton import backward_kernels, config
 
 SHAPES = ["65536x768", "16384x1024", "32768x4096", "8192x8192", "4096x16384", "4096x65536"]
 
@@ -53,7 +54,7 @@ def overhead(profile: bool) -> None:
     cases = {
         "kernels.triton.forward": lambda: K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None),
         "kernels.triton.backward": lambda: K.backward(x, None, (r,), w, None, rstd, rms=True, has_bias=True),
-        "kernels.triton._sum_partials": lambda: K._sum_partials(partials),
+        "kernels.triton._sum_partials": lambda: backward_kernels._sum_partials(partials),
         "addnorm.add_layer_norm fwd": lambda: addnorm.add_layer_norm(x, r, 768, w, b, backend="triton"),
         "torch add + layer_norm fwd": lambda: F.layer_norm(x + r, (768,), w, b),
         "addnorm.add_layer_norm fwd+bwd": lambda: (
@@ -79,36 +80,31 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
     x, r, dy, w, b = mk(m, n), mk(m, n), mk(m, n), mk(n), mk(n)
     size = x.element_size()
     fwd_bytes, bwd_bytes = 4 * m * n * size, 3 * m * n * size
-    names = (
-        "FORWARD_BYTES_PER_THREAD",
-        "BACKWARD_BYTES_PER_THREAD",
-        "CHUNKED_BYTES_PER_THREAD",
-        "BACKWARD_WARPS_PER_SM",
-        "CHUNK_N",
-    )
-    base = {name: getattr(K, name) for name in names}
+    base = config.TABLE
     head = f"{shape:>11s} {str(dtype)[6:]:8s}"
     try:
-        wide = n > K.BACKWARD_MAX_FUSED_N
-        for chunk in [2048, 4096, 8192] if wide else [K.CHUNK_N]:
-            K.CHUNK_N = chunk
+        wide = n > base.backward.max_fused_n
+        for chunk in [2048, 4096, 8192] if wide else [base.chunked.chunk_n]:
+            chunk_table = base.updated("chunked", chunk_n=chunk)
             label = f"{head} CHUNK_N={chunk:<5d}" if wide else head
             line = label + " fwd"
-            for fb in (16, 32, 64, 128):
-                K.FORWARD_BYTES_PER_THREAD = K.CHUNKED_BYTES_PER_THREAD = fb  # whichever path applies
-                warps = K._config(n, x.device, size, fb, K.FORWARD_MAX_FUSED_N)[2]
+            for fb in (16, 32, 64, 128):  # whichever path applies: fused or chunked
+                table = chunk_table.updated("forward", bytes_per_thread=fb).updated("chunked", bytes_per_thread=fb)
+                config.TABLE = table
+                warps = config.plan("forward", n, x.device, size).num_warps
                 f = _ms(lambda: K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None))
                 line += f" | {fb}B/{warps}w {f * 1e3:7.1f} us {fwd_bytes / f / 1e6 / copy_gbps:4.2f}"
             print(line, flush=True)
-            K.FORWARD_BYTES_PER_THREAD = base["FORWARD_BYTES_PER_THREAD"]
-            K.CHUNKED_BYTES_PER_THREAD = base["CHUNKED_BYTES_PER_THREAD"]
+            config.TABLE = chunk_table
             y, s, mean, rstd = K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
             for bb in (16, 32, 64):
-                K.BACKWARD_BYTES_PER_THREAD = K.CHUNKED_BYTES_PER_THREAD = bb
-                warps = K._config(n, x.device, size, bb, K.BACKWARD_MAX_FUSED_N)[2]
+                bytes_table = chunk_table.updated("backward", bytes_per_thread=bb)
+                bytes_table = bytes_table.updated("chunked", bytes_per_thread=bb)
+                config.TABLE = bytes_table
+                warps = config.plan("backward", n, x.device, size).num_warps
                 line = f"{label} bwd {bb:3d}B/{warps:2d}w"
                 for per_sm in (32, 64, 128):
-                    K.BACKWARD_WARPS_PER_SM = per_sm
+                    config.TABLE = bytes_table.updated("backward", warps_per_sm=per_sm)
                     t = _ms(
                         lambda s=s, mean=mean, rstd=rstd: K.backward(
                             dy, None, (s,), w, mean, rstd, rms=False, has_bias=True
@@ -117,20 +113,20 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
                     line += f" | {per_sm:3d} warps/SM {t * 1e3:7.1f} us {bwd_bytes / t / 1e6 / copy_gbps:4.2f}"
                 print(line, flush=True)
     finally:
-        for name, v in base.items():
-            setattr(K, name, v)
+        config.TABLE = base
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--dtype", default="bfloat16,float32")
-    p.add_argument("--max-fused-n", type=int, default=None, help="set FORWARD_ and BACKWARD_MAX_FUSED_N first")
+    p.add_argument("--max-fused-n", type=int, default=None, help="set the forward's and backward's max_fused_n first")
     p.add_argument("--no-overhead", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile the 8x768 fwd+bwd call")
     args = p.parse_args()
     if args.max_fused_n:
-        K.FORWARD_MAX_FUSED_N = K.BACKWARD_MAX_FUSED_N = args.max_fused_n
+        table = config.TABLE.updated("forward", max_fused_n=args.max_fused_n)
+        config.TABLE = table.updated("backward", max_fused_n=args.max_fused_n)
     src = torch.empty(2**28, device="cuda", dtype=torch.uint8)
     dst = torch.empty_like(src)
     copy_gbps = 2 * src.numel() / _ms(lambda: dst.copy_(src)) / 1e6

@@ -98,11 +98,10 @@ def test_the_keep_mask_is_the_same_bits_on_every_backend(backend, monkeypatch):
     """What each backend dropped is read off its stream (x nonzero, residual 0, so s = 0 exactly
     where dropped): equal to the reference's keep_mask, and the streams bit for bit equal."""
     if interpreted(backend):
-        from addnorm.kernels import triton as K
+        from addnorm.kernels.triton import config
+        from test_triton import chunked_above
 
-        monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 64)  # the chunked path too
-        monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 64)
-        monkeypatch.setattr(K, "CHUNK_N", 64)
+        monkeypatch.setattr(config, "TABLE", chunked_above(64))  # the chunked path too
     x = torch.rand(2, 37, 300).add(0.5).to(TEST_DEVICE)
     r = torch.zeros_like(x).requires_grad_()
     x.requires_grad_()

@@ -25,13 +25,19 @@ from conftest import TEST_DEVICE, TOLERANCES, assert_matches_oracle
 
 pytest.importorskip("triton")  # the optional [gpu] extra; CI installs it
 from addnorm.kernels import triton as K  # noqa: E402
+from addnorm.kernels.triton import common, config  # noqa: E402
+
+
+def chunked_above(n: int) -> config.LaunchTable:
+    """The launch table with rows wider than ``n`` features on the chunked path (forward and
+    plain backward), in chunks of ``n``."""
+    table = config.TABLE.updated("forward", max_fused_n=n).updated("backward", max_fused_n=n)
+    return table.updated("chunked", chunk_n=n)
 
 
 def force_chunked(monkeypatch) -> None:
     """Rows wider than 256 features take the chunked path, in chunks of 256."""
-    monkeypatch.setattr(K, "FORWARD_MAX_FUSED_N", 256)
-    monkeypatch.setattr(K, "BACKWARD_MAX_FUSED_N", 256)
-    monkeypatch.setattr(K, "CHUNK_N", 256)
+    monkeypatch.setattr(config, "TABLE", chunked_above(256))
 
 
 @pytest.fixture
@@ -42,8 +48,9 @@ def chunked(monkeypatch):
 @pytest.fixture
 def gpu_tiles(monkeypatch):
     """The tile shapes a GPU launch uses, instead of the interpreter's taller tiles."""
-    monkeypatch.setattr(K, "INTERPRETER_TILE_ELEMS", K.TILE_ELEMS)
-    monkeypatch.setattr(K, "INTERPRETER_MAX_BLOCK_M", K.MAX_BLOCK_M)
+    gpu = config.TABLE.forward
+    table = config.TABLE.updated("interpreter", tile_elems=gpu.tile_elems, max_block_m=gpu.max_block_m)
+    monkeypatch.setattr(config, "TABLE", table)
 
 
 def rows_of(m, n, dtype, seed=0, offset=0.0):
@@ -233,11 +240,36 @@ def test_dweight_is_bit_identical_across_runs(monkeypatch, path, m):
     torch.testing.assert_close(first[1].double(), oracle[1], rtol=1e-5, atol=1e-4)
 
 
+def test_each_kernel_kind_launches_from_its_own_table_entry(monkeypatch):
+    """The forward, the plain backward and the backward through the sublayer branch (dropout)
+    each plan their launch from their own entry of the launch table."""
+    seen = []
+    plan = config.plan
+    monkeypatch.setattr(config, "plan", lambda kind, *args: seen.append(kind) or plan(kind, *args))
+    x, r = rows_of(4, 64, torch.float32).requires_grad_(), rows_of(4, 64, torch.float32, seed=1)
+    addnorm.add_layer_norm(x, r, 64, backend="triton").sum().backward()
+    addnorm.add_layer_norm(x, r, 64, dropout_p=0.5, backend="triton").sum().backward()
+    assert seen == ["forward", "backward", "forward", "branch_backward"]
+
+
+def test_a_kinds_bytes_per_thread_set_its_warps_on_a_gpu(monkeypatch):
+    """On a GPU launch, num_warps follows the kind's own bytes per thread (a 4096-wide bf16 row
+    of 8 KiB: 8 warps at 32 bytes, 32 at 8), and the chunked path follows the chunked entry."""
+    cuda = torch.device("cuda")
+    table = config.TABLE.updated("branch_backward", bytes_per_thread=32).updated("backward", bytes_per_thread=8)
+    monkeypatch.setattr(config, "TABLE", table)
+    assert config.plan("branch_backward", 4096, cuda, 2) == (1, 4096, 8, False)
+    assert config.plan("backward", 4096, cuda, 2) == (1, 4096, 32, False)
+    chunk = table.chunked  # one row per program, chunk_n columns of 2 bytes
+    warps = chunk.chunk_n * 2 // (32 * chunk.bytes_per_thread)
+    assert config.plan("backward", 65536, cuda, 2) == (1, chunk.chunk_n, warps, True)
+
+
 def test_strided_rows_are_read_in_place():
     """Rows with a stride (a slice of wider rows) run without a copy and match contiguous rows."""
     base = rows_of(40, 130, torch.float32)
     x, r = base[::2, :100], base[1::2, 3:103]
-    assert x.stride() == (260, 1) and K._rows(x) is x
+    assert x.stride() == (260, 1) and common._rows(x) is x
     w = rows_of(1, 100, torch.float32, seed=3)[0]
     y, s = addnorm.add_layer_norm(x, r, 100, w, prenorm=True, backend="triton")
     yc, sc = addnorm.add_layer_norm(x.contiguous(), r.contiguous(), 100, w, prenorm=True, backend="triton")

@@ -1,0 +1,49 @@
+"""Triton kernels for every addnorm op: the contract of :mod:`addnorm.reference` on GPU rows.
+
+The backend contract the registry reads (:mod:`addnorm.backend`): :data:`CAPABILITIES`,
+:func:`unavailable_reason`, :func:`forward` and :func:`backward`. The package holds:
+
+- :mod:`.forward_kernels`: the forward kernel (fused and chunked rows) and its launcher;
+- :mod:`.backward_kernels`: the coefficient, backward and partial-sum kernels and their launcher;
+- :mod:`.common`: the Triton helpers both passes call and the launchers' tensor plumbing;
+- :mod:`.config`: the launch table (fused limits, tile shapes, warps, program counts) and how a
+  launch is planned from it.
+
+Limits and why. Statistics and arithmetic are fp32 for fp16/bf16/fp32 and fp64 for fp64, as
+the reference. Row offsets are int64 (tensors over 2**31 elements are safe); rows may have any
+stride (a copy is made only when the last dim is not contiguous, as the kernels need unit
+column stride for coalesced loads). bf16 is rounded to nearest even by hand (``_round``)
+because Triton's interpreter truncates; on GPU the same few integer ops cost nothing in a
+memory-bound kernel.
+
+The kernels are compiled by ``triton.jit``, which reads ``TRITON_INTERPRET`` when this package
+is imported: with ``TRITON_INTERPRET=1`` set before then, they run on CPU tensors through
+Triton's interpreter (that is how CI tests them), otherwise they need CUDA tensors.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from ...backend import Capabilities
+from .backward_kernels import backward
+from .forward_kernels import _forward_kernel, forward
+
+__all__ = ["CAPABILITIES", "backward", "forward", "unavailable_reason"]
+
+
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_forward_kernel, InterpretedFunction)
+
+
+# CUDA tensors; CPU tensors only through Triton's interpreter (how CI runs these kernels)
+CAPABILITIES = Capabilities(device_types=("cuda", "cpu"))
+
+
+def unavailable_reason(x: Tensor | None) -> str | None:
+    """Why these kernels cannot run on ``x`` (``None`` if they can)."""
+    if x is not None and x.device.type == "cpu" and not _interpreted():
+        return "CPU tensors need TRITON_INTERPRET=1 (set before addnorm's triton kernels are imported)"
+    return None

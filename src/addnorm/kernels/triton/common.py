@@ -1,0 +1,137 @@
+"""What the forward and backward kernels share: the Triton helpers both call (rounding, the keep
+mask of the sublayer branch, the row scale, centring) and the launchers' tensor plumbing."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ... import reference
+
+# --------------------------------------------------------------------------- Triton helpers
+
+
+@triton.jit
+def _round(v, DT: tl.constexpr):
+    """``v`` rounded to ``DT`` to nearest even. bf16 is rounded by hand, identically on GPU and
+    in Triton's interpreter, whose own fp32 -> bf16 cast truncates."""
+    if DT == tl.bfloat16:
+        v = v.to(tl.float32)
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(v != v, v.to(tl.bfloat16), out)  # NaN stays NaN
+    else:
+        return v.to(DT)
+
+
+@triton.jit
+def _fmix32(h):
+    """MurmurHash3's finalizer on uint32 values (``reference.fmix32``): wraps mod 2**32."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
+    """``(t, gate)`` of one tile: ``gate = keep ? scale : 0`` with ``keep`` the hash of ``(seed,
+    row, column)`` at least ``threshold``, ``t = x * (gate * layer_scale) * rowscale``:
+    reference.branch_terms and reference.mask_hash, bit for bit. A missing factor is a tensor of
+    ones (``* 1`` is exact)."""
+    seed = tl.load(SEED)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    a = _fmix32(_fmix32(rows.to(tl.uint32) ^ k0) + k1)
+    b = _fmix32(_fmix32(cols.to(tl.uint32) ^ k1) + (k0 ^ 0x9E3779B9))
+    keep = _fmix32(a[:, None] + b[None, :]).to(tl.int64) >= threshold
+    gate = tl.where(keep, tl.load(SCALE).to(CD), 0.0)
+    factor = gate * tl.load(LS + cols, mask=cols < N, other=1.0).to(CD)[None, :]
+    t = x * factor * tl.load(RSC + rows, mask=rows < M, other=1.0).to(CD)[:, None]
+    return t, gate
+
+
+@triton.jit
+def _row_scale(amax):
+    """Per row, the power of two ``k = 2**-e <= 1`` with ``max|s * k| < 1`` (``reference.row_scale``),
+    built from the exponent bits of ``amax = max|s|``: exact, and at ``amax = 2**j`` it is
+    ``2**-(j + 1)``, as frexp. ``e`` stops at the smallest normal's exponent, so ``k`` is never
+    subnormal (a GPU may flush those): rows beyond ``2**126`` get ``max|s * k| < 4``, which is
+    as safe. Non-finite rows get ``k = 1`` and propagate as unscaled."""
+    if amax.dtype == tl.float64:
+        biased = (amax.to(tl.int64, bitcast=True) >> 52) & 0x7FF
+        e = tl.where(biased == 0x7FF, 0, tl.minimum(tl.maximum(biased - 1022, 0), 1022))
+        return ((1023 - e) << 52).to(tl.float64, bitcast=True)
+    else:
+        biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        e = tl.where(biased == 0xFF, 0, tl.minimum(tl.maximum(biased - 126, 0), 126))
+        return ((127 - e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _centre(sk, mask, mean_k, IS_RMS: tl.constexpr):
+    """``d = s * k - mean_k`` from ``sk = s * k``, zero outside ``mask`` (``sk`` for RMSNorm)."""
+    if IS_RMS:
+        return sk
+    else:
+        return tl.where(mask, sk - mean_k[:, None], 0.0)
+
+
+@triton.jit
+def _xhat(d, corr, rstd_k, IS_RMS: tl.constexpr):
+    """``xhat = (d - corr) * rstd_k`` from ``d`` of :func:`_centre`: the rough mean subtracted, then
+    its correction (exact for constant rows), as ``reference.forward_rows`` (``d * rstd_k`` for
+    RMSNorm). Not masked (a select less, fewer registers): outside the tile's mask it is never
+    stored, and the backward's column sums take it times ``dy``, which is zero there."""
+    if IS_RMS:
+        return d * rstd_k[:, None]
+    else:
+        return (d - corr[:, None]) * rstd_k[:, None]
+
+
+# --------------------------------------------------------------------------- launcher helpers
+
+# Triton's interpreter patches triton.language's globals while a kernel runs, so two Python
+# threads interpreting kernels at once break each other: interpreted launches take turns.
+INTERPRETER_LOCK = threading.RLock()
+
+
+def _device(t: Tensor) -> contextlib.AbstractContextManager:
+    """Triton launches on the current CUDA device: make it ``t``'s (multi-GPU processes).
+    On CPU tensors (the interpreter) it holds the interpreter's lock instead."""
+    return torch.cuda.device(t.device) if t.is_cuda else INTERPRETER_LOCK
+
+
+def _rows(t: Tensor | None) -> Tensor | None:
+    """``t`` with unit column stride (rows may keep any stride): copy only when needed."""
+    return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(n: int, dtype: torch.dtype, device: torch.device, value: float) -> Tensor:
+    """``n`` values ``value`` (never written): a missing layer scale or rowscale (ones), the dropout
+    scale (one value), a seed when there is no dropout (zero)."""
+    return torch.full((n,), value, dtype=dtype, device=device)
+
+
+def _branch_args(branch, m: int, n: int, cd: torch.dtype, device: torch.device) -> tuple:
+    """``(SEED, SCALE, LS, RSC, threshold)`` for the kernels (see ``_branch``): a missing factor is
+    a row of ones; all None (and threshold 0) without a branch."""
+    if branch is None:
+        return None, None, None, None, 0
+    p = branch.p
+    return (
+        branch.seed if p > 0 else _constant(1, torch.int64, device, 0),
+        _constant(1, cd, device, reference.dropout_scale(p)),
+        _rows(branch.layer_scale) if branch.layer_scale is not None else _constant(n, cd, device, 1.0),
+        _rows(branch.rowscale) if branch.rowscale is not None else _constant(m, cd, device, 1.0),
+        reference.keep_threshold(p),
+    )

@@ -1,0 +1,122 @@
+"""How the Triton kernels are launched: one table of settings per kind of kernel, and the
+functions that turn it into a launch (tile shape, warps, program count).
+
+``BLOCK_N`` is the next power of two of ``N``, or ``chunked.chunk_n`` on the chunked path (rows
+wider than the kind's ``max_fused_n``). Short rows are stacked into ``BLOCK_M`` rows per program
+so that a tile holds about ``tile_elems`` elements (at most ``max_block_m`` rows). ``num_warps``
+gives each thread about ``bytes_per_thread`` bytes of the tile, clamped to 1..32 warps: fewer,
+fuller warps let each row reduction cross fewer warps and keep more loads in flight per thread.
+The chunked path streams its chunks, one row per program, with its own bytes per thread. The
+backward launches ``SMs * max(1, warps_per_sm // num_warps)`` programs, each looping over its rows,
+which bounds the partials buffer to ``programs * N`` values.
+
+The forward keeps fewer values live than the backward, so it fuses wider rows; with the sublayer
+branch the backward also keeps ``x`` and the keep mask live, so it fuses narrower rows with fewer
+bytes per thread, a setting chosen to compile without register spills
+(``python benchmarks/triton_registers.py`` prints registers and spills for sm_90 without a GPU).
+The values come from ``python benchmarks/triton_tune.py`` (docs/gpu.md, "Launch heuristics"; the
+timings are in docs/benchmarks.md, "On an NVIDIA H100").
+
+The tile shape and warps depend on ``N``, the dtype, the kind and the device alone, so a row's
+results never depend on the batch (the number of programs does: it sets only how the
+dweight/dbias partials are grouped). The launchers read :data:`TABLE` at each call, so a test or a
+tuning script may swap it (``TABLE.updated("forward", max_fused_n=256)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """The launch settings of one kind of fused kernel (rows held whole in registers)."""
+
+    max_fused_n: int  # widest row held whole in registers; wider rows take the chunked path
+    bytes_per_thread: int  # num_warps = tile bytes / (32 * this), clamped to 1..32
+    tile_elems: int = 4096  # elements per program tile when short rows are stacked
+    max_block_m: int = 32  # at most this many rows per tile
+    warps_per_sm: int | None = None  # backward kinds: SMs * max(1, this // num_warps) programs
+
+
+@dataclass(frozen=True)
+class ChunkedLaunch:
+    """The chunked path, forward and backward: one row per program, walked in chunks."""
+
+    chunk_n: int  # columns per chunk (a power of two)
+    bytes_per_thread: int
+
+
+@dataclass(frozen=True)
+class InterpreterLaunch:
+    """Triton's interpreter (CPU tensors) pays Python per Triton op per program, whatever the
+    tile size, so there tiles stack more rows (same code, fewer programs), and the backward runs
+    a fixed number of programs (there is no SM count)."""
+
+    tile_elems: int
+    max_block_m: int
+    backward_programs: int
+
+
+@dataclass(frozen=True)
+class LaunchTable:
+    forward: KernelLaunch
+    backward: KernelLaunch
+    branch_backward: KernelLaunch  # the backward with the sublayer branch (dropout, layer scale)
+    chunked: ChunkedLaunch
+    interpreter: InterpreterLaunch
+
+    def updated(self, kind: str, **fields) -> LaunchTable:
+        """A copy with ``fields`` of entry ``kind`` changed: ``TABLE.updated("chunked", chunk_n=256)``."""
+        return dataclasses.replace(self, **{kind: dataclasses.replace(getattr(self, kind), **fields)})
+
+
+TABLE = LaunchTable(
+    forward=KernelLaunch(max_fused_n=16384, bytes_per_thread=64),
+    backward=KernelLaunch(max_fused_n=8192, bytes_per_thread=64, warps_per_sm=32),
+    branch_backward=KernelLaunch(max_fused_n=4096, bytes_per_thread=16, warps_per_sm=32),
+    chunked=ChunkedLaunch(chunk_n=4096, bytes_per_thread=16),
+    interpreter=InterpreterLaunch(tile_elems=65536, max_block_m=256, backward_programs=4),
+)
+KINDS = ("forward", "backward", "branch_backward")  # the entries a launch is planned from
+
+
+class Launch(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    chunked: bool
+
+
+def plan(kind: str, n: int, device: torch.device, elem_size: int) -> Launch:
+    """The launch of kernel ``kind`` (one of :data:`KINDS`) on rows of ``n`` features of
+    ``elem_size`` bytes on ``device``, from :data:`TABLE` as it is now (module docstring)."""
+    entry = getattr(TABLE, kind)
+    chunked = n > entry.max_fused_n
+    block_n = TABLE.chunked.chunk_n if chunked else triton.next_power_of_2(n)
+    if device.type == "cuda":
+        tile, max_m = entry.tile_elems, entry.max_block_m
+    else:
+        tile, max_m = TABLE.interpreter.tile_elems, TABLE.interpreter.max_block_m
+    block_m = 1 if chunked else max(1, min(max_m, tile // block_n))
+    bytes_per_thread = TABLE.chunked.bytes_per_thread if chunked else entry.bytes_per_thread
+    num_warps = max(1, min(32, block_m * block_n * elem_size // (32 * bytes_per_thread)))
+    return Launch(block_m, block_n, triton.next_power_of_2(num_warps), chunked)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def backward_programs(kind: str, m: int, num_warps: int, device: torch.device) -> int:
+    """How many programs the backward kernel of ``kind`` runs over ``m`` rows."""
+    if device.type == "cuda":
+        return min(m, _sm_count(device) * max(1, getattr(TABLE, kind).warps_per_sm // num_warps))
+    return min(m, TABLE.interpreter.backward_programs)

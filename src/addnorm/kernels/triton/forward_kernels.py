@@ -1,0 +1,316 @@
+"""The forward kernel: :func:`addnorm.reference.forward` on tiles of rows.
+
+A program normalizes a tile of ``BLOCK_M`` rows by ``BLOCK_N`` columns. Rows up to the forward's
+``max_fused_n`` features (:mod:`.config`) are held whole in registers: one read of ``x`` (and
+``residual``), one write of the stream ``s`` and of ``y``, and in between four reductions over
+registers, as ``reference.forward_rows``: ``max|s|`` gives the row scale ``k`` (a power of two,
+so ``s * k`` is exact and its squares cannot overflow even near bf16's maximum); the mean of
+``s * k``; the mean of the centred row, which corrects that mean (exact centring of constant
+rows and of rows with a large offset); the mean of the centred squares (never
+E[s^2] - E[s]^2). Wider rows take the chunked path: the same program walks the row in
+chunks three times: ``max|s|`` and the sum of ``s * k`` (rescaled, exactly, when a later chunk
+lowers ``k``); the sums of the centred values and of their squares, whose corrected two-pass
+combination ``mean(c^2) - mean(c)^2`` is the variance about the corrected mean; then normalize.
+The re-reads should mostly hit L2, as a row in flight is at most a few hundred KB.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ... import reference
+from . import config
+from .common import _branch, _branch_args, _centre, _device, _round, _row_scale, _rows, _xhat
+
+_CANCEL = tl.constexpr(reference.CANCEL)  # pass 3 of the chunked forward's variance
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _rsqrt(v):
+    """``1 / sqrt(v)`` correctly rounded, as the reference's ``torch.rsqrt`` (not tl.rsqrt's
+    approximation); fp64 sqrt and division are correctly rounded in Triton anyway."""
+    if v.dtype == tl.float64:
+        return 1.0 / tl.sqrt(v)
+    else:
+        return tl.div_rn(tl.full(v.shape, 1.0, tl.float32), tl.sqrt_rn(v))
+
+
+@triton.jit
+def _load_stream(
+    X,
+    R,
+    S,
+    rows,
+    cols,
+    mask,
+    sx,
+    sr,
+    M,
+    N,
+    SEED,
+    SCALE,
+    LS,
+    RSC,
+    threshold,
+    CD: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BRANCH: tl.constexpr,
+):
+    """``s = x + residual`` rounded to the stream dtype (``S``'s), returned in ``CD``; with
+    ``BRANCH``, ``x`` goes through :func:`_branch` first."""
+    x = tl.load(X + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(CD)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(CD)
+        if BRANCH:
+            x = _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)[0]
+        x = _round(x + r, S.dtype.element_ty).to(CD)
+    return x
+
+
+@triton.jit
+def _load_param(P, cols, N, CD: tl.constexpr, HAS: tl.constexpr):
+    """The weight (or bias) of the tile's columns in ``CD``; zeros, unused, when there is none."""
+    if HAS:
+        return tl.load(P + cols, mask=cols < N, other=0.0).to(CD)
+    else:
+        return tl.zeros(cols.shape, dtype=CD)
+
+
+@triton.jit
+def _stream_chunk_k(
+    X,
+    R,
+    S,
+    rows,
+    start,
+    cols,
+    k,
+    sx,
+    sr,
+    M,
+    N,
+    SEED,
+    SCALE,
+    LS,
+    RSC,
+    threshold,
+    CD: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BRANCH: tl.constexpr,
+):
+    """Columns ``start + cols`` of the stream (:func:`_load_stream`) times the row scale ``k``,
+    and their mask: a chunk of the chunked forward's second and third passes."""
+    ccols = start + cols
+    mask = (rows < M)[:, None] & (ccols < N)[None, :]
+    s = _load_stream(
+        X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+    )
+    return s * k[:, None], mask
+
+
+@triton.jit
+def _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL: tl.constexpr):
+    """Write the stream ``s`` of one tile (with a residual; nothing without)."""
+    if HAS_RESIDUAL:  # s holds values of S's dtype already: the cast is exact
+        tl.store(S + rows[:, None] * N + cols[None, :], s.to(S.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_y(xhat, w, b, Y, rows, cols, mask, N, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Write ``y = xhat * weight + bias`` of one tile."""
+    out = rows[:, None] * N + cols[None, :]
+    y = xhat
+    if HAS_WEIGHT:
+        y = y * w[None, :]
+    if HAS_BIAS:
+        y = y + b[None, :]
+    tl.store(Y + out, _round(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _forward_kernel(
+    X,
+    R,
+    W,
+    B,
+    Y,
+    S,
+    MEAN,
+    RSTD,
+    M,
+    N,
+    sx,
+    sr,
+    eps,
+    SEED,
+    SCALE,
+    LS,
+    RSC,
+    threshold,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    BRANCH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    CD: tl.constexpr = RSTD.dtype.element_ty
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    cols = tl.arange(0, BLOCK_N)
+    mean_k = tl.zeros([BLOCK_M], dtype=CD)  # the mean of s * k, then its correction
+    corr = tl.zeros([BLOCK_M], dtype=CD)
+    if not CHUNKED:  # the whole row is in registers: every pass is over registers
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        s = _load_stream(
+            X, R, S, rows, cols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+        )
+        w = _load_param(W, cols, N, CD, HAS_WEIGHT)  # issued now: latency hidden by the reductions
+        b = _load_param(B, cols, N, CD, HAS_BIAS)
+        _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL)  # now: s need not stay live
+        k = _row_scale(tl.max(tl.abs(s), axis=1))
+        sk = s * k[:, None]
+        c = sk
+        if not IS_RMS:
+            mean_k = tl.sum(c, axis=1) / N
+            c = tl.where(mask, c - mean_k[:, None], 0.0)
+            corr = tl.sum(c, axis=1) / N
+            c = tl.where(mask, c - corr[:, None], 0.0)
+        var_k = tl.sum(c * c, axis=1) / N
+    else:
+        # Pass 1: k from max|s|, and (LayerNorm) the sum of s * k, rescaled whenever k shrinks
+        # (by a power of two: exact). Pass 2: the centred sum and sum of squares; their
+        # corrected two-pass combination gives the variance about the corrected mean.
+        k = tl.full([BLOCK_M], 1.0, CD)
+        amax = tl.zeros([BLOCK_M], dtype=CD)
+        for start in range(0, N, BLOCK_N):
+            ccols = start + cols
+            mask = row_ok[:, None] & (ccols < N)[None, :]
+            s = _load_stream(
+                X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+            )
+            _store_stream(s, S, rows, ccols, mask, N, HAS_RESIDUAL)
+            amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
+            k_new = _row_scale(amax)
+            if not IS_RMS:
+                mean_k = mean_k * (k_new / k) + tl.sum(s * k_new[:, None], axis=1)
+            k = k_new
+        mean_k = mean_k / N
+        m2 = tl.zeros([BLOCK_M], dtype=CD)
+        for start in range(0, N, BLOCK_N):
+            c, mask = _stream_chunk_k(
+                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+            )
+            if not IS_RMS:
+                c = tl.where(mask, c - mean_k[:, None], 0.0)
+                corr += tl.sum(c, axis=1)
+            m2 += tl.sum(c * c, axis=1)
+        corr = corr / N
+        var_k = tl.maximum(m2 / N - corr * corr, 0.0)
+        # Where corr * corr is not small beside m2 / N (a near-constant row far from zero), that
+        # difference cancels: pass 3, over no column unless some row needs it (never for
+        # RMSNorm, whose corr is 0), squares the corrected deviations themselves, as the CPU
+        # kernel's _centred_stats (the same threshold) and the reference.
+        redo = row_ok & (corr * corr * _CANCEL > m2 / N)
+        m3 = tl.zeros([BLOCK_M], dtype=CD)
+        for start in range(0, N * tl.max(redo.to(tl.int32), axis=0), BLOCK_N):
+            c, mask = _stream_chunk_k(
+                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+            )
+            c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
+            m3 += tl.sum(c * c, axis=1)
+        var_k = tl.where(redo, m3 / N, var_k)
+    rstd_k = _rsqrt(var_k + eps * k * k)  # = rstd / k
+    if not IS_RMS:
+        tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
+    tl.store(RSTD + rows, rstd_k * k, mask=row_ok)
+    if not CHUNKED:
+        xhat = _xhat(_centre(sk, mask, mean_k, IS_RMS), corr, rstd_k, IS_RMS)
+        _store_y(xhat, w, b, Y, rows, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
+    else:
+        for start in range(0, N, BLOCK_N):
+            ccols = start + cols
+            mask = row_ok[:, None] & (ccols < N)[None, :]
+            sk = (
+                _load_stream(
+                    X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+                )
+                * k[:, None]
+            )
+            w = _load_param(W, ccols, N, CD, HAS_WEIGHT)
+            b = _load_param(B, ccols, N, CD, HAS_BIAS)
+            xhat = _xhat(_centre(sk, mask, mean_k, IS_RMS), corr, rstd_k, IS_RMS)
+            _store_y(xhat, w, b, Y, rows, ccols, mask, N, HAS_WEIGHT, HAS_BIAS)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def forward(
+    x: Tensor,
+    residual: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    *,
+    eps: float,
+    rms: bool,
+    residual_dtype: torch.dtype | None,
+    write_stream: bool = True,  # s and the statistics are always written here
+    write_stats: bool = True,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
+    branch=None,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """:func:`addnorm.reference.forward`, fused: one read of the inputs, one write of the outputs."""
+    shape, n = x.shape, x.shape[-1]
+    y_dtype = x.dtype
+    sd = reference.stream_dtype(x, residual, residual_dtype)
+    if branch is not None and x.dtype != sd:  # the branch takes x rounded to the stream dtype
+        x = x.to(sd)
+    x = _rows(x.reshape(-1, n))
+    residual = _rows(residual.reshape(-1, n)) if residual is not None else None
+    m = x.shape[0]
+    cd = reference.stats_dtype(sd)
+    y = out if out is not None else torch.empty(shape, dtype=y_dtype, device=x.device)
+    s = None
+    if residual is not None:
+        s = residual_out if residual_out is not None else torch.empty(shape, dtype=sd, device=x.device)
+    mean = None if rms else torch.empty((m,), dtype=cd, device=x.device)
+    rstd = torch.empty((m,), dtype=cd, device=x.device)
+    if m == 0:
+        return y, s, mean, rstd
+    block_m, block_n, num_warps, chunked = config.plan("forward", n, x.device, x.element_size())
+    with _device(x):
+        _forward_kernel[(triton.cdiv(m, block_m),)](
+            x,
+            residual,
+            _rows(weight),
+            _rows(bias),
+            y,
+            s,
+            mean,
+            rstd,
+            m,
+            n,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            eps,
+            *_branch_args(branch, m, n, cd, x.device),
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            IS_RMS=rms,
+            CHUNKED=chunked,
+            BRANCH=branch is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
+    return y, s, mean, rstd
