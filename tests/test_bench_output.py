@@ -36,7 +36,7 @@ def _check_values(rows: list[dict]) -> None:
         assert float(r["copy_fraction"]) == pytest.approx(float(r["gbps"]) / 10.0)
         assert float(r["vs_torch_eager"]) == pytest.approx(eager[r["op"], r["pass"]] / float(r["median_ms"]))
         assert int(r["bytes"]) == bytes_moved(
-            r["op"], 4, 64, torch.float32, r["pass"], recomputes_stream=impls.recomputes_stream(r["impl"], "cpu")
+            r["op"], 4, 64, torch.float32, r["pass"], **impls.traffic(r["impl"], "cpu")
         )
 
 
@@ -92,30 +92,32 @@ M, N = 4, 8
 
 
 @pytest.mark.parametrize(
-    "op,pass_,recomputes,expected_elements,stats",
+    "op,pass_,flags,expected_elements,stats",
     [
         # inference: x (r) w (b) read, y written; no s, no statistics
-        ("layer_norm", "fwd", False, 2 * M * N + 2 * N, 0),
-        ("add_layer_norm", "fwd", True, 3 * M * N + 2 * N, 0),
-        ("add_rms_norm", "fwd", False, 3 * M * N + N, 0),
+        ("layer_norm", "fwd", {}, 2 * M * N + 2 * N, 0),
+        ("add_layer_norm", "fwd", {"recomputes_stream": True}, 3 * M * N + 2 * N, 0),
+        ("add_rms_norm", "fwd", {}, 3 * M * N + N, 0),
+        # a backend writing s and the statistics anyway
+        ("add_rms_norm", "fwd", {"writes_unused": True}, 4 * M * N + N, M),
         # backward reading s: dy, s, dx + w read, dw db written; mean and rstd read
-        ("add_layer_norm", "bwd", False, 3 * M * N + 3 * N, 2 * M),
+        ("add_layer_norm", "bwd", {}, 3 * M * N + 3 * N, 2 * M),
         # backward recomputing s: dy, x, r, dx
-        ("add_layer_norm", "bwd", True, 4 * M * N + 3 * N, 2 * M),
+        ("add_layer_norm", "bwd", {"recomputes_stream": True}, 4 * M * N + 3 * N, 2 * M),
         # dropout: x and r saved, dx and dresidual two tensors
-        ("add_rms_norm_dropout", "bwd", False, 5 * M * N + 2 * N, M),
+        ("add_rms_norm_dropout", "bwd", {}, 5 * M * N + 2 * N, M),
         # training: the forward writes s and statistics (or not s), the backward reads them back
-        ("add_layer_norm", "fwd+bwd", False, (3 * M * N + 2 * N + M * N) + (3 * M * N + 3 * N), 4 * M),
-        ("add_layer_norm", "fwd+bwd", True, (3 * M * N + 2 * N) + (4 * M * N + 3 * N), 4 * M),
-        ("rms_norm", "fwd+bwd", True, (2 * M * N + N) + (3 * M * N + 2 * N), 2 * M),
+        ("add_layer_norm", "fwd+bwd", {}, (3 * M * N + 2 * N + M * N) + (3 * M * N + 3 * N), 4 * M),
+        ("add_layer_norm", "fwd+bwd", {"recomputes_stream": True}, (3 * M * N + 2 * N) + (4 * M * N + 3 * N), 4 * M),
+        ("rms_norm", "fwd+bwd", {"writes_unused": True}, (2 * M * N + N) + (3 * M * N + 2 * N), 2 * M),
+        # dropout and a backend writing s anyway: s written, x and r saved and read
+        ("add_rms_norm_dropout", "fwd+bwd", {"writes_unused": True}, (4 * M * N + N) + (5 * M * N + 2 * N), 2 * M),
     ],
 )
-def test_bytes_moved_hand_count(op, pass_, recomputes, expected_elements, stats):
+def test_bytes_moved_hand_count(op, pass_, flags, expected_elements, stats):
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):  # statistics in float32 either way
-        got = bytes_moved(op, M, N, dtype, pass_, recomputes_stream=recomputes)
-        assert got == expected_elements * size + stats * 4
-    got = bytes_moved(op, M, N, torch.float64, pass_, recomputes_stream=recomputes)
-    assert got == (expected_elements + stats) * 8
+        assert bytes_moved(op, M, N, dtype, pass_, **flags) == expected_elements * size + stats * 4
+    assert bytes_moved(op, M, N, torch.float64, pass_, **flags) == (expected_elements + stats) * 8
 
 
 def test_bytes_moved_counts_the_stream_buffer_when_filled():
@@ -124,14 +126,26 @@ def test_bytes_moved_counts_the_stream_buffer_when_filled():
     assert bytes_moved("layer_norm", M, N, torch.float32, "fwd", writes_stream=True) == (2 * M * N + 2 * N) * 4
 
 
-def _autograd_count(op: str, backend: str, dtype: torch.dtype) -> tuple[int, int]:
-    """(bwd, fwd+bwd) bytes seen from outside: what the training forward saves for the backward
-    (hooks on saved tensors) and the gradients it returns; the inputs read and y written."""
+def _observed(op: str, backend: str, dtype: torch.dtype, pass_: str, monkeypatch) -> int:
+    """The bytes of one call seen from outside the count: the inputs; the tensors the backend's
+    forward returns (what it wrote); for a backward, ``dy``, the tensors autograd saved for it
+    (hooks) and the distinct gradients it returns."""
     g = torch.Generator().manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=g).to(dtype).requires_grad_()  # noqa: E731
     x, r, w, b = mk(M, N), mk(M, N), mk(N), mk(N)
-    rms, add, dropout = "rms" in op, op.startswith("add_"), op.endswith("_dropout")
+    rms, add = "rms" in op, op.startswith("add_")
     inputs = [x, *([r] if add else []), w, *([] if rms else [b])]
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    written: list[torch.Tensor] = []
+    impl = addnorm.backend.load(backend)
+    real = impl.forward
+
+    def forward(*args, **kwargs):
+        out = real(*args, **kwargs)
+        written.extend(t for t in out if t is not None and t.numel())
+        return out
+
+    monkeypatch.setattr(impl, "forward", forward)
     saved: dict[int, torch.Tensor] = {}
 
     def pack(t):
@@ -139,25 +153,26 @@ def _autograd_count(op: str, backend: str, dtype: torch.dtype) -> tuple[int, int
             saved[t.data_ptr()] = t
         return t
 
-    kwargs = {"backend": backend, **({"dropout_p": 0.1} if dropout else {})}
-    fn = getattr(addnorm, op.removesuffix("_dropout"))
+    kwargs = {"backend": backend, **({"dropout_p": 0.1} if op.endswith("_dropout") else {})}
+    call = lambda: getattr(addnorm, op.removesuffix("_dropout"))(*inputs[: 1 + add], N, *inputs[1 + add :], **kwargs)  # noqa: E731
+    if pass_ == "fwd":
+        with torch.no_grad():
+            call()
+        return nbytes(inputs) + nbytes(written)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fn(x, *([r] if add else []), N, w, *([] if rms else [b]), **kwargs)
-    grads = torch.autograd.grad(y, inputs, torch.ones_like(y))
-    in_ptrs = {t.data_ptr() for t in inputs}
-    distinct_grads = {t.data_ptr(): t for t in grads}.values()
-    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    bwd = nbytes([y]) + nbytes(saved.values()) + nbytes(distinct_grads)  # dy, the saved tensors, the gradients
-    written_by_forward = [t for p, t in saved.items() if p not in in_ptrs]  # s, mean, rstd
-    return bwd, nbytes(inputs) + nbytes([y]) + nbytes(written_by_forward) + bwd
+        y = call()
+    grads = {t.data_ptr(): t for t in torch.autograd.grad(y, inputs, torch.ones_like(y))}.values()
+    bwd = nbytes([y]) + nbytes(saved.values()) + nbytes(grads)  # dy is y's size
+    return bwd if pass_ == "bwd" else nbytes(inputs) + nbytes(written) + bwd
 
 
 @pytest.mark.parametrize("op", bench.OPS)
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_bytes_moved_matches_what_training_saves_and_returns(op, backend):
-    recomputes = impls.recomputes_stream(f"addnorm-{backend}", "cpu")
-    assert recomputes == (backend == "cpu")  # addnorm.ops.plan: the CPU kernels recompute s
+def test_bytes_moved_is_what_each_backend_reads_and_writes(op, backend, monkeypatch):
+    flags = impls.traffic(f"addnorm-{backend}", "cpu")
+    # addnorm.ops.plan: the CPU kernels recompute s and write only what is used
+    assert flags == {"recomputes_stream": backend == "cpu", "writes_unused": backend != "cpu"}
     for dtype in (torch.float32, torch.bfloat16):
-        bwd, both = _autograd_count(op, backend, dtype)
-        assert bytes_moved(op, M, N, dtype, "bwd", recomputes_stream=recomputes) == bwd
-        assert bytes_moved(op, M, N, dtype, "fwd+bwd", recomputes_stream=recomputes) == both
+        for pass_ in bench.PASSES:
+            expected = _observed(op, backend, dtype, pass_, monkeypatch)
+            assert bytes_moved(op, M, N, dtype, pass_, **flags) == expected, (dtype, pass_)

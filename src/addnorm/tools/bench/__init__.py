@@ -20,7 +20,7 @@ import sys
 import torch
 
 from ..cli import UsageError, check_threads, output_file
-from .impls import DROPOUT_P, DTYPES, EPS, OTHER_IMPLS, all_impls, make_impl, out_variant, recomputes_stream, runner
+from .impls import DROPOUT_P, DTYPES, EPS, OTHER_IMPLS, all_impls, make_impl, out_variant, runner, traffic
 from .measure import bytes_moved, copy_bandwidth, measure, quantile, sync
 from .rows import (
     DEFAULT_RESULTS,
@@ -110,9 +110,7 @@ def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out) -
     results = []
     for name, (med, p20, p80) in timings.items():
         # out= buffers: the stream's buffer is filled too
-        nbytes = bytes_moved(
-            op, rows, cols, dtype, pass_, recomputes_stream=recomputes_stream(name, device), writes_stream=reuse_out
-        )
+        nbytes = bytes_moved(op, rows, cols, dtype, pass_, writes_stream=reuse_out, **traffic(name, device))
         results.append(
             {
                 "op": op,

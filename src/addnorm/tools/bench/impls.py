@@ -119,14 +119,21 @@ def make_impl(name: str, op: str, device: str) -> Callable:
     return _other_norm(name, op, device)
 
 
-def recomputes_stream(name: str, device: str) -> bool:
-    """Whether implementation ``name`` runs post-norm training without writing the stream, its
-    backward recomputing it from ``x`` and ``residual`` (addnorm on a backend that declares
-    ``recomputes_stream``); the others save ``s``, the norm's input."""
+def traffic(name: str, device: str) -> dict[str, bool]:
+    """How implementation ``name`` runs a post-norm call, as :func:`~.measure.bytes_moved`'s
+    keywords: ``recomputes_stream`` as its backend declares it; ``writes_unused`` for every
+    backend but those that recompute the stream, which are the ones that write only what the
+    call returns or saves (``write_stream``, ``write_stats``: the ``cpu`` kernels); for
+    ``torch.compile``, whose graph writes only what it returns or saves; and for everything
+    else, which adds then normalizes as torch does (``s`` and the statistics written; an unfused
+    add's second read of ``s`` is not counted)."""
+    if name == "torch-compile":
+        return {"recomputes_stream": False, "writes_unused": False}
     if not name.startswith("addnorm"):
-        return False
+        return {"recomputes_stream": False, "writes_unused": True}
     backend = name.removeprefix("addnorm-") if name != "addnorm" else backends.auto_name(torch.empty(0, device=device))
-    return backends.load(backend).CAPABILITIES.recomputes_stream
+    recomputes = backends.load(backend).CAPABILITIES.recomputes_stream
+    return {"recomputes_stream": recomputes, "writes_unused": not recomputes}
 
 
 def out_variant(name: str, op: str, fn: Callable, x, r, w, b) -> Callable | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -43,8 +43,8 @@ def quantile(sorted_values: list[float], q: float) -> float:
 
 
 def measure(
-    runs: dict[str, Callable[[], object]], rounds: int, device: str = "cpu", min_sample_s: float = 1e-3
-) -> dict[str, tuple[float, float, float]]:
+    runs: dict[Hashable, Callable[[], object]], rounds: int, device: str = "cpu", min_sample_s: float = 1e-3
+) -> dict[Hashable, tuple[float, float, float]]:
     """Interleaved timing of every callable in ``runs``: name -> (median, p20, p80) seconds per call.
 
     Each callable is called once first (compile, allocate, warm the caches); then ``rounds``
@@ -56,7 +56,7 @@ def measure(
         run()
         t = seconds_per_call(run, 1, device)
         reps[name] = max(1, min(1000, math.ceil(min_sample_s / max(t, 1e-7))))
-    samples: dict[str, list[float]] = {name: [] for name in runs}
+    samples: dict[Hashable, list[float]] = {name: [] for name in runs}
     order = list(runs)
     shuffle = random.Random(0).shuffle
     for _ in range(rounds):
@@ -86,28 +86,34 @@ def bytes_moved(
     pass_: str,
     *,
     recomputes_stream: bool = False,
+    writes_unused: bool = False,
     writes_stream: bool = False,
 ) -> int:
-    """Bytes one post-norm call of ``op`` reads and writes, each tensor once, as addnorm's plan
-    (:func:`addnorm.ops.plan`) runs it. Row-sized tensors (``x``, ``residual``, ``s``, ``y``,
+    """Bytes one post-norm call of ``op`` reads and writes, each tensor once, following addnorm's
+    plan (:func:`addnorm.ops.plan`). Row-sized tensors (``x``, ``residual``, ``s``, ``y``,
     ``dy``, ``dx``) have ``rows x cols`` elements of ``dtype``; parameters (the weight, and the
     bias for LayerNorm) ``cols``; the statistics (``rstd``, and ``mean`` for LayerNorm) one per
-    row in the statistics dtype (float32, float64 for float64).
+    row in the statistics dtype (float32; float64 for float64).
+
+    By default, the least a call must move:
 
     - ``fwd`` (inference, under ``no_grad``): reads ``x`` (and ``residual``) and the parameters,
-      writes ``y``. A post-norm call returns no stream and no statistics, so neither is written,
-      unless ``writes_stream``: the call fills a ``residual_out`` buffer (or returns ``s``).
+      writes ``y``. A post-norm call returns neither the stream ``s`` nor the statistics.
     - the forward of training (the first half of ``fwd+bwd``): the same, and writes the
-      statistics; with a residual it also writes the stream ``s`` and saves it, except when
-      ``recomputes_stream`` (a backend such as ``cpu`` that saves ``x`` and ``residual`` and
-      recomputes ``s`` in the backward) or with dropout (every backend saves ``x`` and
-      ``residual`` then: the keep mask is recomputed from the seed).
-    - ``bwd``: reads ``dy``, the saved tensors (``x``; ``s``; or ``x`` and ``residual``), the
-      statistics and the weight; writes ``dx`` (which is also the residual's gradient; with
-      dropout the residual's gradient is a second tensor) and the parameters' gradients.
-    - ``fwd+bwd``: the forward of training, then ``bwd``. With a residual and no dropout it moves
-      the same bytes whether or not the stream is recomputed (``s`` written and read once, or
-      ``x`` and ``residual`` read a second time).
+      statistics and, with a residual, ``s``, which it saves for the backward.
+    - ``bwd``: reads ``dy``, the saved tensor (``x``, or ``s``), the statistics and the weight;
+      writes ``dx`` (the residual's gradient is the same tensor) and the parameters' gradients.
+    - with dropout (``*_dropout``) every backend saves ``x`` and ``residual`` instead of ``s``
+      (the keep mask is recomputed from the seed), and the backward writes the residual's
+      gradient as a second tensor besides ``dx``.
+
+    What a given implementation moves besides (:func:`addnorm.tools.bench.impls.traffic`):
+    ``recomputes_stream``: training saves ``x`` and ``residual`` and the backward recomputes
+    ``s`` from them (a backend with ``Capabilities.recomputes_stream``, such as ``cpu``): the
+    forward writes no ``s``, the backward reads two tensors for it; ``fwd+bwd`` moves the same
+    bytes either way. ``writes_unused``: every forward writes ``s`` and the statistics, used or
+    not (the ``triton`` and ``reference`` backends, and torch's add then norm). ``writes_stream``:
+    the call fills a ``residual_out`` buffer (``--out-buffers``).
 
     Left out: the 8-byte dropout seed, and what a kernel keeps in its own buffers (per-thread
     partial sums of the parameters' gradients).
@@ -115,16 +121,17 @@ def bytes_moved(
     if pass_ not in ("fwd", "bwd", "fwd+bwd"):
         raise ValueError(f"pass_ must be fwd, bwd or fwd+bwd, got {pass_!r}")
     add, dropout, rms = op.startswith("add_"), op.endswith("_dropout"), "rms" in op
-    params = cols * (1 if rms else 2)
-    stats = rows * (1 if rms else 2) * torch.empty((), dtype=reference.stats_dtype(dtype)).element_size()
     tensor = rows * cols
+    params = cols * (1 if rms else 2)
     inputs = tensor * (2 if add else 1)  # x and residual
-    stream_saved = add and not dropout and not recomputes_stream  # the training forward writes s
+    stats = rows * (1 if rms else 2) * torch.empty((), dtype=reference.stats_dtype(dtype)).element_size()
+    stream_saved = add and not dropout and not recomputes_stream
     elements = stat_bytes = 0
     if pass_ == "fwd":
-        elements = inputs + params + tensor + (tensor if add and writes_stream else 0)
+        elements = inputs + params + tensor + (tensor if add and (writes_stream or writes_unused) else 0)
+        stat_bytes = stats if writes_unused else 0
     if pass_ == "fwd+bwd":
-        elements = inputs + params + tensor + (tensor if stream_saved else 0)
+        elements = inputs + params + tensor + (tensor if stream_saved or (add and writes_unused) else 0)
         stat_bytes = stats
     if pass_ in ("bwd", "fwd+bwd"):
         saved = tensor if stream_saved or not add else inputs
