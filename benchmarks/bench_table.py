@@ -87,8 +87,9 @@ def page_table(rows: list[dict], spec: PageTable) -> str:
     impls = sorted({r["impl"] for r in run}, key=_impl_order)
     device = "" if first["device"] == "cpu" else f" --device {first['device']}"
     command = (
-        f"addnorm bench{device} --op {OP} --shapes {spec.shapes} --dtype {','.join(DTYPES)} "
-        f"--pass {','.join(PASSES)} --impl {','.join(impls)} --threads {first['threads']} --save"
+        f"addnorm bench{device} --op {OP} --dtype {','.join(DTYPES)} --pass {','.join(PASSES)} \\\n"
+        f"    --shapes {spec.shapes} \\\n"
+        f"    --impl {','.join(impls)} --threads {first['threads']} --save"
     )
     lines = [
         "```",
