@@ -3,7 +3,7 @@ an 80-column terminal, Markdown for docs, or CSV and JSON for programs (``--form
 
 Per implementation: the median time per call and its p20-p80, GB/s (the bytes one call moves
 over the median), that as a fraction of the copy bandwidth measured in the same run (``of
-copy``), and torch eager's median over this one's (``vs torch``, above 1: faster than torch).
+copy bw``), and torch eager's median over this one's (``vs torch``, above 1: faster than torch).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from .rows import ROW_FIELDS
 FORMATS = ["table", "markdown", "csv", "json"]
 WIDTH = 80
 EXTRA_FIELDS = ["copy_fraction", "vs_torch_eager"]  # derived per row, in csv and json
-_HEAD = ("impl", "median ms", "p20-p80 ms", "GB/s", "of copy", "vs torch")
-_TEXT_LAYOUT = "  {:<18}{:>10}  {:>19}{:>8}{:>9}{:>9}"  # 75 columns
+_HEAD = ("impl", "median ms", "p20-p80 ms", "GB/s", "of copy bw", "vs torch")
+_TEXT_LAYOUT = "  {:<18}{:>10}  {:>19}{:>8}{:>11}{:>9}"  # 79 columns
 
 
 def config_key(row: dict) -> tuple:
