@@ -1,19 +1,20 @@
 """Per-element cost of the CPU kernels' row loops against torch's own CPU layer_norm, 1 thread.
 
-    python benchmarks/cpu_row_cost.py [float32|bfloat16]
+    python benchmarks/cpu_row_cost.py [float32|bfloat16] [--rounds 15]
 
 Rows stay in cache (16 and 80 rows of 768), and the per-call cost (Python, dispatch) cancels
-out: the reported ns/element is the slope between the two sizes, best of 7 repetitions.
+out: the reported ns/element is the slope between the medians at the two sizes, all calls timed
+interleaved by addnorm's harness (``addnorm.tools.bench.measure``).
 """
 
 from __future__ import annotations
 
-import sys
-import time
+import argparse
 
 import torch
 
 from addnorm.kernels import cpu
+from addnorm.tools.bench import measure
 
 N = 768
 
@@ -46,24 +47,19 @@ def calls(m: int, dtype: torch.dtype) -> dict:
     }
 
 
-def best_seconds(fn, reps: int = 300) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(7):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, (time.perf_counter() - t) / reps)
-    return best
-
-
 def main() -> None:
-    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("dtype", nargs="?", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per call (default 15)")
+    args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     small, large = calls(16, dtype), calls(80, dtype)
+    runs = {**{(name, 16): fn for name, fn in small.items()}, **{(name, 80): fn for name, fn in large.items()}}
+    medians = {key: t[0] for key, t in measure(runs, args.rounds, "cpu").items()}
     print(f"{dtype}, 1 thread, rows of {N}: ns per element (slope between 16 and 80 rows)")
     for name in small:
-        slope = (best_seconds(large[name]) - best_seconds(small[name])) / (64 * N)
+        slope = (medians[name, 80] - medians[name, 16]) / (64 * N)
         print(f"  {name:32s} {slope * 1e9:.3f}")
 
 

@@ -1,21 +1,21 @@
 """Where splitting a call over threads starts to pay in the CPU kernels (``PARALLEL_MIN_ELEMENTS``).
 
-    python benchmarks/cpu_threads.py [ROWSxCOLS ...]     (default: 16x1024 ... 1024x1024)
+    python benchmarks/cpu_threads.py [ROWSxCOLS ...] [--rounds 15]   (default: 16x1024 ... 1024x1024)
 
 fp32 add+layer_norm forward and layer_norm backward, ``addnorm.kernels.cpu`` called directly,
 on one thread and on torch's thread count, with torch's own ops beside them for scale
-(``layer_norm(x + r)`` and ``native_layer_norm_backward``). Interleaved rounds, median µs.
+(``layer_norm(x + r)`` and ``native_layer_norm_backward``). Timed interleaved by addnorm's
+harness (``addnorm.tools.bench.measure``), median µs per call.
 """
 
 from __future__ import annotations
 
-import statistics
-import sys
-import time
+import argparse
 
 import torch
 
 from addnorm.kernels import cpu
+from addnorm.tools.bench import measure, parse_shapes
 
 
 def threaded(min_elements: int, fn):
@@ -50,21 +50,15 @@ def calls(m: int, n: int) -> dict:
 
 
 def main() -> None:
-    shapes = sys.argv[1:] or ["16x1024", "32x1024", "64x1024", "128x1024", "256x1024", "512x1024", "1024x1024"]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("shapes", nargs="*", metavar="ROWSxCOLS", help="default: 16x1024 ... 1024x1024")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per call (default 15)")
+    args = p.parse_args()
+    shapes = args.shapes or ["16x1024", "32x1024", "64x1024", "128x1024", "256x1024", "512x1024", "1024x1024"]
     print(f"fp32, {torch.get_num_threads()} threads; median µs per call")
-    for shape in shapes:
-        m, n = map(int, shape.split("x"))
-        fns = calls(m, n)
-        times: dict[str, list[float]] = {k: [] for k in fns}
-        for fn in fns.values():
-            fn()
-        for _ in range(15):
-            for name, fn in fns.items():
-                t = time.perf_counter()
-                for _ in range(10):
-                    fn()
-                times[name].append((time.perf_counter() - t) / 10 * 1e6)
-        print(f"{shape:>10s} " + "  ".join(f"{k} {statistics.median(v):6.0f}" for k, v in times.items()))
+    for m, n in parse_shapes(",".join(shapes)):
+        times = measure(calls(m, n), args.rounds, "cpu")
+        print(f"{m:>5d}x{n:<5d} " + "  ".join(f"{k} {t[0] * 1e6:6.0f}" for k, t in times.items()))
 
 
 if __name__ == "__main__":

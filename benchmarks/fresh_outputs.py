@@ -1,9 +1,10 @@
 """What a fresh output costs: filling a new tensor against refilling one, with and without the
 huge-page advice the CPU kernels give their outputs of HUGE_PAGES_MIN_BYTES and more.
 
-    python benchmarks/fresh_outputs.py [threads]
+    python benchmarks/fresh_outputs.py [threads] [--rounds 15]
 
-Per shape (fp32), median ms of 15 calls and minor page faults per call, interleaved:
+Per shape (fp32), the median ms per call (addnorm's harness, ``addnorm.tools.bench.measure``,
+interleaved) and the median minor page faults of one call:
 ``torch.empty(...).fill_(1)`` (torch's allocation, as any op's output), the same through the
 kernels' allocation (``addnorm.kernels.cpu._empty``: huge pages asked for at 32 MiB and more
 when Linux's THP mode is ``madvise``), and ``fill_`` of a tensor allocated once.
@@ -11,14 +12,14 @@ when Linux's THP mode is ``madvise``), and ``fill_`` of a tensor allocated once.
 
 from __future__ import annotations
 
+import argparse
 import resource
 import statistics
-import sys
-import time
 
 import torch
 
 from addnorm.kernels import cpu
+from addnorm.tools.bench import measure
 
 SHAPES = [(4096, 768), (4096, 1024), (2048, 4096)]
 
@@ -27,9 +28,22 @@ def faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def faults_per_call(fn, rounds: int) -> float:
+    counts = []
+    for _ in range(rounds):
+        f = faults()
+        fn()
+        counts.append(faults() - f)
+    return statistics.median(counts)
+
+
 def main() -> None:
-    if len(sys.argv) > 1:
-        torch.set_num_threads(int(sys.argv[1]))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("threads", type=int, nargs="?", help="torch threads (default: torch's)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per call (default 15)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(
         f"{torch.get_num_threads()} thread(s); huge-page advice "
         f"{'on' if cpu._MADVISE is not None else 'off (THP mode is not madvise)'} "
@@ -42,19 +56,9 @@ def main() -> None:
             "kernels' _empty + fill": lambda kept=kept: cpu._empty(kept, torch.float32).fill_(1),
             "refill a kept tensor": lambda kept=kept: kept.fill_(1),
         }
-        times: dict[str, list[float]] = {name: [] for name in calls}
-        counts: dict[str, list[int]] = {name: [] for name in calls}
-        for fn in calls.values():
-            fn()
-        for _ in range(15):
-            for name, fn in calls.items():
-                f, t = faults(), time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t)
-                counts[name].append(faults() - f)
+        times = measure(calls, args.rounds, "cpu")
         cells = [
-            f"{name} {statistics.median(times[name]) * 1e3:.2f} ({statistics.median(counts[name]):.0f})"
-            for name in calls
+            f"{name} {times[name][0] * 1e3:.2f} ({faults_per_call(fn, args.rounds):.0f})" for name, fn in calls.items()
         ]
         print(f"  {shape[0]}x{shape[1]} ({4 * shape[0] * shape[1] >> 20} MiB): " + ", ".join(cells))
 

@@ -2,9 +2,10 @@
 
 Times forward + backward of a small Hugging Face model (GPT-2 or Llama layout, random
 weights, no download) in three variants side by side in one process, interleaved round
-by round so that machine load hits them alike: the model as is ("hf"), with its norms
-patched ("patched"), and patched with ``fuse_residual=True`` ("fused"). Prints the median
-and p20/p80 per variant and the ratio to "hf".
+by round so that machine load hits them alike (addnorm's harness,
+``addnorm.tools.bench.measure``): the model as is ("hf"), with its norms patched ("patched"),
+and patched with ``fuse_residual=True`` ("fused"). Prints the median and p20/p80 per variant
+and the ratio to "hf".
 
     PYTHONPATH=src python benchmarks/fuse_residual.py --model llama --threads 1
 """
@@ -13,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 
 import torch
 
 import addnorm
+from addnorm.tools.bench import measure
 
 
 def build(name: str, width: int, layers: int, seq: int):
@@ -76,26 +76,19 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
-    for model in variants.values():  # warm-up
-        for _ in range(3):
+    for model in variants.values():  # warm-up beyond measure's first call
+        for _ in range(2):
             step(model)
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, model in variants.items():
-            start = time.perf_counter()
-            step(model)
-            times[name].append(time.perf_counter() - start)
+    times = measure({name: lambda model=model: step(model) for name, model in variants.items()}, args.rounds)
 
-    base = statistics.median(times["hf"])
+    base = times["hf"][0]
     print(
         f"{args.model} width={args.width} layers={args.layers} batch={args.batch} seq={args.seq} "
         f"fp32 threads={args.threads} backend={args.backend} rounds={args.rounds}, forward+backward"
     )
-    for name, ts in times.items():
-        q = statistics.quantiles(ts, n=5)
-        med = statistics.median(ts)
+    for name, (med, p20, p80) in times.items():
         print(
-            f"  {name:8s} median {med * 1e3:8.2f} ms  p20 {q[0] * 1e3:8.2f}  p80 {q[3] * 1e3:8.2f}  "
+            f"  {name:8s} median {med * 1e3:8.2f} ms  p20 {p20 * 1e3:8.2f}  p80 {p80 * 1e3:8.2f}  "
             f"x{med / base:.3f} of hf"
         )
 

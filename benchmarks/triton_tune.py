@@ -6,42 +6,35 @@ limits ``max_fused_n``) are fastest, and what a call costs besides its kernels.
     python benchmarks/triton_tune.py                    # the sweep below, bf16 and fp32
     python benchmarks/triton_tune.py --shapes 32768x4096 --dtype bfloat16
 
-Kernel times are ``triton.testing.do_bench`` medians (CUDA events, L2 flushed between reps) of
-``addnorm.kernels.triton.forward`` (add + LayerNorm with weight and bias) and ``backward``, as GB/s of
-the bytes they must move and as a fraction of a ``copy_`` measured the same way. Overhead is the
-wall time per call of tiny rows (8x768), kernels included, for addnorm and torch.
+Kernel times are medians from addnorm's harness (``addnorm.tools.bench.measure``: wall time
+over enough calls to last a millisecond, the device synchronized, interleaved rounds) of
+``kernels.triton.forward`` (add + LayerNorm with weight and bias, the forward of training) and
+``backward``, as a fraction of the copy bandwidth (``copy_bandwidth``) of the bytes they move
+(``bytes_moved``). Overhead is the wall time per call of tiny rows (8x768), kernels included,
+for addnorm and torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 
 import addnorm
 from addnorm.kernels import triton as K
 from addnorm.kernels.triton import backward_kernels, config
+from addnorm.tools.bench import bytes_moved, copy_bandwidth, measure
 
 SHAPES = ["65536x768", "16384x1024", "32768x4096", "8192x8192", "4096x16384", "4096x65536"]
 
 
+ROUNDS = 15
+
+
 def _ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100)
-
-
-def _per_call_us(fn, calls: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / calls * 1e6
+    return measure({"fn": fn}, ROUNDS, "cuda")["fn"][0] * 1e3
 
 
 def overhead(profile: bool) -> None:
@@ -62,14 +55,14 @@ def overhead(profile: bool) -> None:
         ),
         "torch add + layer_norm fwd+bwd": lambda: F.layer_norm(xg + r, (768,), wg, bg).sum().backward(),
     }
-    for name, fn in cases.items():
-        print(f"overhead 8x768 bf16  {name:32s} {_per_call_us(fn):7.1f} us/call", flush=True)
+    for name, (median, _, _) in measure(cases, ROUNDS, "cuda").items():
+        print(f"overhead 8x768 bf16  {name:32s} {median * 1e6:7.1f} us/call", flush=True)
     if profile:
         import cProfile
         import pstats
 
         with cProfile.Profile() as prof:
-            _per_call_us(cases["addnorm.add_layer_norm fwd+bwd"], calls=500)
+            measure({"fwd+bwd": cases["addnorm.add_layer_norm fwd+bwd"]}, 3, "cuda")
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
@@ -79,7 +72,10 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
     mk = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)
     x, r, dy, w, b = mk(m, n), mk(m, n), mk(m, n), mk(n), mk(n)
     size = x.element_size()
-    fwd_bytes, bwd_bytes = 4 * m * n * size, 3 * m * n * size
+    # kernels.triton.forward is the forward of training (it writes s and the statistics, which
+    # the backward reads): fwd+bwd less bwd
+    bwd_bytes = bytes_moved("add_layer_norm", m, n, dtype, "bwd")
+    fwd_bytes = bytes_moved("add_layer_norm", m, n, dtype, "fwd+bwd") - bwd_bytes
     base = config.TABLE
     head = f"{shape:>11s} {str(dtype)[6:]:8s}"
     try:
@@ -127,12 +123,10 @@ def main() -> None:
     if args.max_fused_n:
         table = config.TABLE.updated("forward", max_fused_n=args.max_fused_n)
         config.TABLE = table.updated("backward", max_fused_n=args.max_fused_n)
-    src = torch.empty(2**28, device="cuda", dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * src.numel() / _ms(lambda: dst.copy_(src)) / 1e6
+    copy_gbps = copy_bandwidth("cuda", mib=256)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-        f"copy {copy_gbps:.0f} GB/s (do_bench, bytes read + written)",
+        f"copy {copy_gbps:.0f} GB/s (256 MiB, bytes read + written)",
         flush=True,
     )
     if not args.no_overhead:

@@ -41,11 +41,12 @@ def test_bench_writes_rows_in_the_documented_format(tmp_path, capsys):
         assert row["device"] == "cpu" and row["rows"] == 4 and row["cols"] == 64 and row["dtype"] == "float32"
         assert row["p20_ms"] <= row["median_ms"] <= row["p80_ms"]
         assert row["gbps"] == pytest.approx(row["bytes"] / row["median_ms"] / 1e6)
-    by = {(r["op"], r["pass"]): r["bytes"] for r in rows}
-    # hand count, fp32: add fwd reads x, r and writes s, y (4 x 4x64) + weight, bias (2 x 64)
-    assert by["add_layer_norm", "fwd"] == (4 * 4 * 64 + 2 * 64) * 4
-    # rms fwd: x, y + weight; bwd: dy, x, dx + weight, dweight
-    assert by["rms_norm", "fwd+bwd"] == ((2 * 4 * 64 + 64) + (3 * 4 * 64 + 2 * 64)) * 4
+    by = {(r["op"], r["pass"]): r["bytes"] for r in rows if r["impl"] == "addnorm"}  # the CPU kernels
+    # hand count, fp32: post-norm inference reads x, r and writes y (3 x 4x64) + weight, bias (2 x 64);
+    # it writes no stream s (ops.plan: only when returned)
+    assert by["add_layer_norm", "fwd"] == (3 * 4 * 64 + 2 * 64) * 4
+    # rms fwd: x, y + weight, rstd written (4 rows); bwd: dy, x, dx + weight, dweight, rstd read
+    assert by["rms_norm", "fwd+bwd"] == ((2 * 4 * 64 + 64) + (3 * 4 * 64 + 2 * 64)) * 4 + 2 * 4 * 4
     assert main(args) == 0  # --save appends
     assert len(results.read_text().splitlines()) == 2 * len(rows)
 
@@ -85,7 +86,7 @@ def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkey
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
     ).stdout.strip()
-    monkeypatch.setattr(bench, "__file__", str(repo / "pkg" / "bench.py"))
+    monkeypatch.setattr(bench.rows, "__file__", str(repo / "pkg" / "rows.py"))
     assert bench.git_commit() == head
     # rows appended by an earlier run (--save) and edited docs leave the code as it was
     (repo / "benchmarks" / "results" / "bench.jsonl").write_text("{}\n{}\n")

@@ -19,11 +19,9 @@ from pathlib import Path
 
 import torch
 
-from .bench import PASSES
+from .bench.rows import DEFAULT_RESULTS, PASSES, read_rows, run_key
 from .cli import UsageError, output_dir, output_file
 
-DEFAULT_BENCH = Path("benchmarks/results/bench.jsonl")
-BENCH_FIELDS = ("time", "commit", "machine", "device", "threads", "op", "pass", "rows", "cols", "dtype", "impl", "gbps")
 MAX_D_MODEL = 65536
 
 
@@ -96,69 +94,12 @@ def plot_hist(path: Path, points: int, d_model: int, seed: int) -> Path:
 # --------------------------------------------------------------------------- bench
 
 
-_TEXT_FIELDS = ("time", "commit", "machine", "device", "op", "pass", "dtype", "impl")
-_COUNT_FIELDS = ("threads", "rows", "cols")
-
-
-def _bad_field(row: dict) -> str | None:
-    """Why ``row`` cannot be drawn, or None."""
-    for name in _TEXT_FIELDS:
-        if not isinstance(row[name], str):
-            return f"{name!r} must be text, got {row[name]!r}"
-    for name in _COUNT_FIELDS:
-        if not isinstance(row[name], int) or isinstance(row[name], bool) or row[name] < 1:
-            return f"{name!r} must be a positive integer, got {row[name]!r}"
-    gbps = row["gbps"]
-    if not isinstance(gbps, (int, float)) or isinstance(gbps, bool) or not math.isfinite(gbps) or gbps <= 0:
-        return f"'gbps' must be a positive number, got {gbps!r}"
-    return None
-
-
-def read_bench_rows(path: Path) -> list[dict]:
-    """The rows of a JSONL file that ``addnorm bench --save`` wrote, each checked."""
-    if path.is_dir():
-        raise UsageError(f"--results: {str(path)!r} is a folder; expected the JSONL file of `addnorm bench --save`")
-    if not path.is_file():
-        raise UsageError(f"--results: {str(path)!r} not found; run `addnorm bench --save` first")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UsageError(
-            f"--results: {str(path)!r} is not text; expected the JSON lines of `addnorm bench --save`"
-        ) from None
-    except OSError as err:
-        raise UsageError(f"--results: cannot read {str(path)!r}: {err.strerror or err}") from None
-    rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--results: {path}:{lineno} is not JSON ({err.msg})") from None
-        missing = [f for f in BENCH_FIELDS if not isinstance(row, dict) or f not in row]
-        if missing:
-            raise UsageError(f"--results: {path}:{lineno} lacks field(s) {', '.join(missing)}")
-        why = _bad_field(row)
-        if why is not None:
-            raise UsageError(f"--results: {path}:{lineno}: {why}")
-        rows.append(row)
-    if not rows:
-        raise UsageError(f"--results: {str(path)!r} holds no rows; run `addnorm bench --save` first")
-    return rows
-
-
-def _run_key(row: dict) -> tuple:
-    """One ``addnorm bench`` invocation: its rows share the start time, commit and machine."""
-    return (row["time"], row["commit"], row["machine"], row["device"], row["threads"])
-
-
 def plot_bench(
     path: Path, results: str | None, op: str | None, dtype: str | None, passes: str | None, commit: str | None
 ) -> Path:
     """Draw the latest run in ``results`` (of ``commit``, if given) whose rows match the filters."""
-    source = Path(results) if results else DEFAULT_BENCH
-    rows = read_bench_rows(source)
+    source = Path(results) if results else DEFAULT_RESULTS
+    rows = read_rows(source)
     keep = [
         r
         for r in rows
@@ -174,9 +115,9 @@ def plot_bench(
             f"--results: no rows in {str(source)!r} match (ops {ops}, dtypes {dtypes}, "
             f"commits {', '.join(commits[:12])}{', ...' if len(commits) > 12 else ''})"
         )
-    latest = max(_run_key(r) for r in keep)
-    runs = len({_run_key(r) for r in keep})
-    written = draw_bench([r for r in keep if _run_key(r) == latest], path, str(source))
+    latest = max(run_key(r) for r in keep)
+    runs = len({run_key(r) for r in keep})
+    written = draw_bench([r for r in keep if run_key(r) == latest], path, str(source))
     if runs > 1:
         print(
             f"drew the latest of {runs} matching runs in {source} ({latest[0]}, commit {latest[1]}); "
@@ -234,7 +175,7 @@ def draw_bench(rows: list[dict], path: Path, source: str) -> Path:
 
     handles = [Patch(color=colors[impl]) for impl in impls]
     fig.legend(handles, impls, loc="outside lower center", ncols=min(len(impls), 6), fontsize=9)
-    runs = sorted({_run_key(r) for r in rows})
+    runs = sorted({run_key(r) for r in rows})
     if len(runs) == 1:
         time, commit, machine, device, threads = runs[0]
         about = f"{machine} ({device}, {threads} threads)\ncommit {commit}, {time}, from {source}"
@@ -311,7 +252,7 @@ def register(sub) -> None:
         description="Bar charts of GB/s per implementation and shape from the rows `addnorm bench --save` "
         "appended: the latest run (one `addnorm bench` invocation) whose rows match the filters.",
     )
-    b.add_argument("--results", metavar="FILE", help=f"JSONL rows (default {DEFAULT_BENCH})")
+    b.add_argument("--results", metavar="FILE", help=f"JSONL rows (default {DEFAULT_RESULTS})")
     b.add_argument("--op", help="only this op, e.g. layer_norm")
     b.add_argument("--dtype", help="only this dtype, e.g. float32")
     b.add_argument("--pass", dest="pass_", choices=PASSES, help="only this pass")

@@ -1,4 +1,4 @@
-"""The backward kernels: :func:`addnorm.reference.backward` on tiles of rows, with deterministic
+"""The backward kernels: :func:`addnorm.kernels.torch.backward` on tiles of rows, with deterministic
 dweight/dbias.
 
 ``ds = rstd * (g - xhat * mean(g * xhat) - mean(g))`` per row (see reference.py), plus
@@ -304,7 +304,7 @@ def backward(
     branch=None,
     param_dtype: torch.dtype | None = None,
 ) -> Grads:
-    """:func:`addnorm.reference.backward`, fused, with deterministic dweight/dbias (summed in the
+    """:func:`addnorm.kernels.torch.backward`, fused, with deterministic dweight/dbias (summed in the
     statistics dtype, then converted to ``param_dtype`` when given). (From
     ``s_parts = (x, residual)`` without a branch the stream is summed first: on a GPU writing
     ``s`` in the forward costs what reading ``x`` and ``residual`` again would, so

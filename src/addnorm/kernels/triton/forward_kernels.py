@@ -1,4 +1,4 @@
-"""The forward kernel: :func:`addnorm.reference.forward` on tiles of rows.
+"""The forward kernel: :func:`addnorm.kernels.torch.forward` on tiles of rows.
 
 A program normalizes a tile of ``BLOCK_M`` rows by ``BLOCK_N`` columns. Rows up to the forward's
 ``max_fused_n`` features (:mod:`.config`) are held whole in registers: one read of ``x`` (and
@@ -268,7 +268,7 @@ def forward(
     residual_out: Tensor | None = None,
     branch=None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-    """:func:`addnorm.reference.forward`, fused: one read of the inputs, one write of the outputs."""
+    """:func:`addnorm.kernels.torch.forward`, fused: one read of the inputs, one write of the outputs."""
     shape, n = x.shape, x.shape[-1]
     y_dtype = x.dtype
     sd = reference.stream_dtype(x, residual, residual_dtype)

@@ -1,0 +1,255 @@
+"""``addnorm bench``: addnorm's backends against torch eager, ``torch.compile`` and other norms.
+
+Every implementation of a configuration (op, shape, dtype, pass) runs in the same process,
+interleaved round by round (:func:`~.measure.measure`); we report the median and p20/p80 per
+call, the throughput in GB/s from an explicit count of the bytes each call moves
+(:func:`~.measure.bytes_moved`), that throughput as a fraction of a copy bandwidth measured in the
+same run, and the ratio to torch eager.
+
+The parts: :mod:`.rows` (the results rows and their file), :mod:`.measure` (the timing harness),
+:mod:`.impls` (the implementations), :mod:`.table` (what is printed, ``--format``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+
+import torch
+
+from ..cli import UsageError, check_threads, output_file
+from .impls import DROPOUT_P, DTYPES, EPS, OTHER_IMPLS, all_impls, make_impl, out_variant, runner, traffic
+from .measure import bytes_moved, copy_bandwidth, measure, quantile, sync
+from .rows import (
+    DEFAULT_RESULTS,
+    OPS,
+    PASSES,
+    ROW_FIELDS,
+    append_rows,
+    git_commit,
+    machine_name,
+    make_row,
+    read_rows,
+)
+from .table import FORMATS, render
+
+__all__ = [
+    "DEFAULT_RESULTS",
+    "DEFAULT_SHAPES",
+    "DROPOUT_P",
+    "DTYPES",
+    "EPS",
+    "FORMATS",
+    "OPS",
+    "OTHER_IMPLS",
+    "PASSES",
+    "ROW_FIELDS",
+    "all_impls",
+    "bytes_moved",
+    "copy_bandwidth",
+    "git_commit",
+    "machine_name",
+    "make_impl",
+    "measure",
+    "parse_shapes",
+    "quantile",
+    "read_rows",
+    "register",
+    "run",
+    "run_config",
+    "sync",
+]
+
+DEFAULT_SHAPES = "8x768,4096x768,4096x1024,2048x4096,16384x1024,512x65536"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"4096x768,8x768"`` -> ``[(4096, 768), (8, 768)]``, or a UsageError."""
+    shapes = []
+    for part in text.replace(" ", "").split(","):
+        rows, sep, cols = part.lower().partition("x")
+        if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) < 1 or int(cols) < 1:
+            raise UsageError(f"--shapes: expected ROWSxCOLS with positive ints (e.g. 4096x768), got {part!r}")
+        shapes.append((int(rows), int(cols)))
+    return shapes
+
+
+def _choices(text: str, allowed: list[str], flag: str) -> list[str]:
+    items = [t for t in text.replace(" ", "").split(",") if t]
+    bad = [t for t in items if t not in allowed]
+    if bad or not items:
+        raise UsageError(f"{flag}: expected a comma-separated list of {', '.join(allowed)}; got {text!r}")
+    return items
+
+
+def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out) -> tuple[list[dict], dict]:
+    """Measure ``impls`` on one configuration: (result rows, {impl: reason} for those skipped)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)
+    x, dy = mk(rows, cols), mk(rows, cols)
+    r = mk(rows, cols) if op.startswith("add_") else None
+    w, b = mk(cols), (mk(cols) if "rms" not in op else None)
+    runs, skipped = {}, {}
+    for name in impls:
+        try:
+            fn = make_impl(name, op, device)
+            if reuse_out:
+                fn = out_variant(name, op, fn, x, r, w, b)
+                if fn is None:
+                    raise RuntimeError("no out= variant")
+            run = runner(fn, pass_, x, r, w, b, dy)
+            run()  # fail here, not in the timing loop
+            runs[name] = run
+        except ImportError as err:
+            skipped[name] = f"not installed ({err.name or err})"
+        except Exception as err:  # noqa: BLE001 - any failure of a third-party impl is reported, not fatal
+            skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:80] if str(err) else ''}"
+    timings = measure(runs, rounds, device) if runs else {}
+    results = []
+    for name, (med, p20, p80) in timings.items():
+        # out= buffers: the stream's buffer is filled too
+        nbytes = bytes_moved(op, rows, cols, dtype, pass_, writes_stream=reuse_out, **traffic(name, device))
+        results.append(
+            {
+                "op": op,
+                "pass": pass_,
+                "rows": rows,
+                "cols": cols,
+                "dtype": str(dtype).removeprefix("torch."),
+                "impl": name,
+                "median_ms": med * 1e3,
+                "p20_ms": p20 * 1e3,
+                "p80_ms": p80 * 1e3,
+                "bytes": nbytes,
+                "gbps": nbytes / med / 1e9,
+            }
+        )
+    return results, skipped
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    op_list = _choices(args.op, OPS, "--op")
+    passes = _choices(args.pass_, PASSES, "--pass")
+    dtypes = [DTYPES[d] for d in _choices(args.dtype, list(DTYPES), "--dtype")]
+    impls = _choices(args.impl, all_impls(), "--impl") if args.impl else all_impls()
+    shapes = [s for text in (args.shapes or [DEFAULT_SHAPES]) for s in parse_shapes(text)]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here")
+    if args.threads is not None:
+        check_threads(args.threads)
+        torch.set_num_threads(args.threads)
+    if args.rounds < 3:
+        raise UsageError(f"--rounds must be at least 3, got {args.rounds}")
+    if args.out_buffers and passes != ["fwd"]:
+        raise UsageError("--out-buffers measures inference: use it with --pass fwd")
+    # outputs are checked before the first measurement: a run must not end failing to write them
+    path = output_file(args.results, "--results") if args.save else None
+    if args.plot:
+        from ..plot import new_figure, png_path
+
+        new_figure()  # a clear error now if matplotlib is missing
+        plot_path = png_path(args.plot, "bench.png", "--plot")
+
+    # csv and json go alone to stdout, for programs; what people read goes to stderr then
+    for_people = sys.stdout if args.format in ("table", "markdown") else sys.stderr
+    say = lambda *lines: print(*lines, sep="\n", file=for_people)  # noqa: E731
+    copy_gbps = copy_bandwidth(args.device)
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    run_fields = {
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "machine": machine_name(args.device),
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "copy_gbps": copy_gbps,
+    }
+    say(
+        f"{run_fields['machine']}, {run_fields['threads']} threads, torch {torch.__version__}, "
+        f"commit {run_fields['commit']}",
+        f"copy bandwidth {copy_gbps:.1f} GB/s; load average {load}"
+        + ("; outputs into reused buffers (out=)" if args.out_buffers else ""),
+    )
+    if args.format == "markdown":
+        say("")
+    configs = [(op, s, d, p) for op in op_list for s in shapes for d in dtypes for p in passes]
+    results, skipped = [], {}
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("benchmarking", total=len(configs))
+        for op, (rows, cols), dtype, pass_ in configs:
+            progress.update(task, description=f"{op} {pass_} {rows}x{cols} {dtype}")
+            res, skip = run_config(op, rows, cols, dtype, pass_, impls, args.device, args.rounds, args.out_buffers)
+            res = [make_row(run_fields, r) for r in res]
+            results += res
+            skipped.update(skip)
+            if path is not None:  # appended as each configuration finishes
+                append_rows(path, res)
+            progress.advance(task)
+    print(render(results, skipped, args.format))
+    if args.format == "markdown" and skipped:
+        say("", *(f"- {name}: {reason}" for name, reason in sorted(skipped.items())))
+    if path is not None:
+        say(f"appended {len(results)} rows to {path}")
+    if args.plot and not results:
+        say(f"no implementation ran: nothing to draw in {plot_path}")
+    elif args.plot:
+        from ..plot import draw_bench
+
+        with contextlib.redirect_stdout(for_people):  # it prints where it wrote
+            draw_bench(results, plot_path, "this run")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure addnorm against torch eager, torch.compile and other norms (GB/s)",
+        description="Time each implementation of a norm on the same inputs, interleaved in one process: "
+        "median and p20/p80 per call, GB/s from explicit byte counts, the fraction of the "
+        "copy bandwidth measured in the same run, and the ratio to torch eager.",
+    )
+    p.add_argument("--op", default="add_layer_norm", help=f"comma-separated, of {', '.join(OPS)} (default %(default)s)")
+    p.add_argument(
+        "--shapes",
+        "--shape",
+        action="append",
+        metavar="ROWSxCOLS[,...]",
+        help=f"shapes to measure (repeatable); default {DEFAULT_SHAPES}",
+    )
+    p.add_argument(
+        "--dtype", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)} (default %(default)s)"
+    )
+    p.add_argument(
+        "--pass",
+        dest="pass_",
+        metavar="PASS",
+        default="fwd,fwd+bwd",
+        help=f"comma-separated, of {', '.join(PASSES)} (default %(default)s)",
+    )
+    p.add_argument("--impl", help="comma-separated implementations (default: all): " + ", ".join(all_impls()))
+    p.add_argument("--threads", type=int, help="torch (and addnorm-cpu) threads; default: torch's")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per implementation (default 15)")
+    p.add_argument(
+        "--out-buffers",
+        action="store_true",
+        help="forward into preallocated buffers (out=; inference without allocation)",
+    )
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="table",
+        help="table: grouped by configuration, for a terminal; markdown: for docs; csv, json: for "
+        "programs, alone on stdout (default %(default)s)",
+    )
+    p.add_argument("--save", action="store_true", help="append the rows as JSON lines to --results")
+    p.add_argument(
+        "--results", metavar="FILE", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)"
+    )
+    p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this .png file (or folder)")
+    p.set_defaults(func=run)

@@ -1,0 +1,92 @@
+"""docs/benchmarks.md: its tables are what benchmarks/bench_table.py makes of the saved rows,
+and the links and section names other docs and the code point at are there."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from addnorm.tools.bench.rows import read_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "benchmarks.md"
+RESULTS = ROOT / "benchmarks" / "results" / "bench.jsonl"
+
+
+def _bench_table():
+    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "benchmarks" / "bench_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_the_tables_are_generated_from_the_saved_rows():
+    bt = _bench_table()
+    text = PAGE.read_text(encoding="utf-8")
+    names = [m.group(2) for m in bt.BLOCK.finditer(text)]
+    assert sorted(names) == sorted(bt.PAGE_TABLES), "a table marker is missing or unknown"
+    expected = bt.render_page(text, read_rows(RESULTS))
+    assert text == expected, "docs/benchmarks.md is stale: python benchmarks/bench_table.py --page docs/benchmarks.md"
+
+
+def test_a_changed_row_changes_the_page():
+    bt = _bench_table()
+    text = PAGE.read_text(encoding="utf-8")
+    rows = read_rows(RESULTS)
+    bt.latest_run(rows, bt.PAGE_TABLES["cpu-amd-epyc"])[0]["median_ms"] *= 2  # (the same dicts as rows')
+    assert bt.render_page(text, rows) != text
+
+
+def test_each_table_is_its_machines_latest_covering_run():
+    bt = _bench_table()
+    rows = read_rows(RESULTS)
+    for name, spec in bt.PAGE_TABLES.items():
+        run = bt.latest_run(rows, spec)
+        assert {r["machine"] for r in run} == {spec.machine}, name
+        assert len({r["time"] for r in run}) == 1, name
+        shapes = {f"{r['rows']}x{r['cols']}" for r in run}
+        assert shapes == set(spec.shapes.split(",")), name
+        table = bt.page_table(rows, spec)
+        assert run[0]["commit"] in table and run[0]["time"] in table
+        # one line per shape, dtype and pass
+        assert sum(line.startswith("| ") and "x" in line.split("|")[1] for line in table.splitlines()) == 4 * len(
+            shapes
+        )
+
+
+@pytest.mark.parametrize("source", ["README.md", *(p.name for p in (ROOT / "docs").glob("*.md"))])
+def test_links_into_the_page_resolve(source):
+    path = ROOT / source if source == "README.md" else ROOT / "docs" / source
+    text = path.read_text(encoding="utf-8")
+    anchors = _anchors(PAGE.read_text(encoding="utf-8"))
+    targets = re.findall(r"benchmarks\.md#([\w-]+)", text)
+    if path == PAGE:
+        targets += re.findall(r"\]\(#([\w-]+)\)", text)
+    for target in targets:
+        assert target in anchors, f"{source}: #{target} is not a heading of docs/benchmarks.md"
+
+
+def test_sections_the_code_names_exist():
+    page = PAGE.read_text(encoding="utf-8")
+    headings_and_bold = re.findall(r"^#+ (.+)$", page, re.M) + re.findall(r"\*\*(.+?)\*\*", page, re.S)
+    named = []
+    for path in (ROOT / "src").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        comments = re.sub(r"\s*#\s*", " ", text)  # a name may run over two comment lines
+        named += re.findall(r'docs/benchmarks\.md, "([^"]+)"', comments)
+    assert named
+    for name in named:
+        name = " ".join(name.split())
+        assert any(h.startswith(name) for h in headings_and_bold), f"no section {name!r} in docs/benchmarks.md"
