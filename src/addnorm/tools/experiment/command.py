@@ -130,7 +130,7 @@ def run(args) -> int:
         TimeElapsedColumn(),
     )
     epochs_done: dict[Job, int] = {}
-    # no refresh thread: the training processes are forked from this one (see _train_in_pool)
+    # no refresh thread: the training processes are forked from this one (see training._train_in_pool)
     with Progress(*columns, console=console, auto_refresh=False) as bar:
         tasks = {}
         for name, _, depth in jobs:

@@ -21,6 +21,7 @@ def _rows(t: Tensor, n: int) -> Tensor:
 
 
 def maxdiff(a: Tensor, b: Tensor) -> float:
+    """max |a − b|, in float64."""
     return (a.double() - b.double()).abs().max().item()
 
 
