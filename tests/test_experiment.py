@@ -6,31 +6,28 @@ import dataclasses
 import json
 import math
 import os
+import pathlib
 import sys
 
 import numpy as np
 import pytest
 import torch
 
-from addnorm.tools import cli, experiment
-from addnorm.tools.experiment import (
-    ARMS,
-    FAIL_RATIO,
+from addnorm.tools import cli
+from addnorm.tools.experiment import command, plot_results, report, training
+from addnorm.tools.experiment.config import ARMS, DEFAULT_ARMS, Config
+from addnorm.tools.experiment.data import (
     N_TEST,
     N_TRAIN,
     TEST_SEED,
     TRAIN_SEED,
-    Config,
     decoder_input,
-    grad_norms_at_init,
     load_sequences,
-    lr_lambda,
     noise_floor,
-    plot_results,
     square_sequences,
-    summarize,
-    train_arm,
 )
+from addnorm.tools.experiment.schema import FAIL_RATIO, ArmResult, Results, Run, aggregate, summarize
+from addnorm.tools.experiment.training import grad_norms_at_init, lr_lambda, train_arm
 
 SQUARE = {(-1, -1), (-1, 1), (1, 1), (1, -1)}
 
@@ -142,8 +139,8 @@ def test_training_is_reproducible():
     test, _ = square_sequences(16, 2)
     a = train_arm(ARMS["pre"], 0, TINY, train, test)
     b = train_arm(ARMS["pre"], 0, TINY, train, test)
-    assert a["test_mse"] == b["test_mse"] and a["train_loss"] == b["train_loss"]
-    assert train_arm(ARMS["pre"], 1, TINY, train, test)["test_mse"] != a["test_mse"]
+    assert a.test_mse == b.test_mse and a.train_loss == b.train_loss
+    assert train_arm(ARMS["pre"], 1, TINY, train, test).test_mse != a.test_mse
 
 
 def test_schedule_is_linear_warmup_then_linear_decay_to_zero():
@@ -162,8 +159,12 @@ def test_schedule_is_linear_warmup_then_linear_decay_to_zero():
     assert seen == pytest.approx([2.0 * f(s) for s in range(40)]) and min(seen) > 0
 
 
-def _run(seed: int, curve: list[float]) -> dict:
-    return {"seed": seed, "test_mse": curve, "seconds": 1.0, "cpu_seconds": 1.0}
+def _run(seed: int, curve: list[float]) -> Run:
+    return Run(seed=seed, lr=0.006, test_mse=curve, train_loss=[], seconds=1.0, cpu_seconds=1.0)
+
+
+def _arm(name: str, runs: list[Run], floor: float) -> ArmResult:
+    return ArmResult(name, "post", 0.006, 0, 2, runs, aggregate(runs, floor))
 
 
 def test_readings_are_judged_seed_by_seed():
@@ -171,27 +172,68 @@ def test_readings_are_judged_seed_by_seed():
     floor = 0.01
     good, slow, bad = [0.5, 0.015, 0.012], [0.5, 0.5, 0.015], [0.5, 0.5, 0.5]
     runs = {"pre": [_run(0, good), _run(1, slow)], "post": [_run(0, bad), _run(1, good)]}
-    arms = {name: {"label": name, "runs": r, "summary": experiment.aggregate(r, floor)} for name, r in runs.items()}
-    results = {"floor": floor, "arms": arms, "grad_norms": {"post": {"encoder": [1.0]}, "pre": {"encoder": [1.0]}}}
-    ((prediction, verdict, what),) = experiment.readings(results)
+    arms = {name: _arm(name, r, floor) for name, r in runs.items()}
+    grad_norms = {"post": {"encoder": [1.0]}, "pre": {"encoder": [1.0]}}
+    results = Results(Config(), "", floor, 0, 0, "", 1, 0.0, 0.0, None, arms=arms, grad_norms=grad_norms, grad_inits=1)
+    ((prediction, verdict, what),) = report.readings(results)
     assert prediction.startswith("Pre-LN trains without warmup") and verdict == "Partly held"
     assert what.endswith("(1 of 2 seeds).")
     runs["post"][1] = _run(1, bad)  # now pre-LN wins on both seeds
-    arms["post"]["runs"] = runs["post"]
-    assert experiment.readings(results)[0][1] == "Held"
+    arms["post"].runs = runs["post"]
+    assert report.readings(results)[0][1] == "Held"
     runs["pre"] = [_run(0, bad), _run(1, bad)]  # pre-LN fails everywhere
-    arms["pre"]["runs"] = runs["pre"]
-    assert experiment.readings(results)[0][1] == "Did not hold"
+    arms["pre"].runs = runs["pre"]
+    assert report.readings(results)[0][1] == "Did not hold"
 
 
 def test_summarize():
     s = summarize([1.0, 0.05, 0.019, 0.03], floor=0.01)
-    assert (s["final"], s["best"], s["first_within"], s["failed"]) == (0.03, 0.019, 3, False)
-    assert s["first_below_fail"] == 2  # first epoch within FAIL_RATIO x floor = 0.1
-    assert s["ratio"] == pytest.approx(3.0)
-    assert summarize([0.5, FAIL_RATIO * 0.01 * 1.01], 0.01)["failed"]
-    assert summarize([0.5, math.nan], 0.01)["failed"]
-    assert summarize([0.5, 0.4], 0.01)["first_within"] is None
+    assert (s.final, s.best, s.first_within, s.failed) == (0.03, 0.019, 3, False)
+    assert s.first_below_fail == 2  # first epoch within FAIL_RATIO x floor = 0.1
+    assert s.ratio == pytest.approx(3.0)
+    assert summarize([0.5, FAIL_RATIO * 0.01 * 1.01], 0.01).failed
+    assert summarize([0.5, math.nan], 0.01).failed
+    assert summarize([0.5, 0.4], 0.01).first_within is None
+
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs"
+
+
+@pytest.mark.parametrize("name", ["experiment", "experiment-depth"])
+def test_results_schema_reads_and_writes_the_recorded_results(name):
+    """The recorded results.json files load as Results and are written back byte for byte."""
+    text = (DOCS / name / "results.json").read_text()
+    doc = json.loads(text)
+    results = Results.from_json(doc)
+    assert json.dumps(results.to_json(), indent=1) + "\n" == text
+    assert results.config == Config(**{**doc["config"], "betas": tuple(doc["config"]["betas"])})
+    arms = results.all_arms()
+    assert arms and all(len(a.runs) == len(doc["config"]["seeds"]) for a in arms)
+    assert all(isinstance(r, Run) and len(r.test_mse) == doc["config"]["epochs"] for a in arms for r in a.runs)
+    assert (results.sweep is None) == (name == "experiment")
+    if results.sweep is not None:
+        assert list(results.sweep.arms) == results.sweep.depth == [2, 4, 6, 8]
+
+
+def test_results_schema_writes_nan_as_null(tmp_path):
+    """A diverged run: NaN in memory, null in results.json (strict JSON), NaN again once read."""
+    run = Run(seed=0, lr=0.006, test_mse=[0.5, math.nan], train_loss=[math.inf, 0.1], seconds=1.0, cpu_seconds=1.0)
+    arms = {"post": ArmResult("post-LN", "post", 0.006, 0, 2, [run], aggregate([run], 0.01))}
+    grads = {"post": {"encoder": [1.0], "decoder": [2.0]}, "pre": {"encoder": [1.0], "decoder": [1.0]}}
+    results = Results(TINY, "d", 0.01, 32, 16, "t", 1, 1.0, 1.0, None, arms=arms, grad_norms=grads, grad_inits=5)
+    results.command = "addnorm train"
+    results.write(tmp_path / "results.json")
+    doc = json.loads((tmp_path / "results.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert doc["arms"]["post"]["runs"][0]["test_mse"] == [0.5, None]
+    assert doc["arms"]["post"]["runs"][0]["train_loss"] == [None, 0.1]
+    assert doc["arms"]["post"]["summary"]["final"] is None and doc["arms"]["post"]["summary"]["failed"] == 1
+    assert list(doc) == [
+        *("config", "data", "floor", "n_train", "n_test", "torch", "workers", "seconds", "cpu_seconds"),
+        *("interrupted", "arms", "grad_norms", "grad_inits", "command"),
+    ]
+    again = Results.read(tmp_path / "results.json")
+    assert math.isnan(again.arms["post"].runs[0].test_mse[1]) and math.isnan(again.arms["post"].summary.final)
+    assert again.arms["post"].runs[0].test_mse[0] == 0.5 and again.config == TINY and again.command == "addnorm train"
 
 
 @pytest.mark.parametrize("norm", ["layer", "rms"])
@@ -207,7 +249,7 @@ def test_train_quick_end_to_end(tmp_path):
     out = tmp_path / "run"
     assert cli.main(["train", "--quick", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert list(results["arms"]) == experiment.DEFAULT_ARMS and results["interrupted"] is None
+    assert list(results["arms"]) == DEFAULT_ARMS and results["interrupted"] is None
     test, _ = square_sequences(N_TEST, TEST_SEED)
     assert results["floor"] == pytest.approx(noise_floor(test))
     for arm in results["arms"].values():
@@ -233,18 +275,18 @@ def test_runs_in_parallel_processes_equal_runs_in_one():
     """The worker processes give bit for bit the curves of a run in this process, whatever the
     order the runs finish in."""
     cfg = dataclasses.replace(TINY, arms=["pre", "post-warmup"], seeds=[0, 1], epochs=2)
-    jobs = experiment.jobs_of(cfg, [1, 2])
+    jobs = training.jobs_of(cfg, [1, 2])
     assert len(jobs) == 8 and len(set(jobs)) == 8
-    serial, stopped = experiment.train_all(cfg, jobs, workers=1)
+    serial, stopped = training.train_all(cfg, jobs, workers=1)
     seen = []
-    parallel, stopped_too = experiment.train_all(cfg, jobs, lambda *msg: seen.append(msg), workers=2)
+    parallel, stopped_too = training.train_all(cfg, jobs, lambda *msg: seen.append(msg), workers=2)
     assert not stopped and not stopped_too and serial.keys() == parallel.keys() == set(jobs)
     for job in jobs:
-        assert serial[job]["test_mse"] == parallel[job]["test_mse"], job
-        assert serial[job]["train_loss"] == parallel[job]["train_loss"], job
+        assert serial[job].test_mse == parallel[job].test_mse, job
+        assert serial[job].train_loss == parallel[job].train_loss, job
     # progress came back from the workers: every epoch of every run, with its test MSE
     assert sorted((job, epoch) for job, epoch, _ in seen) == sorted((j, e) for j in jobs for e in (1, 2))
-    assert {(job, epoch): mse for job, epoch, mse in seen}[jobs[0], 2] == serial[jobs[0]]["test_mse"][1]
+    assert {(job, epoch): mse for job, epoch, mse in seen}[jobs[0], 2] == serial[jobs[0]].test_mse[1]
 
 
 def test_workers_with_several_threads_each_do_not_hang():
@@ -262,13 +304,13 @@ def test_workers_with_several_threads_each_do_not_hang():
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(240)  # a hang fails the test instead of the run
     try:
-        parallel, _ = experiment.train_all(cfg, experiment.jobs_of(cfg), workers=2)
+        parallel, _ = training.train_all(cfg, training.jobs_of(cfg), workers=2)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
         torch.set_num_threads(threads)
-    serial, _ = experiment.train_all(cfg, experiment.jobs_of(cfg), workers=1)
-    assert all(parallel[job]["test_mse"] == serial[job]["test_mse"] for job in serial)
+    serial, _ = training.train_all(cfg, training.jobs_of(cfg), workers=1)
+    assert all(parallel[job].test_mse == serial[job].test_mse for job in serial)
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -277,24 +319,24 @@ def test_ctrl_c_keeps_the_finished_runs(workers):
     import multiprocessing
 
     cfg = dataclasses.replace(TINY, arms=["pre", "post"], seeds=[0, 1, 2], epochs=2)
-    jobs = experiment.jobs_of(cfg)
+    jobs = training.jobs_of(cfg)
 
     def progress(job, epoch, mse):  # Ctrl-C reaches the parent as the fourth run starts
         if job == jobs[3]:
             raise KeyboardInterrupt
 
-    done, stopped = experiment.train_all(cfg, jobs, progress, workers=workers)
+    done, stopped = training.train_all(cfg, jobs, progress, workers=workers)
     # one run at a time: the first three finished; two at a time: the fourth starts once two had
     assert stopped and (set(done) == set(jobs[:3]) if workers == 1 else 2 <= len(done) <= 3), done.keys()
     assert jobs[3] not in done and set(done) <= set(jobs[:5])
     assert multiprocessing.active_children() == []
-    reference, _ = experiment.train_all(cfg, list(done), workers=1)
-    assert all(done[job]["test_mse"] == reference[job]["test_mse"] for job in done)
+    reference, _ = training.train_all(cfg, list(done), workers=1)
+    assert all(done[job].test_mse == reference[job].test_mse for job in done)
 
 
 def test_cli_interrupted_writes_what_finished(tmp_path, capsys, monkeypatch):
     calls = []
-    real = experiment.train_arm
+    real = training.train_arm
 
     def train_arm(*args, **kwargs):  # Ctrl-C during the third run
         calls.append(1)
@@ -302,7 +344,7 @@ def test_cli_interrupted_writes_what_finished(tmp_path, capsys, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(experiment, "train_arm", train_arm)
+    monkeypatch.setattr(training, "train_arm", train_arm)
     argv = ["train", "--quick", "--arms", "pre,post", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path)]
     assert cli.main(argv) == 130
     out, err = capsys.readouterr()
@@ -312,7 +354,7 @@ def test_cli_interrupted_writes_what_finished(tmp_path, capsys, monkeypatch):
     assert results["interrupted"] == {"finished": 2, "planned": 4}
     assert "**Interrupted:** 2 of 4 runs had finished" in (tmp_path / "report.md").read_text()
     calls.clear()
-    monkeypatch.setattr(experiment, "train_arm", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(training, "train_arm", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     assert cli.main([*argv[:-1], str(tmp_path / "none")]) == 130
     assert capsys.readouterr().err.endswith("interrupted before any run finished; nothing written\n")
     assert not (tmp_path / "none" / "results.json").exists()
@@ -322,14 +364,14 @@ def test_dropout_reaches_every_add_and_norm(tmp_path):
     from addnorm.nn import AddNorm
 
     cfg = dataclasses.replace(TINY, dropout=0.1)
-    model = experiment.build_model(cfg, "post")
+    model = training.build_model(cfg, "post")
     norms = [m for m in model.modules() if isinstance(m, AddNorm)]
     assert norms and all(m.dropout == 0.1 for m in norms)
     train, _ = square_sequences(32, 1)
     test, _ = square_sequences(16, 2)
     with_dropout = train_arm(ARMS["post"], 0, cfg, train, test)
-    assert with_dropout["test_mse"] != train_arm(ARMS["post"], 0, TINY, train, test)["test_mse"]
-    assert with_dropout["test_mse"] == train_arm(ARMS["post"], 0, cfg, train, test)["test_mse"]  # seeded
+    assert with_dropout.test_mse != train_arm(ARMS["post"], 0, TINY, train, test).test_mse
+    assert with_dropout.test_mse == train_arm(ARMS["post"], 0, cfg, train, test).test_mse  # seeded
     out = tmp_path / "run"
     assert cli.main(["train", "--quick", "--arms", "post", "--dropout", "0.1", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
@@ -348,8 +390,8 @@ def test_depth_sweep_end_to_end(tmp_path):
         assert list(arms) == ["post", "pre"] and all(len(a["runs"]) == 2 for a in arms.values())
     # the runs at depth 2 are the runs of a plain experiment at depth 2
     cfg = Config(arms=["pre"], seeds=[1], epochs=1, depth=2)
-    again = experiment.train_all(cfg, experiment.jobs_of(cfg))[0][("pre", 1, 2)]
-    assert results["sweep"]["arms"]["2"]["pre"]["runs"][1]["test_mse"] == again["test_mse"]
+    again = training.train_all(cfg, training.jobs_of(cfg))[0][("pre", 1, 2)]
+    assert results["sweep"]["arms"]["2"]["pre"]["runs"][1]["test_mse"] == again.test_mse
     report = (out / "report.md").read_text()
     assert "| post-LN | 0.006 | " in report and "depth.png" in report and "Liu et al. 2020" in report
     assert (out / "depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -408,7 +450,7 @@ def no_training(monkeypatch):
     def run_experiment(*args):
         raise AssertionError("trained before checking --out")
 
-    monkeypatch.setattr(experiment, "run_experiment", run_experiment)
+    monkeypatch.setattr(command, "run_experiment", run_experiment)
 
 
 def test_out_is_checked_before_training(tmp_path, capsys, no_training):
@@ -436,7 +478,7 @@ def test_results_survive_a_failed_write(tmp_path, capsys, monkeypatch):
     def write_outputs(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(experiment, "write_outputs", write_outputs)
+    monkeypatch.setattr(command, "write_outputs", write_outputs)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     argv = ["train", "--quick", "--arms", "pre", "--epochs", "1", "--out", str(tmp_path / "run")]
     assert cli.main(argv) == 1

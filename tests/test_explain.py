@@ -12,7 +12,7 @@ import torch.nn.functional as TF
 
 import addnorm
 from addnorm.tools import cli
-from addnorm.tools.explain import parse_literal
+from addnorm.tools.explain.parse import parse_literal
 
 SEEDS_X = [[0.2, 0.1, 0.3], [0.5, 0.1, 0.1]]
 # The seeds' worked example (seeds 000, 001, 004): torch's values with eps = 1e-5 ...
@@ -339,9 +339,9 @@ def test_huge_values_are_normalized_not_rejected(capsys):
 
 
 def test_json_size_guard(capsys, monkeypatch):
-    from addnorm.tools import explain
+    from addnorm.tools.explain import show
 
-    monkeypatch.setattr(explain, "MAX_JSON_NUMBERS", 400)
+    monkeypatch.setattr(show, "MAX_JSON_NUMBERS", 400)
     x = json.dumps(torch.arange(30.0).reshape(3, 10).tolist())
     r = run_json(capsys, "--input", x)  # a forward of 30 values stays under 400 numbers
     assert len(r["y"]) == 3
