@@ -257,7 +257,7 @@ def print_backward(
     bw = r["backward"]
     c = pr.console
     stat = _shape_str(shape[: len(shape) - len(normalized_shape)])
-    c.rule("backward: the hand-derived gradient (addnorm.reference.backward_rows)")
+    c.rule("backward: the hand-derived gradient (addnorm.reference.backward_steps)")
     pr.matrix("upstream gradient dy" + ("" if given else " (all ones; pass --grad for another)"), bw["dy"], shape)
     pr.matrix("g = dy·γ", bw["g"], shape)
     cols = {}
