@@ -1,0 +1,182 @@
+"""A stream that starts in the call (``residual=None``) and parallel blocks (``x1``, ``weight1``,
+``bias1``), on every backend and through ``"auto"``.
+
+Oracles: torch's own ops in float64 with the masks the call returns (the reference's keep mask,
+the same bits on every backend), ``gradcheck`` and ``gradgradcheck`` in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import addnorm
+from conftest import TOLERANCES, assert_matches_oracle
+
+F = torch.nn.functional
+
+
+def _norm(kind, s, w, b):
+    if kind == "rms":
+        return F.rms_norm(s, s.shape[-1:], w, eps=torch.finfo(torch.float32).eps) if w is not None else None
+    return F.layer_norm(s, s.shape[-1:], w, b)
+
+
+def _call(kind, x, r, w, b, **kw):
+    if kind == "rms":
+        kw.pop("bias1", None)
+        return addnorm.add_rms_norm(x, r, x.shape[-1], w, **kw)
+    return addnorm.add_layer_norm(x, r, x.shape[-1], w, b, **kw)
+
+
+def _tensors(m, n, dtype, seed=0, count=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(m, n, generator=g).to(dtype) for _ in range(3)] + [
+        (torch.randn(n, generator=g) * 0.5 + 1).to(dtype) for _ in range(count - 3)
+    ]
+
+
+# --------------------------------------------------------------------------- residual=None
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_without_a_residual_the_stream_is_x_itself(backend, kind):
+    x, _, _, w, b, *_ = _tensors(5, 64, torch.float32)
+    y, s = _call(kind, x, None, w, b, prenorm=True, backend=backend)
+    assert s is x  # nothing to add, nothing to copy
+    expected = _call(kind, x, torch.zeros_like(x), w, b, backend=backend)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_without_a_residual_the_stream_takes_residual_dtype(backend):
+    x, _, _, w, b, *_ = _tensors(5, 64, torch.bfloat16)
+    y, s = addnorm.add_layer_norm(x, None, 64, w, b, prenorm=True, residual_dtype=torch.float32, backend=backend)
+    assert s.dtype == torch.float32 and torch.equal(s, x.float())
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, addnorm.layer_norm(x, 64, w, b, backend=backend))
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_without_a_residual_the_branch_applies_to_x(backend, kind):
+    x = torch.rand(33, 128) + 0.5  # no zeros: a zero in s is a dropped element
+    ls, rs = torch.rand(128) + 0.5, torch.rand(33) + 0.5
+    kw = dict(prenorm=True, dropout_p=0.3, layer_scale=ls, rowscale=rs, return_dropout_mask=True)
+    y, s, mask = _call(kind, x, None, None, None, generator=torch.Generator().manual_seed(4), backend=backend, **kw)
+    keep = torch.where(mask, x.double() / 0.7, 0) * ls.double() * rs.double()[:, None]
+    assert_matches_oracle(s, keep)
+    ys, ss, masks = _call(
+        kind, x, None, None, None, generator=torch.Generator().manual_seed(4), backend="reference", **kw
+    )
+    assert torch.equal(mask, masks) and torch.equal(s, ss)  # the same bits on every backend
+    assert_matches_oracle(y, _norm(kind, keep, torch.ones(128, dtype=torch.float64), None))
+
+
+def test_add_norm_module_takes_no_residual(backend):
+    block = addnorm.AddNorm(32, prenorm=True, backend=backend)
+    x = torch.randn(4, 32)
+    y, s = block(x)
+    assert s is x
+    torch.testing.assert_close(y, F.layer_norm(x, (32,)), rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_without_a_residual_gradcheck(backend, kind):
+    x, _, _, w, b, *_ = _tensors(3, 12, torch.float64)
+    ls = torch.rand(12, dtype=torch.float64) + 0.5
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, ls)]
+
+    def f(x, w, b, ls):
+        g = torch.Generator().manual_seed(2)
+        return _call(kind, x, None, w, b, prenorm=True, dropout_p=0.25, layer_scale=ls, generator=g, backend=backend)
+
+    assert torch.autograd.gradcheck(f, leaves)
+
+
+# --------------------------------------------------------------------------- parallel blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_parallel_block_matches_the_unfused_formula(backend, kind, dtype):
+    x, r, x1, w, b, w1, b1 = _tensors(37, 256, dtype)
+    b, b1 = (None, None) if kind == "rms" else (b, b1)
+    y, y1, s = _call(kind, x, r, w, b, x1=x1, weight1=w1, bias1=b1, prenorm=True, backend=backend)
+    s64 = r.double() + x1.double() + x.double()
+    rounded = (r.float() + x1.float()).to(dtype).float() + x.float()  # the documented order
+    assert torch.equal(s, rounded.to(dtype))
+    ref = lambda w_, b_: _norm(kind, s.double(), w_.double(), None if b_ is None else b_.double())  # noqa: E731
+    same_dtype = lambda w_, b_: _norm(kind, s, w_, b_)  # noqa: E731
+    assert_matches_oracle(y, ref(w, b), same_dtype(w, b))
+    assert_matches_oracle(y1, ref(w1, b1), same_dtype(w1, b1))
+    assert_matches_oracle(s, s64, (r + x1) + x)
+
+
+def test_parallel_block_with_dropout_has_two_independent_masks(backend):
+    x, r, x1, w, b, w1, b1 = _tensors(40, 300, torch.float32)
+    kw = dict(x1=x1, weight1=w1, bias1=b1, prenorm=True, dropout_p=0.4, return_dropout_mask=True)
+    y, y1, s, mask, mask1 = addnorm.add_layer_norm(
+        x, r, 300, w, b, generator=torch.Generator().manual_seed(9), backend=backend, **kw
+    )
+    assert mask.shape == mask1.shape == x.shape and not torch.equal(mask, mask1)
+    agree = (mask == mask1).double().mean().item()  # independent at p = 0.4: 0.6² + 0.4² = 0.52
+    assert abs(agree - 0.52) < 0.03
+    for m in (mask, mask1):
+        assert abs(m.double().mean().item() - 0.6) < 0.03
+    s64 = (r.double() + torch.where(mask1, x1.double() / 0.6, 0)) + torch.where(mask, x.double() / 0.6, 0)
+    assert_matches_oracle(s, s64)
+    assert_matches_oracle(y1, F.layer_norm(s.double(), (300,), w1.double(), b1.double()))
+    again = addnorm.add_layer_norm(
+        x, r, 300, w, b, generator=torch.Generator().manual_seed(9), backend="reference", **kw
+    )
+    for ours, theirs in zip((y, y1), again):  # the norms may sum in another order
+        torch.testing.assert_close(ours, theirs, rtol=1.3e-6, atol=1e-5)
+    assert torch.equal(s, again[2])  # the stream and the masks: the same bits on every backend
+    assert torch.equal(mask, again[3]) and torch.equal(mask1, again[4])
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_parallel_block_gradcheck_and_gradgradcheck(backend, kind):
+    x, r, x1, w, b, w1, b1 = (t.clone().requires_grad_() for t in _tensors(3, 10, torch.float64))
+
+    def f(x, r, x1, w, b, w1, b1):
+        g = torch.Generator().manual_seed(5)
+        return _call(
+            kind, x, r, w, b, x1=x1, weight1=w1, bias1=b1, prenorm=True, dropout_p=0.3, generator=g, backend=backend
+        )
+
+    inputs = (x, r, x1, w, b, w1, b1)
+    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+def test_return_order_follows_flash_attn(backend):
+    x, r, x1, w, b, w1, b1 = _tensors(4, 16, torch.float32)
+    assert isinstance(addnorm.add_layer_norm(x, r, 16, w, b, x1=x1, backend=backend), torch.Tensor)
+    assert len(addnorm.add_layer_norm(x, r, 16, w, b, weight1=w1, backend=backend)) == 2  # y, y1
+    out = addnorm.add_layer_norm(x, r, 16, w, b, x1=x1, prenorm=True, return_dropout_mask=True, backend=backend)
+    assert len(out) == 4 and out[2].dtype == out[3].dtype == torch.bool  # y, s, mask, mask1
+    out = addnorm.add_rms_norm(x, None, 16, w, weight1=w1, prenorm=True, return_dropout_mask=True, backend=backend)
+    assert len(out) == 4 and out[3].dtype == torch.bool and bool(out[3].all())  # y, y1, s, mask
+
+
+def test_parallel_block_under_compile_and_torch_func():
+    x, r, x1, w, *_ = _tensors(3, 8, torch.float64)
+    f = torch.compile(
+        lambda x, r, x1: addnorm.add_layer_norm(x, r, 8, w, x1=x1, weight1=w, prenorm=True), fullgraph=True
+    )
+    expected = addnorm.add_layer_norm(x, r, 8, w, x1=x1, weight1=w, prenorm=True)
+    for got, want in zip(f(x, r, x1), expected):
+        torch.testing.assert_close(got, want, **dict(zip(("rtol", "atol"), TOLERANCES[torch.float64])))
+    g = lambda x, x1: addnorm.add_rms_norm(x, r[0], 8, w, x1=x1).sum()  # noqa: E731
+    grads = torch.func.vmap(torch.func.grad(g, argnums=1))(x, x1)
+    x1g = x1.clone().requires_grad_()
+    torch.autograd.backward([addnorm.add_rms_norm(x, r[0].expand_as(x), 8, w, x1=x1g).sum()])
+    torch.testing.assert_close(grads, x1g.grad)
+
+
+def test_the_same_seed_reproduces_a_parallel_block():
+    x, r, x1, w, *_ = _tensors(6, 32, torch.float32)
+    torch.manual_seed(11)
+    a = addnorm.add_rms_norm(x, r, 32, w, x1=x1, dropout_p=0.5, return_dropout_mask=True)
+    torch.manual_seed(11)
+    b = addnorm.add_rms_norm(x, r, 32, w, x1=x1, dropout_p=0.5, return_dropout_mask=True)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
