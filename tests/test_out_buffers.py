@@ -71,21 +71,14 @@ def test_bad_out_buffer_is_a_clear_error(bad, match):
         addnorm.layer_norm(x, 96, out=[1.0])
 
 
-def test_residual_out_needs_a_residual_and_the_stream_dtype():
+def test_residual_out_takes_the_stream_and_its_dtype():
     x, r, w, b = _inputs(torch.bfloat16)
-    with pytest.raises(ValueError, match="residual_out= needs a residual"):
-        addnorm.ops.add_norm(
-            x,
-            None,
-            96,
-            w,
-            b,
-            1e-5,
-            rms=False,
-            prenorm=False,
-            residual_dtype=None,
-            backend="auto",
-            residual_out=torch.empty_like(x),
+    with torch.no_grad():  # no residual: the stream starts here, written into the buffer
+        buffer = torch.empty_like(x, dtype=torch.float32)
+        y, s = addnorm.add_layer_norm(
+            x, None, 96, w, b, prenorm=True, residual_dtype=torch.float32, residual_out=buffer
         )
+    assert s is buffer and torch.equal(s, x.float())
+    assert torch.equal(y, addnorm.layer_norm(x, 96, w, b))
     with pytest.raises(ValueError, match="residual_out must be a contiguous torch.float32"):
         addnorm.add_layer_norm(x, r, 96, w, b, residual_dtype=torch.float32, residual_out=torch.empty_like(x))

@@ -1,0 +1,176 @@
+"""flash-attn's fused Add & Norm signatures on addnorm's ops, on every device and backend.
+
+Code written for ``flash_attn.ops.triton.layer_norm`` (or its copy in ``mamba_ssm``) runs on
+addnorm with one import changed::
+
+    from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, rms_norm_fn
+
+The arguments and the order of the results are flash-attn's; the numerics are addnorm's
+(statistics in float32, the corrected mean, the same bits on every backend). Where the two differ:
+
+- dropout's keep masks come from addnorm's counter-based hash, not Triton's ``tl.rand``: other
+  random bits, the same distribution, and the same bits on the CPU and the GPU;
+- ``x1``'s term is added to the residual first and rounded to the residual dtype, then ``x``'s
+  (:func:`addnorm.add_layer_norm`); flash-attn sums the three in float32 before one rounding;
+- ``out_dtype`` converts the result of the input dtype (flash-attn writes it in ``out_dtype``
+  directly, so a wider ``out_dtype`` than ``x``'s keeps more bits there);
+- ``out=`` / ``residual_out=`` are for calls without autograd, as everywhere in addnorm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
+
+
+def layer_norm_fn(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None = None,
+    x1: Tensor | None = None,
+    weight1: Tensor | None = None,
+    bias1: Tensor | None = None,
+    eps: float = 1e-6,
+    dropout_p: float = 0.0,
+    rowscale: Tensor | None = None,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    zero_centered_weight: bool = False,
+    is_rms_norm: bool = False,
+    return_dropout_mask: bool = False,
+    out_dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
+):
+    """flash-attn's ``layer_norm_fn``: ``s = residual + dropout(rowscale * x) + dropout(x1)``,
+    normalized over the last dim (LayerNorm, or RMSNorm with ``is_rms_norm``; both take a bias).
+
+    Returns ``y`` (or ``(y, y1)`` with ``weight1``), then ``s`` when ``prenorm``, then both keep
+    masks when ``return_dropout_mask`` (``None`` without dropout; the second ``None`` without
+    ``x1``). ``s`` is kept in ``residual``'s dtype, or in float32 when there is no residual and
+    ``residual_in_fp32``; it is ``x`` itself when nothing is added, dropped or converted."""
+    if residual is not None:
+        residual_dtype = residual.dtype
+    else:
+        residual_dtype = torch.float32 if residual_in_fp32 else None
+    sublayer = NO_SUBLAYER
+    if dropout_p or rowscale is not None or zero_centered_weight or return_dropout_mask:
+        sublayer = Sublayer(dropout_p, None, None, rowscale, zero_centered_weight, return_dropout_mask)
+    parallel = NO_PARALLEL if x1 is None and weight1 is None and bias1 is None else Parallel(x1, weight1, bias1)
+    n = x.shape[-1] if isinstance(x, Tensor) and x.dim() else 0
+    result = add_norm(
+        x,
+        residual,
+        n,
+        weight,
+        bias,
+        eps,
+        rms=is_rms_norm,
+        prenorm=prenorm,
+        residual_dtype=residual_dtype,
+        backend="auto",
+        out=out,
+        residual_out=residual_out,
+        sublayer=sublayer,
+        parallel=parallel,
+    )
+    result = list(result) if isinstance(result, tuple) else [result]
+    outputs = 2 if weight1 is not None else 1
+    if out_dtype is not None:
+        result[:outputs] = [y.to(out_dtype) for y in result[:outputs]]
+    if return_dropout_mask:
+        masks = result[outputs + prenorm :]
+        masks = [None if not dropout_p else m for m in masks] + [None] * (2 - len(masks))
+        result = result[: outputs + prenorm] + masks
+    head = tuple(result[:outputs]) if outputs == 2 else result[0]
+    if not prenorm and not return_dropout_mask:
+        return head
+    rest = tuple(result[outputs:])
+    return (*head, *rest) if outputs == 2 else (head, *rest)
+
+
+def rms_norm_fn(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None = None,
+    x1: Tensor | None = None,
+    weight1: Tensor | None = None,
+    bias1: Tensor | None = None,
+    eps: float = 1e-6,
+    dropout_p: float = 0.0,
+    rowscale: Tensor | None = None,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    zero_centered_weight: bool = False,
+    return_dropout_mask: bool = False,
+    out_dtype: torch.dtype | None = None,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
+):
+    """flash-attn's ``rms_norm_fn``: :func:`layer_norm_fn` with ``is_rms_norm=True``."""
+    return layer_norm_fn(
+        x,
+        weight,
+        bias,
+        residual,
+        x1,
+        weight1,
+        bias1,
+        eps,
+        dropout_p,
+        rowscale,
+        prenorm,
+        residual_in_fp32,
+        zero_centered_weight,
+        True,
+        return_dropout_mask,
+        out_dtype,
+        out,
+        residual_out,
+    )
+
+
+class RMSNorm(nn.Module):
+    """flash-attn's ``RMSNorm`` module: the same constructor, attributes (``eps``, ``drop``,
+    ``zero_centered_weight``, ``weight``, ``bias = None``) and ``state_dict``, so that
+    :func:`addnorm.patch` can swap the class of flash-attn's or mamba_ssm's modules in place.
+    ``forward(x, residual=None, prenorm=False, residual_in_fp32=False)`` as :func:`rms_norm_fn`,
+    with dropout in training only."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        dropout_p: float = 0.0,
+        zero_centered_weight: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.drop = nn.Dropout(dropout_p) if dropout_p > 0.0 else None
+        self.zero_centered_weight = zero_centered_weight
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight) if self.zero_centered_weight else nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None, prenorm: bool = False, residual_in_fp32: bool = False):
+        drop = getattr(self, "drop", None)
+        return rms_norm_fn(
+            x,
+            self.weight,
+            self.bias,
+            residual=residual,
+            eps=self.eps,
+            dropout_p=drop.p if drop is not None and self.training else 0.0,
+            prenorm=prenorm,
+            residual_in_fp32=residual_in_fp32,
+            zero_centered_weight=getattr(self, "zero_centered_weight", False),
+        )

@@ -1,0 +1,144 @@
+"""addnorm.compat.flash_attn: flash-attn's signatures and result order, held to flash-attn's own
+acceptance rule, restated here: for the output, the stream and every gradient,
+``|addnorm - ref_fp32| <= 2 * |ref_in_dtype - ref_fp32| + atol``, where ``ref`` is the unfused
+formula in torch ops with the call's own keep masks, computed in float32 and in the input dtype."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import addnorm
+from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, rms_norm_fn
+
+F = torch.nn.functional
+ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def reference(x, weight, bias, residual, x1, weight1, bias1, eps, p, masks, rowscale, zero_centered, rms, upcast):
+    """The formula, unfused, in torch ops: in float32 with ``upcast``, else in the inputs' dtypes."""
+    dtype = x.dtype
+    if upcast:
+        x, weight, bias, residual, x1, weight1, bias1 = (
+            None if t is None else t.float() for t in (x, weight, bias, residual, x1, weight1, bias1)
+        )
+    if zero_centered:
+        weight, weight1 = (None if w is None else w + 1 for w in (weight, weight1))
+    if rowscale is not None:
+        x = x * rowscale[..., None]
+    if p > 0:
+        x = x.masked_fill(~masks[0], 0.0) / (1 - p)
+        if x1 is not None:
+            x1 = x1.masked_fill(~masks[1], 0.0) / (1 - p)
+    if x1 is not None:
+        x = x + x1
+    if residual is not None:
+        x = (x + residual).to(x.dtype)
+    s = x
+
+    def norm(w, b):
+        if rms:
+            y = s * torch.rsqrt(s.float().square().mean(-1, keepdim=True) + eps).to(s.dtype) * w
+            return (y + b if b is not None else y).to(dtype)
+        return F.layer_norm(s.to(w.dtype), s.shape[-1:], w, b, eps).to(dtype)
+
+    ys = (norm(weight, bias),) + ((norm(weight1, bias1),) if weight1 is not None else ())
+    return ys, s
+
+
+CASES = list(
+    itertools.product(
+        [256, 1023],  # hidden
+        [(torch.float32, torch.float32), (torch.float16, torch.float32), (torch.bfloat16, torch.float32)]
+        + [(torch.bfloat16, torch.bfloat16)],  # (input, residual)
+        [torch.float32, torch.bfloat16],  # weight
+        [True, False],  # residual
+        [False, True],  # rms
+        [False, True],  # prenorm
+        [0.0, 0.27],  # dropout
+    )
+)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("hidden,dtypes,wdtype,has_residual,rms,prenorm,p", CASES)
+def test_flash_attn_acceptance_rule(hidden, dtypes, wdtype, has_residual, rms, prenorm, p, parallel):
+    input_dtype, residual_dtype = dtypes
+    g = torch.Generator().manual_seed(hidden + 7 * p.__hash__() % 97)
+    mk = lambda *shape, dt=input_dtype: torch.randn(*shape, generator=g).to(dt).requires_grad_()  # noqa: E731
+    x = mk(3, 5, hidden)
+    residual = mk(3, 5, hidden, dt=residual_dtype) if has_residual else None
+    weight, bias = mk(hidden, dt=wdtype), mk(hidden, dt=wdtype)
+    x1 = mk(3, 5, hidden) if parallel else None
+    weight1, bias1 = (mk(hidden, dt=wdtype), mk(hidden, dt=wdtype)) if parallel else (None, None)
+    rowscale = None if parallel else (torch.rand(3, 5, generator=g) + 0.5).to(input_dtype)
+    zero_centered = not parallel
+    fn = rms_norm_fn if rms else layer_norm_fn
+    out = fn(
+        x, weight, bias, residual=residual, x1=x1, weight1=weight1, bias1=bias1, eps=1e-6, dropout_p=p,
+        rowscale=rowscale, prenorm=True, residual_in_fp32=residual_dtype == torch.float32 and not has_residual,
+        zero_centered_weight=zero_centered, return_dropout_mask=True,
+    )  # fmt: skip
+    ys = out[: 2 if parallel else 1]
+    s, masks = out[len(ys)], out[len(ys) + 1 :]
+    assert len(masks) == 2 and (masks[1] is None) == (not parallel or p == 0) and (masks[0] is None) == (p == 0)
+    args = (x, weight, bias, residual, x1, weight1, bias1, 1e-6, p, masks, rowscale, zero_centered, rms)
+    ref_ys, ref_s = reference(*args, upcast=True)
+    low_ys, low_s = reference(*args, upcast=False)
+    leaves = [t for t in (x, residual, weight, bias, x1, weight1, bias1) if t is not None]
+    dys = [torch.randn(y.shape, generator=g).to(y.dtype) for y in ys]
+    ds = torch.randn(s.shape, generator=g).to(s.dtype) if prenorm else None
+
+    def grads(ys_, s_):
+        outs = [*ys_, s_] if prenorm else list(ys_)
+        cots = [*dys, ds] if prenorm else dys
+        return torch.autograd.grad([o.float() for o in outs], leaves, [c.float() for c in cots], allow_unused=True)
+
+    compared = [(ys[i], ref_ys[i], low_ys[i]) for i in range(len(ys))] + [(s, ref_s, low_s)]
+    compared += list(zip(grads(ys, s), grads(ref_ys, ref_s), grads(low_ys, low_s)))
+    for i, (ours, ref, low) in enumerate(compared):
+        if ours is None:
+            assert ref is None
+            continue
+        atol = ATOL[ours.dtype] * (4 if i >= len(ys) + 1 else 1)  # parameter gradients sum 15 rows
+        err = (ours.float() - ref.float()).abs().max().item()
+        allowed = 2 * (low.float() - ref.float()).abs().max().item() + atol
+        assert err <= allowed, f"result {i} ({ours.dtype}): error {err:.3g} > {allowed:.3g}"
+
+
+def test_results_come_in_flash_attn_order():
+    x, r, w, b = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32), torch.randn(32)
+    assert isinstance(layer_norm_fn(x, w, b, residual=r), torch.Tensor)
+    y, s = layer_norm_fn(x, w, b, residual=r, prenorm=True)
+    torch.testing.assert_close(s, x + r)
+    y, y1 = layer_norm_fn(x, w, b, residual=r, weight1=w * 2, bias1=b)
+    y, y1, s = rms_norm_fn(x, w, None, residual=r, x1=x, weight1=w, prenorm=True)
+    torch.testing.assert_close(s, r + x + x)
+    y, mask, mask1 = layer_norm_fn(x, w, b, residual=r, return_dropout_mask=True)
+    assert mask is None and mask1 is None  # no dropout: no masks, as flash-attn
+    y, s, mask, mask1 = rms_norm_fn(x, w, None, dropout_p=0.5, prenorm=True, return_dropout_mask=True)
+    assert mask.dtype == torch.bool and mask1 is None
+    assert torch.equal(s, torch.where(mask, x * 2, 0))
+    y, s = rms_norm_fn(x, w, None, prenorm=True)
+    assert s is x  # nothing added, dropped or converted: the stream is x, as flash-attn returns it
+    y = layer_norm_fn(x.bfloat16(), w, b, residual=r, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+
+
+def test_rms_norm_module_is_flash_attn_s():
+    norm = RMSNorm(16, eps=1e-5, dropout_p=0.1)
+    assert list(norm.state_dict()) == ["weight"] and norm.bias is None and torch.equal(norm.weight, torch.ones(16))
+    assert torch.equal(RMSNorm(16, zero_centered_weight=True).weight, torch.zeros(16))
+    x, r = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+    norm.eval()
+    y, s = norm(x, r, prenorm=True, residual_in_fp32=True)
+    torch.testing.assert_close(s, x + r)
+    torch.testing.assert_close(y, addnorm.add_rms_norm(x, r, 16, norm.weight, 1e-5))
+    norm.train()
+    torch.manual_seed(0)
+    y_train = norm(x, r)
+    assert not torch.allclose(y_train, y)  # dropout in training only
+    loaded = RMSNorm(16)
+    loaded.load_state_dict(norm.state_dict())
