@@ -6,6 +6,9 @@ the same bits on every backend), ``gradcheck`` and ``gradgradcheck`` in float64.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -180,3 +183,13 @@ def test_the_same_seed_reproduces_a_parallel_block():
     torch.manual_seed(11)
     b = addnorm.add_rms_norm(x, r, 32, w, x1=x1, dropout_p=0.5, return_dropout_mask=True)
     assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_the_guide_s_python_examples_run():
+    """docs/guide.md, section 7: each Python block runs as written, its asserts included."""
+    text = (Path(__file__).parent.parent / "docs" / "guide.md").read_text()
+    namespace: dict = {}
+    blocks = re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    assert len(blocks) >= 3
+    for block in blocks:
+        exec(compile(block, "docs/guide.md", "exec"), namespace)
