@@ -1,6 +1,6 @@
 """Time the Triton kernels' launch heuristics on a CUDA device: which settings of the launch
 table (``addnorm.kernels.triton.config.TABLE``: each kind's ``bytes_per_thread``, the
-backward's ``warps_per_sm``, the chunked path's ``chunk_n`` and ``bytes_per_thread``, the fused
+backward's ``warps_in_flight``, the chunked path's ``chunk_n`` and ``bytes_per_thread``, the fused
 limits ``max_fused_n``) are fastest, and what a call costs besides its kernels.
 
     python benchmarks/triton_tune.py                    # the sweep below, bf16 and fp32
@@ -99,8 +99,8 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
                 config.TABLE = bytes_table
                 warps = config.plan("backward", n, x.device, size).num_warps
                 line = f"{label} bwd {bb:3d}B/{warps:2d}w"
-                for per_sm in (32, 64, 128):
-                    config.TABLE = bytes_table.updated("backward", warps_per_sm=per_sm)
+                for per_sm in (32, 64, 128):  # warps in flight per SM of an H100 (132 SMs)
+                    config.TABLE = bytes_table.updated("backward", warps_in_flight=132 * per_sm)
                     t = _ms(
                         lambda s=s, mean=mean, rstd=rstd: K.backward(
                             dy, None, (s,), w, mean, rstd, rms=False, has_bias=True

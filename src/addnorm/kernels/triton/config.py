@@ -7,8 +7,10 @@ so that a tile holds about ``tile_elems`` elements (at most ``max_block_m`` rows
 gives each thread about ``bytes_per_thread`` bytes of the tile, clamped to 1..32 warps: fewer,
 fuller warps let each row reduction cross fewer warps and keep more loads in flight per thread.
 The chunked path streams its chunks, one row per program, with its own bytes per thread. The
-backward launches ``SMs * max(1, warps_per_sm // num_warps)`` programs, each looping over its rows,
-which bounds the partials buffer to ``programs * N`` values.
+backward launches ``max(1, warps_in_flight // num_warps)`` programs, each looping over a fixed
+block of rows and writing one row of dweight/dbias partials, summed in a fixed order: a count of
+the shape alone (never the GPU's SM count), so that dweight and dbias are the same bits on any GPU
+and any run (the reduction contract: docs/reliability.md).
 
 The forward keeps fewer values live than the backward, so it fuses wider rows; with the sublayer
 branch the backward also keeps ``x`` and the keep mask live, so it fuses narrower rows with fewer
@@ -17,16 +19,15 @@ bytes per thread, a setting chosen to compile without register spills
 The values come from ``python benchmarks/triton_tune.py`` (docs/gpu.md, "Launch heuristics"; the
 timings are in docs/benchmarks.md, "On an NVIDIA H100").
 
-The tile shape and warps depend on ``N``, the dtype, the kind and the device alone, so a row's
-results never depend on the batch (the number of programs does: it sets only how the
-dweight/dbias partials are grouped). The launchers read :data:`TABLE` at each call, so a test or a
+The tile shape and warps depend on ``N``, the dtype, the kind and the device type alone, so a
+row's results never depend on the batch (the number of rows sets only how the dweight/dbias
+partials are grouped). The launchers read :data:`TABLE` at each call, so a test or a
 tuning script may swap it (``TABLE.updated("forward", max_fused_n=256)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,7 +43,7 @@ class KernelLaunch:
     bytes_per_thread: int  # num_warps = tile bytes / (32 * this), clamped to 1..32
     tile_elems: int = 4096  # elements per program tile when short rows are stacked
     max_block_m: int = 32  # at most this many rows per tile
-    warps_per_sm: int | None = None  # backward kinds: SMs * max(1, this // num_warps) programs
+    warps_in_flight: int | None = None  # backward kinds: max(1, this // num_warps) programs
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,9 @@ class LaunchTable:
 
 TABLE = LaunchTable(
     forward=KernelLaunch(max_fused_n=16384, bytes_per_thread=64),
-    backward=KernelLaunch(max_fused_n=8192, bytes_per_thread=64, warps_per_sm=32),
-    branch_backward=KernelLaunch(max_fused_n=4096, bytes_per_thread=16, warps_per_sm=32),
+    # warps_in_flight: 32 warps on each of an H100's or H200's 132 SMs, as a constant
+    backward=KernelLaunch(max_fused_n=8192, bytes_per_thread=64, warps_in_flight=4224),
+    branch_backward=KernelLaunch(max_fused_n=4096, bytes_per_thread=16, warps_in_flight=4224),
     chunked=ChunkedLaunch(chunk_n=4096, bytes_per_thread=16),
     interpreter=InterpreterLaunch(tile_elems=65536, max_block_m=256, backward_programs=4),
 )
@@ -110,13 +112,9 @@ def plan(kind: str, n: int, device: torch.device, elem_size: int) -> Launch:
     return Launch(block_m, block_n, triton.next_power_of_2(num_warps), chunked)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def backward_programs(kind: str, m: int, num_warps: int, device: torch.device) -> int:
-    """How many programs the backward kernel of ``kind`` runs over ``m`` rows."""
+    """How many programs the backward kernel of ``kind`` runs over ``m`` rows: a function of the
+    shape (through ``num_warps``) and the device type, never of the device's size."""
     if device.type == "cuda":
-        return min(m, _sm_count(device) * max(1, getattr(TABLE, kind).warps_per_sm // num_warps))
+        return min(m, max(1, getattr(TABLE, kind).warps_in_flight // num_warps))
     return min(m, TABLE.interpreter.backward_programs)
