@@ -176,27 +176,41 @@ def _save(ctx, a: OpArgs, plan: SavePlan, mean: Tensor | None, rstd: Tensor, s: 
     ctx.meta = _meta(a, plan.write_stream)
 
 
-def run_backward(
-    dy,
-    dstream,
-    s_parts,
-    weight,
-    mean,
-    rstd,
-    rms,
-    has_bias,
-    backend,
-    dropout_p=0.0,
-    seed=None,
-    layer_scale=None,
-    rowscale=None,
-    param_dtype=None,
-) -> backends.Grads:
+class BackwardArgs(NamedTuple):
+    """The arguments of one backward, as both wrappers pass them (the fields of the custom op
+    ``addnorm::backward``'s schema, :data:`_BACKWARD_SCHEMA`, checked at import)."""
+
+    dy: Tensor
+    dstream: Tensor | None
+    s_parts: tuple[Tensor, ...]  # (s,), or (x, residual): see addnorm.backend.Backend.backward
+    weight: Tensor | None
+    mean: Tensor | None
+    rstd: Tensor
+    rms: bool
+    has_bias: bool
+    backend: str
+    dropout_p: float = 0.0
+    seed: Tensor | None = None
+    layer_scale: Tensor | None = None
+    rowscale: Tensor | None = None
+    param_dtype: torch.dtype | None = None  # the dtype dweight/dbias are returned in
+
+
+def run_backward(b: BackwardArgs) -> backends.Grads:
     """The backend's backward, eagerly (the custom op ``addnorm::backward`` runs the same)."""
-    impl = backends.resolve(backend, s_parts[0])
-    branch = make_branch(dropout_p, seed, layer_scale, rowscale)
+    impl = backends.resolve(b.backend, b.s_parts[0])
+    branch = make_branch(b.dropout_p, b.seed, b.layer_scale, b.rowscale)
     return impl.backward(
-        dy, dstream, s_parts, weight, mean, rstd, rms=rms, has_bias=has_bias, branch=branch, param_dtype=param_dtype
+        b.dy,
+        b.dstream,
+        tuple(b.s_parts),
+        b.weight,
+        b.mean,
+        b.rstd,
+        rms=b.rms,
+        has_bias=b.has_bias,
+        branch=branch,
+        param_dtype=b.param_dtype,
     )
 
 
@@ -207,7 +221,7 @@ def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
 def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
     """``(dx, dresidual, dweight, dbias, dlayer_scale)``: the one backward of both wrappers, from
     the saved ``(weight, mean, rstd, seed, layer_scale, rowscale, *s_parts)``; ``backward_fn``
-    takes :func:`run_backward`'s arguments."""
+    takes :class:`BackwardArgs`, as :func:`run_backward`."""
     weight, mean, rstd, seed, layer_scale, rowscale = saved[:6]
     s_parts = tuple(saved[6:])
     x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_output, dropout_p = meta
@@ -224,8 +238,22 @@ def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
         param_dtype = bias_dtype if weight is None else weight.dtype
         if has_bias and bias_dtype is not param_dtype:
             param_dtype = None
-        branch_args = (dropout_p, seed, layer_scale, rowscale)
-        g = backward_fn(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, backend, *branch_args, param_dtype)
+        args = (
+            dy,
+            dstream,
+            s_parts,
+            weight,
+            mean,
+            rstd,
+            rms,
+            has_bias,
+            backend,
+            dropout_p,
+            seed,
+            layer_scale,
+            rowscale,
+        )
+        g = backward_fn(tuple.__new__(BackwardArgs, (*args, param_dtype)))
     ds = g.ds
     return (
         _to(ds if branch is None else g.dx, x_dtype),
@@ -283,8 +311,9 @@ _BACKWARD_SCHEMA = (
     "bool has_bias, str backend, float dropout_p=0.0, Tensor? seed=None, Tensor? layer_scale=None, "
     "Tensor? rowscale=None, ScalarType? param_dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
-if [arg.name for arg in torch._C.parse_schema("f" + _FORWARD_SCHEMA).arguments] != list(OpArgs._fields):
-    raise AssertionError("addnorm::forward's schema and OpArgs list different fields")
+for _schema, _fields in ((_FORWARD_SCHEMA, OpArgs._fields), (_BACKWARD_SCHEMA, BackwardArgs._fields)):
+    if [arg.name for arg in torch._C.parse_schema("f" + _schema).arguments] != list(_fields):
+        raise AssertionError(f"a custom op's schema and its arguments' structure differ: {_schema}")
 
 
 # The dispatcher may leave out trailing arguments at their defaults: OpArgs(*args) fills them.
@@ -314,27 +343,12 @@ def _forward_fake(*args, **kwargs):
     return x.new_empty(x.shape), s, mean, x.new_empty(rows, dtype=cd)
 
 
-def _backward_impl(
-    dy,
-    dstream,
-    s_parts,
-    weight,
-    mean,
-    rstd,
-    rms,
-    has_bias,
-    backend,
-    dropout_p=0.0,
-    seed=None,
-    layer_scale=None,
-    rowscale=None,
-    param_dtype=None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    mean = None if mean is None else mean.reshape(-1)  # statistics flat, as backends take them
-    rstd = rstd.reshape(-1)
-    branch_args = (dropout_p, seed, layer_scale, rowscale)
-    g = run_backward(dy, dstream, tuple(s_parts), weight, mean, rstd, rms, has_bias, backend, *branch_args, param_dtype)
-    cd = rstd.dtype
+def _backward_impl(*args, **kwargs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b = BackwardArgs(*args, **kwargs)
+    # the statistics flat, as backends take them
+    b = b._replace(mean=None if b.mean is None else b.mean.reshape(-1), rstd=b.rstd.reshape(-1))
+    g = run_backward(b)
+    cd = b.rstd.dtype
     return (
         g.ds.contiguous(),
         g.dweight if g.dweight is not None else _no_vector(g.ds, cd),
@@ -344,30 +358,16 @@ def _backward_impl(
     )
 
 
-def _backward_fake(
-    dy,
-    dstream,
-    s_parts,
-    weight,
-    mean,
-    rstd,
-    rms,
-    has_bias,
-    backend,
-    dropout_p=0.0,
-    seed=None,
-    layer_scale=None,
-    rowscale=None,
-    param_dtype=None,
-):
-    s = s_parts[-1]  # ds and dx have the stream dtype: the residual's with a branch
-    n, cd = s.shape[-1], rstd.dtype
-    branch = make_branch(dropout_p, seed, layer_scale, rowscale)
+def _backward_fake(*args, **kwargs):
+    b = BackwardArgs(*args, **kwargs)
+    s = b.s_parts[-1]  # ds and dx have the stream dtype: the residual's with a branch
+    n, cd = s.shape[-1], b.rstd.dtype
+    branch = make_branch(b.dropout_p, b.seed, b.layer_scale, b.rowscale)
     vector = lambda present, dt=cd: s.new_empty((n,), dtype=dt) if present else _no_vector(s, cd)  # noqa: E731
     dx = s.new_empty(s.shape) if branch is not None else s.new_empty((*row_shape(s), 0))
     layer_scaled = branch is not None and branch.layer_scale is not None
-    pd = param_dtype or cd
-    return s.new_empty(s.shape), vector(weight is not None, pd), vector(has_bias, pd), dx, vector(layer_scaled)
+    pd = b.param_dtype or cd
+    return s.new_empty(s.shape), vector(b.weight is not None, pd), vector(b.has_bias, pd), dx, vector(layer_scaled)
 
 
 forward_op = torch.library.custom_op("addnorm::forward", _forward_impl, mutates_args=(), schema=_FORWARD_SCHEMA)
@@ -387,8 +387,8 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _op_backward_grads(*args) -> backends.Grads:
-    return backends.Grads(*backward_op(*args))
+def _op_backward_grads(b: BackwardArgs) -> backends.Grads:
+    return backends.Grads(*backward_op(*b))
 
 
 def _op_backward(ctx, dy, dstream, _dmean, _drstd):

@@ -136,6 +136,15 @@ def _silence_stdout() -> None:
         pass
 
 
+def is_number(text: str) -> bool:
+    """Whether ``text`` parses as a float (an option value that is a number, not a path)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_threads(threads: int, flag: str = "--threads") -> None:
     """A thread count between 1 and the CPUs here (far more threads crash OpenMP's start-up)."""
     cpus = os.cpu_count() or 1

@@ -15,6 +15,7 @@ import pathlib
 import numpy as np
 import torch
 
+from ..cli import is_number
 from .config import Config
 
 CORNERS = np.array([[-1.0, -1.0], [-1.0, 1.0], [1.0, 1.0], [1.0, -1.0]])  # clockwise
@@ -59,7 +60,7 @@ def load_sequences(path: str | pathlib.Path) -> np.ndarray:
             data = np.load(path, allow_pickle=False)
         elif suffix == ".csv":
             with path.open() as f:
-                header = not _is_number(f.readline().split(",")[0])
+                header = not is_number(f.readline().split(",")[0])
             data = np.loadtxt(path, delimiter=",", ndmin=2, skiprows=int(header))
             if data.shape[1:] == (8,):
                 data = data.reshape(-1, 4, 2)
@@ -79,14 +80,6 @@ def load_sequences(path: str | pathlib.Path) -> np.ndarray:
     if not np.isfinite(data).all():
         raise ValueError(f"--data {path}: contains NaN or infinite values")
     return data.astype(np.float32)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def split(points: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ... import reference
-from ..cli import UsageError
+from ..cli import UsageError, is_number
 from ..info import WORKED_INPUT
 
 MATRIX_HELP = 'a matrix literal like "[[0.2,0.1,0.3],[0.5,0.1,0.1]]" or a .npy, .pt or .csv file'
@@ -102,7 +102,7 @@ def load_matrix(text: str, what: str) -> Tensor:
     """A tensor from a matrix literal (float64) or a ``.npy``/``.pt``/``.csv`` file (a floating
     dtype is kept, integers become float64)."""
     stripped = text.strip()
-    if stripped.startswith("[") or _is_number(stripped):
+    if stripped.startswith("[") or is_number(stripped):
         t = literal_tensor(stripped, what)
     elif stripped.lower().endswith(FILE_SUFFIXES):
         t = _load_file(Path(stripped), what)
@@ -122,14 +122,6 @@ def load_matrix(text: str, what: str) -> Tensor:
     if not bool(torch.isfinite(t).all()):
         raise UsageError(f"{what} contains NaN or infinite values")
     return t
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _load_file(path: Path, what: str) -> Tensor:
