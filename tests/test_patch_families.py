@@ -52,6 +52,10 @@ COVERAGE = {
         },
     ),
     "gpt_neox": (5, {"GPTNeoXLayer": {"attention+mlp": "fused"}}),
+    "gpt_neox_sequential": (5, {"GPTNeoXLayer": {"attention": "fused", "mlp": "fused"}}),
+    "falcon": (5, {"FalconDecoderLayer": {"self_attention+mlp": "fused"}}),  # ln_attn, ln_mlp
+    "falcon_7b": (3, {"FalconDecoderLayer": {"self_attention+mlp": "fused"}}),  # one norm
+    "falcon_rw": (5, {"FalconDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),  # sequential
     "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
 }
 FAMILIES = list(COVERAGE)
@@ -103,7 +107,7 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
     assert {type(m) for m in loaded.modules()} == {type(m) for m in original.modules()}
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "t5", "gpt_neox", "dinov2", "bert"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2", "t5", "gpt_neox", "falcon", "dinov2", "bert"])
 def test_bf16_gradients_within_twice_torchs_error(name):
     """bf16 logits and gradients of the patched model against the fp64 model: at most twice the
     error of the unpatched bf16 model, plus 1e-2 of each tensor's scale (tests/conftest.py)."""
@@ -122,7 +126,7 @@ def test_bf16_gradients_within_twice_torchs_error(name):
         assert err <= 2 * ref + 1e-2 * want.abs().max().item(), f"{key}: {err:.3g} vs torch's {ref:.3g}"
 
 
-@pytest.mark.parametrize("name", ["bert", "phi3", "t5", "gpt_neox"])
+@pytest.mark.parametrize("name", ["bert", "phi3", "t5", "gpt_neox", "falcon", "falcon_rw"])
 def test_dropout_runs_fused_and_a_seed_reproduces_it(name, fused_calls):
     _, patched, _ = fused_copy(name, dropout=0.25)
     inputs = hf_inputs(name)

@@ -46,12 +46,28 @@ OTHERS = {
     ),
     "vit": ("ViTConfig", "ViTForImageClassification", _IMAGE),
     "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(**_IMAGE, layerscale_value=0.5)),
-    "gpt_neox": (
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ, use_parallel_residual=True, **_IDS)
-        | dict(hidden_dropout=0.0, attention_dropout=0.0),
-    ),
+    **{
+        name: (
+            "GPTNeoXConfig",
+            "GPTNeoXForCausalLM",
+            dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ, use_parallel_residual=parallel, **_IDS)
+            | dict(hidden_dropout=0.0, attention_dropout=0.0),
+        )
+        for name, parallel in [("gpt_neox", True), ("gpt_neox_sequential", False)]
+    },
+    **{
+        name: (
+            "FalconConfig",
+            "FalconForCausalLM",
+            dict(num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=4, vocab_size=VOCAB, **_IDS)
+            | dict(hidden_dropout=0.0, attention_dropout=0.0, **layout),
+        )
+        for name, layout in [
+            ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),  # two norms, in parallel
+            ("falcon_7b", dict(new_decoder_architecture=False, parallel_attn=True, multi_query=True)),
+            ("falcon_rw", dict(new_decoder_architecture=False, parallel_attn=False, alibi=True)),
+        ]
+    },
     "t5": (
         "T5Config",
         "T5ForConditionalGeneration",
@@ -91,6 +107,8 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropo
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = dropout
+    if name.startswith("falcon"):  # applied from the config, not by modules
+        model.config.hidden_dropout = model.config.attention_dropout = dropout
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:

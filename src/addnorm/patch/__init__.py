@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .. import nn as addnorm_nn
 from ..checks import check_backend
-from .blocks import FAMILIES, NEXT, ORIGINAL, Family, block_forward, entry_norms, is_parallel
+from .blocks import FAMILIES, FAMILY, NEXT, ORIGINAL, Family, block_forward, entry_norms, family_of
 from .norms import HF_NORMS, HF_STYLES, STYLES, add_norm_forward, eps_of, norm_forward, norm_style, torch_norm_forward
 from .report import Add, PatchReport
 
@@ -53,7 +53,6 @@ def _subclass(cls: type, kind: str) -> type:
             body = {
                 "forward": block_forward,
                 "_addnorm_signature": inspect.signature(cls.forward),
-                "_addnorm_family": FAMILIES[_path(cls)],
             }
         body |= {"__module__": __name__, "__reduce_ex__": _reduce_ex, "_addnorm_made_from": (cls, kind)}
         _SUBCLASSES[cls, kind] = type(f"Addnorm{cls.__name__}", (cls,), body)
@@ -160,7 +159,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
     the stream goes through next (the next block's first norms, or the stack's final norm)."""
     blocks = []
     for name, m in model.named_modules():
-        family = FAMILIES.get(_path(type(m)))
+        family = family_of(m)
         if family is None:
             continue
         missing = [
@@ -176,10 +175,11 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
     for _stack_name, members in stacks.items():
         for i, (name, m, family) in enumerate(members):
             _wire(model, report, members[i + 1] if i + 1 < len(members) else None, name, m, family)
-    for name, m, _family in blocks:
+    for name, m, family in blocks:
         original = type(m)
         m.__class__ = _subclass(original, "block")
         m.__dict__[ORIGINAL] = original
+        m.__dict__[FAMILY] = family
         report.fused.append(name)
 
 
@@ -192,7 +192,7 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
         why = _why_not_norm(getattr(m, steps[0].norm), steps[0].norm)
         report.adds.append(Add(name, cls, steps[0].sublayer, None if why else f"{name}.{steps[0].norm}", why or ""))
         return
-    parallel = is_parallel(m, family)
+    parallel = family.parallel is not None
     inner = [] if parallel else steps[:-1]
     for step, nxt in zip(inner, steps[1:], strict=False):
         why = _why_not_norm(getattr(m, nxt.norm) if nxt.norm else None, f"{nxt.sublayer} takes the stream itself")
@@ -200,7 +200,7 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     last = "+".join(s.sublayer for s in steps[:2]) if parallel else steps[-1].sublayer
     if following is not None:
         f_name, f_block, f_family = following
-        names = entry_norms(f_block, f_family)
+        names = entry_norms(f_family)
         targets = [(f"{f_name}.{n}", getattr(f_block, n)) if n else (None, None) for n in names]
         where = f"the next block's {names[0] or f_family.steps[0].sublayer} takes the stream itself"
     else:
@@ -287,6 +287,7 @@ def unpatch(model: nn.Module) -> int:
     for m in model.modules():
         original = m.__dict__.pop(ORIGINAL, None)
         m.__dict__.pop(NEXT, None)
+        m.__dict__.pop(FAMILY, None)
         if original is not None:
             if norm_style(m) is not None:
                 del m.backend

@@ -26,6 +26,7 @@ from .norms import add_norm_forward, fusable, hand_off
 
 ORIGINAL = "_addnorm_original_class"
 NEXT = "_addnorm_next"  # the norms the block's last add feeds, set by patch()
+FAMILY = "_addnorm_family"  # the block's Family, set by patch() (some depend on the block's config)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,10 @@ class Family:
     drop: tuple[str, ...] = ()  # block arguments the attention does not take
     fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
     extras: bool = False  # the block returns (stream, *the attention's other outputs)
-    parallel: str | None = None  # attribute of the block that says the sublayers run in parallel
+    kwargs: bool = True  # the block passes its ``**kwargs`` on to the attention
+    # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX); "sum" adds their
+    # sum with one dropout (Falcon); the steps' norms may be one module
+    parallel: str | None = None
     post_norm: bool = False  # (BERT) the block is ``norm(dropout(sublayer(h)) + input_tensor)``
 
 
@@ -90,14 +94,15 @@ FAMILIES: dict[str, Family] = {
         drop=("encoder_attention_mask",),
         fallback=("encoder_hidden_states",),  # cross-attention sits between the adds
     ),
-    "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer": Family(
+    "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer": lambda block: Family(
         (
             Step("attention", "input_layernorm", dropout="post_attention_dropout"),
             Step("mlp", "post_attention_layernorm", dropout="post_mlp_dropout"),
         ),
         final="final_layer_norm",
-        parallel="use_parallel_residual",
+        parallel="x1" if block.use_parallel_residual else None,
     ),
+    "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: _falcon(block.config),
     "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(
         (
             Step("attention", "norm1", layer_scale="layer_scale1", drop_path="drop_path"),
@@ -115,20 +120,36 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def family_of(block: nn.Module) -> Family:
-    return type(block)._addnorm_family
+def _falcon(config) -> Family:
+    """Falcon's three layouts: sequential (Falcon-RW), parallel with one norm (Falcon-7B) or two
+    (the new decoder architecture); its attention takes no ``**kwargs``."""
+    common = dict(final="ln_f", extras=True, kwargs=False)
+    if not (config.parallel_attn or config.new_decoder_architecture):
+        return Family(
+            (
+                Step("self_attention", "input_layernorm", dropout="config.attention_dropout"),
+                Step("mlp", "post_attention_layernorm", dropout="config.hidden_dropout"),
+            ),
+            **common,
+        )
+    two = config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2
+    attn, mlp = ("ln_attn", "ln_mlp") if two else ("input_layernorm", "input_layernorm")
+    steps = (Step("self_attention", attn), Step("mlp", mlp, dropout="config.hidden_dropout"))
+    return Family(steps, parallel="sum", **common)
 
 
-def is_parallel(block: nn.Module, family: Family) -> bool:
-    return family.parallel is not None and bool(getattr(block, family.parallel, False))
+def family_of(block: nn.Module) -> Family | None:
+    """The Family of a block of a class in ``FAMILIES`` (resolved from its config where it varies)."""
+    entry = FAMILIES.get(f"{type(block).__module__}.{type(block).__qualname__}")
+    return entry(block) if callable(entry) else entry
 
 
-def entry_norms(block: nn.Module, family: Family) -> tuple[str | None, ...]:
-    """The norms the stream entering ``block`` goes through first (both of a parallel block's)."""
+def entry_norms(family: Family) -> tuple[str | None, ...]:
+    """The norms the stream entering a block goes through first (both of a parallel block's)."""
     if family.post_norm:
         return ()
-    steps = family.steps[:2] if is_parallel(block, family) else family.steps[:1]
-    return tuple(step.norm for step in steps)
+    steps = family.steps[:2] if family.parallel else family.steps[:1]
+    return tuple(dict.fromkeys(step.norm for step in steps))
 
 
 # --------------------------------------------------------------------------- the fused forward
@@ -142,7 +163,9 @@ def _arguments(self, hidden_states, args, kwargs) -> dict:
     bound.apply_defaults()
     named = dict(bound.arguments)
     del named["self"], named["hidden_states"]
-    named.update(named.pop("kwargs", {}))
+    spread = named.pop("kwargs", {})
+    if self.__dict__[FAMILY].kwargs:
+        named.update(spread)
     return named
 
 
@@ -219,7 +242,7 @@ def _call_first(block: nn.Module, family: Family, step: Step, h: Tensor, named: 
 
 def block_forward(self, hidden_states, *args, **kwargs):
     """The forward of every block of ``FAMILIES``: the original's steps with each add fused."""
-    family = family_of(self)
+    family = self.__dict__[FAMILY]
     if family.post_norm:
         return _post_norm_forward(self, family, hidden_states, *args, **kwargs)
     named = _arguments(self, hidden_states, args, kwargs)
@@ -230,7 +253,7 @@ def block_forward(self, hidden_states, *args, **kwargs):
     nxt = tuple(self.__dict__.get(NEXT, ()))
     if not _may_hand_off(self, nxt, hidden_states):
         nxt = ()
-    if is_parallel(self, family):
+    if family.parallel:
         s, extras = _parallel_forward(self, family, hidden_states, named, nxt)
     else:
         s, extras = _sequential_forward(self, family, hidden_states, named, nxt)
@@ -264,18 +287,24 @@ def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple
 
 
 def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) -> tuple[Tensor, tuple]:
-    """Attention and MLP on the same stream (GPT-NeoX): ``s + dropout(mlp) + dropout(attn)``."""
+    """Attention and MLP on the same stream: ``s + dropout(mlp) + dropout(attn)`` (GPT-NeoX, "x1")
+    or ``s + dropout(mlp + attn)`` (Falcon, "sum")."""
     attn, mlp = family.steps[:2]
-    h_attn, h_mlp = getattr(self, attn.norm)(s), getattr(self, mlp.norm)(s)
+    h_attn = getattr(self, attn.norm)(s)
+    h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
     out_attn, extras = _call_first(self, family, attn, h_attn, named)
     out_mlp = getattr(self, mlp.sublayer)(h_mlp)
     p = _dropout_p(self, mlp)
-    if nxt and p == _dropout_p(self, attn):
+    if family.parallel == "sum":
+        out_mlp, out_attn = out_mlp + out_attn, None
+    if nxt and (out_attn is None or p == _dropout_p(self, attn)):
         second = nxt[1] if len(nxt) > 1 else None
         ys = add_norm_forward(nxt[0], out_mlp, s, sublayer=Sublayer(dropout_p=p), x1=out_attn, norm1=second)
         for norm, y in zip(nxt, ys[:-1], strict=True):
             hand_off(norm, ys[-1], y)
         return ys[-1], extras
+    if out_attn is None:
+        return s + _branch(self, mlp, out_mlp), extras
     return _branch(self, mlp, out_mlp) + _branch(self, attn, out_attn) + s, extras
 
 
