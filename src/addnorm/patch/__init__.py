@@ -181,6 +181,22 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         m.__dict__[ORIGINAL] = original
         m.__dict__[FAMILY] = family
         report.fused.append(name)
+    _report_unknown_blocks(model, report)
+
+
+def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
+    """List the layers (items of a ModuleList) that hold a patched norm but no block of the table:
+    their norms run addnorm's ops, their adds stay plain adds."""
+    why = "block layout not in addnorm.patch.FAMILIES: its norms are replaced, its adds stay plain"
+    for list_name, layers in model.named_modules():
+        if not isinstance(layers, nn.ModuleList):
+            continue
+        for i, layer in enumerate(layers):
+            inside = list(layer.modules())
+            if any(norm_style(m) for m in inside) and not any(
+                ORIGINAL in m.__dict__ and FAMILY in m.__dict__ for m in inside
+            ):
+                report.skipped.append((f"{list_name}.{i}", type(layer).__name__, why))
 
 
 def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family: Family) -> None:
