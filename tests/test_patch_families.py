@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import copy
+import pathlib
+import re
 import sys
 
 import pytest
@@ -35,7 +37,7 @@ COVERAGE = {
         9,
         {
             "Olmo2DecoderLayer": {
-                "self_attn": "no norm reads the sum (mlp takes the stream itself)",
+                "self_attn": "no norm reads the sum: mlp takes the stream itself",
                 "mlp": "the next block's self_attn takes the stream itself",  # the last block's: fused
             }
         },
@@ -59,6 +61,24 @@ COVERAGE = {
     "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
 }
 FAMILIES = list(COVERAGE)
+BF16 = [n for n in FAMILIES if n != "mixtral"]  # Mixtral's experts (torch._grouped_mm) have no float64 oracle
+DROPOUT = ["bert", "phi3", "t5", "gpt_neox", "falcon", "falcon_rw"]
+LABELS = {
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "phi3": "Phi-3",
+    "olmo2": "OLMo 2",
+    "gpt2": "GPT-2",
+    "bert": "BERT",
+    "roberta": "RoBERTa",
+    "t5": "T5 (encoder-decoder)",
+    "gpt_neox": "GPT-NeoX (parallel)",
+    "gpt_neox_sequential": "GPT-NeoX (`use_parallel_residual=False`)",
+    "falcon": "Falcon (new architecture: parallel, 2 norms)",
+    "falcon_7b": "Falcon-7B (parallel, 1 norm)",
+    "falcon_rw": "Falcon-RW (sequential)",
+    "dinov2": "DINOv2 (layer scale, drop path)",
+}
 
 
 def fused_copy(name: str, **kwargs):
@@ -107,8 +127,7 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
     assert {type(m) for m in loaded.modules()} == {type(m) for m in original.modules()}
 
 
-# Mixtral's experts (torch._grouped_mm) have no float64 kernel for the oracle
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "mixtral"])
+@pytest.mark.parametrize("name", BF16)
 def test_bf16_gradients_within_twice_torchs_error(name):
     """bf16 logits and gradients of the patched model against the fp64 model: at most twice the
     error of the unpatched bf16 model, plus 1e-2 of each tensor's scale (tests/conftest.py)."""
@@ -127,7 +146,7 @@ def test_bf16_gradients_within_twice_torchs_error(name):
         assert err <= 2 * ref + 1e-2 * want.abs().max().item(), f"{key}: {err:.3g} vs torch's {ref:.3g}"
 
 
-@pytest.mark.parametrize("name", ["bert", "phi3", "t5", "gpt_neox", "falcon", "falcon_rw"])
+@pytest.mark.parametrize("name", DROPOUT)
 def test_dropout_runs_fused_and_a_seed_reproduces_it(name, fused_calls):
     _, patched, _ = fused_copy(name, dropout=0.25)
     inputs = hf_inputs(name)
@@ -210,3 +229,47 @@ def test_norms_with_their_own_cast_keep_it_across_dtypes(cls_name, dtypes):
     x = (torch.randn(5, 48) * 3).to(x_dtype)
     want, got = norm(x), ours(x)
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- the coverage table of the docs
+
+DOC = pathlib.Path(__file__).parent.parent / "docs" / "integrations.md"
+MARKERS = ("<!-- coverage table: tests/test_patch_families.py -->\n", "<!-- end of coverage table -->")
+
+
+def coverage_table() -> str:
+    """The coverage table of docs/integrations.md, from what patch() reports on each tiny model."""
+    rows = [
+        "| family (tiny config tested) | norms replaced: class → style | adds fused (2 layers) | training checked |",
+        "|---|---|---|---|",
+    ]
+    for name in FAMILIES:
+        report = fused_copy(name)[2]
+        norms = ", ".join(f"`{cls}` → {style}" for cls, style in sorted({(c, s) for _, c, s in report.replaced}))
+        adds = f"{len(report.fused_adds)} of {len(report.adds)}"
+        unfused = sorted({a.why for a in report.adds if not a.fused})
+        if unfused:
+            adds += " (not: " + "; ".join(unfused) + ")"
+        checked = ["fp32 outputs and gradients", "save/load"]
+        checked += ["bf16 gradients (2× rule)"] if name in BF16 else []
+        checked += ["fused dropout"] if name in DROPOUT else []
+        checked += ["drop path"] if name == "dinov2" else []
+        rows.append(f"| {LABELS.get(name, name.capitalize())} | {norms} | {adds} | {', '.join(checked)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _doc_with(table: str) -> str:
+    start, end = MARKERS
+    return re.sub(f"{re.escape(start)}.*?{re.escape(end)}", lambda _: start + table + end, DOC.read_text(), flags=re.S)
+
+
+def test_docs_coverage_table_is_current():
+    assert MARKERS[0] in DOC.read_text()
+    assert _doc_with(coverage_table()) == DOC.read_text(), (
+        "docs/integrations.md: the coverage table is out of date; "
+        "run PYTHONPATH=src python tests/test_patch_families.py to rewrite it"
+    )
+
+
+if __name__ == "__main__":  # rewrite the table in the docs
+    DOC.write_text(_doc_with(coverage_table()))

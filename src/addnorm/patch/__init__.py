@@ -137,7 +137,7 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
 
 def _why_not_norm(norm: nn.Module | None, name: str) -> str | None:
     if norm is None:
-        return f"no norm reads the sum ({name})"
+        return f"no norm reads the sum: {name}"
     if norm_style(norm) is None:
         return f"{name} ({type(norm).__name__}) was not patched"
     return None
