@@ -148,7 +148,7 @@ def _stack(model: nn.Module, name: str, family: Family) -> tuple[str, nn.Module 
     parts = name.split(".")
     for i in range(len(parts) - 1, -1, -1):
         prefix = ".".join(parts[:i])
-        final = getattr(model.get_submodule(prefix), family.final or "", None) if family.final else None
+        final = getattr(model.get_submodule(prefix), family.final, None) if family.final else None
         if isinstance(final, nn.Module):
             return prefix, final
     return "", None
