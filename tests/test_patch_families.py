@@ -16,6 +16,7 @@ from tiny_models import assert_same_step, hf_inputs, hf_model, round_trip, step
 
 pytest.importorskip("transformers")
 norms_module = sys.modules["addnorm.patch.norms"]
+blocks_module = sys.modules["addnorm.patch.blocks"]
 
 # family -> (norms replaced, {block class: {add: "fused" or why not}}), counted in each model's code
 COVERAGE = {
@@ -123,6 +124,10 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
         torch.testing.assert_close(patched(**inputs).logits, original(**inputs).logits, rtol=1e-6, atol=1e-6)
         loaded = round_trip(patched)
         assert torch.equal(loaded(**inputs).logits, patched(**inputs).logits)
+    # each loaded block hands its last add to the loaded model's own norms
+    own = {id(m) for m in loaded.modules()}
+    handed = [n for m in loaded.modules() for n in m.__dict__.get(blocks_module.NEXT, ())]
+    assert len(handed) >= sum(a.block not in a.norm for a in report.fused_adds) and all(id(n) in own for n in handed)
     assert addnorm.unpatch(loaded) == len(report.replaced) + len(report.fused)
     assert {type(m) for m in loaded.modules()} == {type(m) for m in original.modules()}
 
