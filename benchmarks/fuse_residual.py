@@ -1,11 +1,11 @@
-"""What fusing the residual add into the norm saves on a small model's training step.
+"""What patching and fusing the residual adds into the norms gain on a training step.
 
-Times forward + backward of a small Hugging Face model (GPT-2 or Llama layout, random
-weights, no download) in three variants side by side in one process, interleaved round
-by round so that machine load hits them alike (addnorm's harness,
+Times forward + backward of Hugging Face models (GPT-2 or Llama layout, random weights, no
+download) of a small and a larger size, each in three variants, all side by side in one process,
+interleaved round by round so that machine load hits them alike (addnorm's harness,
 ``addnorm.tools.bench.measure``): the model as is ("hf"), with its norms patched ("patched"),
 and patched with ``fuse_residual=True`` ("fused"). Prints the median and p20/p80 per variant
-and the ratio to "hf".
+and the ratio to "hf" of the same size.
 
     PYTHONPATH=src python benchmarks/fuse_residual.py --model llama --threads 1
 """
@@ -54,42 +54,45 @@ def build(name: str, width: int, layers: int, seq: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["gpt2", "llama"], default="llama")
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--sizes", default="128x2,512x4", help="comma-separated WIDTHxLAYERS, timed together (default: %(default)s)"
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--backend", default="auto")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    hf = build(args.model, args.width, args.layers, args.seq).train()
-    patched, fused = copy.deepcopy(hf), copy.deepcopy(hf)
-    addnorm.patch(patched, backend=args.backend)
-    report = addnorm.patch(fused, fuse_residual=True, backend=args.backend)
-    assert len(report.fused) == args.layers, report
-    variants = {"hf": hf, "patched": patched, "fused": fused}
+    sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
     ids = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
 
     def step(model):
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
-    for model in variants.values():  # warm-up beyond measure's first call
-        for _ in range(2):
-            step(model)
-    times = measure({name: lambda model=model: step(model) for name, model in variants.items()}, args.rounds)
+    runs = {}
+    for width, layers in sizes:
+        hf = build(args.model, width, layers, args.seq).train()
+        patched, fused = copy.deepcopy(hf), copy.deepcopy(hf)
+        addnorm.patch(patched, backend=args.backend)
+        report = addnorm.patch(fused, fuse_residual=True, backend=args.backend)
+        assert len(report.fused_adds) == 2 * layers, report
+        for name, model in {"hf": hf, "patched": patched, "fused": fused}.items():
+            step(model)  # warm-up beyond measure's first call
+            runs[width, layers, name] = lambda model=model: step(model)
+    times = measure(runs, args.rounds)
 
-    base = times["hf"][0]
     print(
-        f"{args.model} width={args.width} layers={args.layers} batch={args.batch} seq={args.seq} "
-        f"fp32 threads={args.threads} backend={args.backend} rounds={args.rounds}, forward+backward"
+        f"{args.model} batch={args.batch} seq={args.seq} fp32 threads={args.threads} backend={args.backend} "
+        f"rounds={args.rounds}, forward+backward, all sizes interleaved"
     )
-    for name, (med, p20, p80) in times.items():
+    for (width, layers, name), (med, p20, p80) in times.items():
+        base = times[width, layers, "hf"][0]
         print(
-            f"  {name:8s} median {med * 1e3:8.2f} ms  p20 {p20 * 1e3:8.2f}  p80 {p80 * 1e3:8.2f}  "
-            f"x{med / base:.3f} of hf"
+            f"  width={width:<4d} layers={layers}  {name:8s} median {med * 1e3:8.2f} ms  p20 {p20 * 1e3:8.2f}  "
+            f"p80 {p80 * 1e3:8.2f}  x{base / med:.3f} speed of hf"
         )
 
 

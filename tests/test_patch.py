@@ -12,35 +12,14 @@ from torch import nn
 
 import addnorm
 from addnorm.patch import HF_NORMS, norm_style
-from tiny_models import TinyTransformer, hf_inputs, hf_model
+from tiny_models import TinyTransformer, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 patch_module = sys.modules["addnorm.patch"]  # addnorm.patch is the function
+norms_module = sys.modules["addnorm.patch.norms"]
 
 pytest.importorskip("transformers")
 
 NORM_COUNTS = {"gpt2": 5, "bert": 6, "vit": 5, "llama": 5, "gemma": 5}  # counted in each model's code
-
-
-def step(model, inputs):
-    """Forward and backward; returns (logits, {name: grad})."""
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs)
-    out.loss.backward()
-    return out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same_step(a, b, inputs, *, exact=False, exact_grads=None):
-    """Logits and gradients of ``b`` match ``a``'s: bit for bit if ``exact`` (the gradients
-    too unless ``exact_grads=False``), else within float32 rounding."""
-    la, ga = step(a, inputs)
-    lb, gb = step(b, inputs)
-    assert ga.keys() == gb.keys() and len(ga) > 0
-    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lb, la, **tol)
-    for name in ga:
-        if exact_grads is False:  # bf16 rounding of sums: relative to the gradient's scale
-            tol = dict(rtol=1.6e-2, atol=1.6e-2 * ga[name].abs().max().item())
-        torch.testing.assert_close(gb[name], ga[name], **tol, msg=lambda m, n=name: f"grad of {n}: {m}")
 
 
 @pytest.mark.parametrize("name", list(NORM_COUNTS))
@@ -170,26 +149,11 @@ def test_subclasses_of_torch_norms_are_reported_as_skipped():
     assert report.skipped == [("1", "ScaledNorm", "unknown norm class; see norm_types")]
 
 
-def _round_trip(model: nn.Module) -> nn.Module:
-    """torch.save then torch.load, as in a fresh process: the classes patch() made are forgotten."""
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    cache = patch_module._SUBCLASSES
-    patch_module._SUBCLASSES = {}  # a new process has made none of them yet
-    try:
-        return torch.load(buffer, weights_only=False)
-    finally:
-        patch_module._SUBCLASSES = cache
-
-
 def test_patched_models_pickle():
     llama = hf_model("llama").eval()
     report = addnorm.patch(llama, fuse_residual=True)
     assert len(report.fused) == 2
-    loaded = _round_trip(llama)
+    loaded = round_trip(llama)
     inputs = hf_inputs("llama")
     with torch.no_grad():
         assert torch.equal(loaded(**inputs).logits, llama(**inputs).logits)
@@ -201,7 +165,7 @@ def test_patched_models_pickle():
 
     custom = nn.Sequential(nn.Linear(16, 16), MyRMSNorm(16), nn.LayerNorm(16))
     addnorm.patch(custom, norm_types={MyRMSNorm: "llama", nn.LayerNorm: "layer"})
-    loaded = _round_trip(custom)
+    loaded = round_trip(custom)
     x = torch.randn(3, 16)
     assert torch.equal(loaded(x), custom(x)) and isinstance(loaded[1], MyRMSNorm)
     assert norm_style(loaded[1]) == "llama" and loaded[1].backend == "auto"
@@ -234,13 +198,13 @@ def test_fused_residual_gives_identical_outputs(name, dtype, monkeypatch):
     report = addnorm.patch(fused, fuse_residual=True, backend="reference")
     assert len(report.fused) == 2 and not report.skipped
     calls = []
-    real = patch_module.add_norm
+    real = norms_module.add_norm
     spy = lambda x, r, *a, **k: calls.append(r is not None) or real(x, r, *a, **k)
-    monkeypatch.setattr(patch_module, "add_norm", spy)
+    monkeypatch.setattr(norms_module, "add_norm", spy)
     # the fused backward adds the norm's and the stream's gradients in float32 and rounds once,
     # where the unfused graph rounds each to bf16 first: bf16 gradients may differ in the last bit
     assert_same_step(unfused, fused, hf_inputs(name), exact=True, exact_grads=dtype == torch.float32)
-    assert calls.count(True) == 2  # one fused add per block, forward only
+    assert calls.count(True) == 4  # both adds of each block, the last into the final norm, forward only
 
 
 def test_fused_blocks_generate_with_cache_and_cross_attention():

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import sys
+
 import torch
 from torch import nn
 
@@ -10,53 +13,82 @@ import addnorm
 VOCAB, SEQ, WIDTH = 64, 8, 32
 
 
-def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    """A 2-layer Hugging Face model (no dropout), with its norm weights moved away from their init
-    so that a wrong weight, offset or bias shows in the outputs."""
+# Llama-shaped decoders: name -> (config class, model class, config arguments beyond the common ones)
+DECODERS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+}
+SMALL = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
+_ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_IMAGE = dict(**_ENCODER, image_size=8, patch_size=4, num_channels=3, num_labels=5)
+_IDS = dict(bos_token_id=0, eos_token_id=0)
+# other layouts: name -> (config class, model class, config arguments)
+OTHERS = {
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_layer=2, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=SEQ, **_IDS)
+        | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
+    "bert": ("BertConfig", "BertForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ)),
+    "roberta": (
+        "RobertaConfig",
+        "RobertaForMaskedLM",
+        dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ + 2, pad_token_id=1),
+    ),
+    "vit": ("ViTConfig", "ViTForImageClassification", _IMAGE),
+    "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(**_IMAGE, layerscale_value=0.5)),
+    **{
+        name: (
+            "GPTNeoXConfig",
+            "GPTNeoXForCausalLM",
+            dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ, use_parallel_residual=parallel, **_IDS)
+            | dict(hidden_dropout=0.0, attention_dropout=0.0),
+        )
+        for name, parallel in [("gpt_neox", True), ("gpt_neox_sequential", False)]
+    },
+    **{
+        name: (
+            "FalconConfig",
+            "FalconForCausalLM",
+            dict(num_hidden_layers=2, hidden_size=WIDTH, num_attention_heads=4, vocab_size=VOCAB, **_IDS)
+            | dict(hidden_dropout=0.0, attention_dropout=0.0, **layout),
+        )
+        for name, layout in [
+            ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2)),  # two norms, in parallel
+            ("falcon_7b", dict(new_decoder_architecture=False, parallel_attn=True, multi_query=True)),
+            ("falcon_rw", dict(new_decoder_architecture=False, parallel_attn=False, alibi=True)),
+        ]
+    },
+    "t5": (
+        "T5Config",
+        "T5ForConditionalGeneration",
+        dict(d_model=WIDTH, d_ff=2 * WIDTH, d_kv=WIDTH // 4, num_layers=2, num_heads=4, vocab_size=VOCAB)
+        | dict(dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+    ),
+}
+IMAGES = ("vit", "dinov2")
+
+
+def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    """A 2-layer Hugging Face model (no dropout unless ``dropout``: then every ``nn.Dropout`` has
+    that probability), with its norm weights moved away from their init so that a wrong weight,
+    offset or bias shows in the outputs."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    small = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
-    if name == "gpt2":
-        config = tf.GPT2Config(
-            n_layer=2,
-            n_embd=WIDTH,
-            n_head=4,
-            vocab_size=VOCAB,
-            n_positions=SEQ,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        model = tf.GPT2LMHeadModel(config)
-    elif name == "bert":
-        config = tf.BertConfig(
-            **small,
-            vocab_size=VOCAB,
-            max_position_embeddings=SEQ,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-        model = tf.BertForMaskedLM(config)
-    elif name == "vit":
-        config = tf.ViTConfig(
-            **small,
-            image_size=8,
-            patch_size=4,
-            num_channels=3,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            num_labels=5,
-        )
-        model = tf.ViTForImageClassification(config)
-    elif name in ("llama", "gemma"):
-        cls_config, cls_model = (
-            (tf.LlamaConfig, tf.LlamaForCausalLM) if name == "llama" else (tf.GemmaConfig, tf.GemmaForCausalLM)
-        )
-        config = cls_config(
-            **small,
+    if name in DECODERS:
+        config_cls, model_cls, extra = DECODERS[name]
+        config = getattr(tf, config_cls)(
+            **SMALL,
             num_key_value_heads=2,
             head_dim=WIDTH // 4,
             vocab_size=VOCAB,
@@ -64,10 +96,19 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn
             bos_token_id=0,
             eos_token_id=0,
             pad_token_id=0,
+            **extra,
         )
-        model = cls_model(config)
+        model = getattr(tf, model_cls)(config)
+    elif name in OTHERS:
+        config_cls, model_cls, extra = OTHERS[name]
+        model = getattr(tf, model_cls)(getattr(tf, config_cls)(**extra))
     else:
         raise ValueError(name)
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = dropout
+    if name.startswith("falcon"):  # applied from the config, not by modules
+        model.config.hidden_dropout = model.config.attention_dropout = dropout
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
@@ -77,7 +118,7 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn
 
 def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
-    if name == "vit":
+    if name in IMAGES:
         return dict(
             pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype), labels=torch.randint(0, 5, (2,), generator=g)
         )
@@ -116,3 +157,38 @@ class TinyTransformer(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(self.add_norm(h, x))
+
+
+def step(model, inputs):
+    """Forward and backward; returns (logits, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out.logits, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(a, b, inputs, *, exact=False, exact_grads=None):
+    """Logits and gradients of ``b`` match ``a``'s: bit for bit if ``exact`` (the gradients
+    too unless ``exact_grads=False``), else within float32 rounding."""
+    la, ga = step(a, inputs)
+    lb, gb = step(b, inputs)
+    assert ga.keys() == gb.keys() and len(ga) > 0
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lb, la, **tol)
+    for name in ga:
+        if exact_grads is False:  # bf16 rounding of sums: relative to the gradient's scale
+            tol = dict(rtol=1.6e-2, atol=1.6e-2 * ga[name].abs().max().item())
+        torch.testing.assert_close(gb[name], ga[name], **tol, msg=lambda m, n=name: f"grad of {n}: {m}")
+
+
+def round_trip(model: nn.Module) -> nn.Module:
+    """torch.save then torch.load, as in a fresh process: the classes patch() made are forgotten."""
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    cache = sys.modules["addnorm.patch"]._SUBCLASSES
+    sys.modules["addnorm.patch"]._SUBCLASSES = {}  # a new process has made none of them yet
+    try:
+        return torch.load(buffer, weights_only=False)
+    finally:
+        sys.modules["addnorm.patch"]._SUBCLASSES = cache

@@ -1,0 +1,312 @@
+"""Swap the norms of an existing model for addnorm's, in place, and swap them back.
+
+:func:`patch` walks ``model.modules()`` and changes the *class* of every norm it knows,
+never the module object: parameters stay the same ``Parameter`` objects (optimizers,
+hooks, tied weights, ``state_dict`` keys, device and dtype are untouched) and only
+``forward`` changes. :func:`unpatch` restores the original classes.
+
+Each kind of norm keeps the numerics of the model it comes from (:mod:`.norms`: the styles and
+the Hugging Face classes of ``HF_NORMS``); any other class that computes one of them can be
+passed as ``norm_types={MyNorm: "llama"}``. GPT-2, BERT, ViT and most other models use
+``torch.nn.LayerNorm`` itself.
+
+``fuse_residual=True`` also gives the blocks of ``FAMILIES`` (:mod:`.blocks`) a forward that runs
+each residual add inside the norm that reads the sum next, the next block's first norm included
+(same outputs, one pass over the stream fewer per add for a fused kernel backend). The report
+lists every add of those blocks, fused or not and why (:mod:`.report`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+
+from torch import Tensor, nn
+
+from .. import nn as addnorm_nn
+from ..checks import check_backend
+from .blocks import FAMILIES, FAMILY, NEXT, ORIGINAL, Family, block_forward, entry_norms, family_of
+from .norms import HF_NORMS, HF_STYLES, STYLES, add_norm_forward, eps_of, norm_forward, norm_style, torch_norm_forward
+from .report import Add, PatchReport
+
+__all__ = ["FAMILIES", "HF_NORMS", "STYLES", "Add", "PatchReport", "add_norm_forward", "norm_style", "patch", "unpatch"]
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# --------------------------------------------------------------------------- patched classes
+
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+_HANDOFF = "handoff"  # addnorm's own LayerNorm / RMSNorm, taking the output a block hands it
+
+
+def _subclass(cls: type, kind: str) -> type:
+    """``cls`` with addnorm's forward: kind is a norm style, ``"handoff"`` or ``"block"``."""
+    if (cls, kind) not in _SUBCLASSES:
+        if kind in STYLES:
+            body = {"forward": norm_forward, "addnorm_style": kind}
+        elif kind == _HANDOFF:
+            body = {"forward": torch_norm_forward}
+        else:
+            body = {
+                "forward": block_forward,
+                "_addnorm_signature": inspect.signature(cls.forward),
+            }
+        body |= {"__module__": __name__, "__reduce_ex__": _reduce_ex, "_addnorm_made_from": (cls, kind)}
+        _SUBCLASSES[cls, kind] = type(f"Addnorm{cls.__name__}", (cls,), body)
+    return _SUBCLASSES[cls, kind]
+
+
+def _reduce_ex(self, protocol):
+    """Pickle a module of a class made by :func:`_subclass` (which no module attribute names, so
+    pickle cannot find it) as "the same subclass of the original class", rebuilt on loading."""
+    _, _, *state = object.__reduce_ex__(self, protocol)  # (copyreg.__newobj__, (cls,), state, ...)
+    return (_new_patched, type(self)._addnorm_made_from, *state)
+
+
+def _new_patched(original: type, kind: str) -> nn.Module:
+    """An empty module of ``_subclass(original, kind)``; pickle then restores its state."""
+    cls = _subclass(original, kind)
+    return cls.__new__(cls)
+
+
+# --------------------------------------------------------------------------- norms
+
+
+def _resolve_norm_types(norm_types) -> dict[type | str, str]:
+    known: dict[type | str, str] = {nn.LayerNorm: "layer", nn.RMSNorm: "rms", **HF_NORMS}
+    if norm_types is None:
+        return known
+    if isinstance(norm_types, Mapping):
+        for cls, style in norm_types.items():
+            if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+                raise TypeError(f"norm_types keys must be nn.Module classes, got {cls!r}")
+            if style not in STYLES:
+                raise ValueError(f"norm_types[{cls.__name__}] must be one of {STYLES}, got {style!r}")
+        return dict(norm_types)
+    if not isinstance(norm_types, Iterable) or isinstance(norm_types, (str, type)):
+        raise TypeError(
+            f"norm_types must be None, an iterable of norm classes or a mapping {{class: style}}, got {norm_types!r}"
+        )
+    chosen = {}
+    for cls in norm_types:
+        style = known.get(cls, known.get(_path(cls))) if isinstance(cls, type) else None
+        if style is None:
+            raise ValueError(
+                f"norm_types: {cls!r} is not a norm addnorm knows; pass a mapping "
+                f"{{cls: style}} with style one of {STYLES} if it computes one of them"
+            )
+        chosen[cls] = style
+    return chosen
+
+
+def _looks_like_norm(m: nn.Module) -> bool:
+    """A norm :func:`patch` was not asked to replace: a subclass of torch's (with a forward of
+    its own, so not replaced by default), or a class named like one."""
+    name = type(m).__name__
+    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or "LayerNorm" in name or "RMSNorm" in name
+
+
+def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
+    """Swap ``m``'s class; returns why it cannot be patched, or None."""
+    cls = type(m)
+    if "backend" in m.__dict__:
+        return "already has an attribute named 'backend'"
+    if style in HF_STYLES:
+        w = getattr(m, "weight", None)
+        if not isinstance(w, Tensor) or w.dim() != 1 or eps_of(m) is None:
+            return "expected a 1-D 'weight' and a float 'variance_epsilon' or 'eps'"
+    if cls is nn.LayerNorm:
+        new = addnorm_nn.LayerNorm
+    elif cls is nn.RMSNorm:
+        new = addnorm_nn.RMSNorm
+    else:
+        if style in ("layer", "rms") and not isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+            return f"style {style!r} needs the attributes of torch.nn.LayerNorm / RMSNorm"
+        new = _subclass(cls, style)
+    m.__class__ = new
+    m.backend = backend
+    m.__dict__[ORIGINAL] = cls
+    return None
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _why_not_norm(norm: nn.Module | None, name: str) -> str | None:
+    if norm is None:
+        return f"no norm reads the sum: {name}"
+    if norm_style(norm) is None:
+        return f"{name} ({type(norm).__name__}) was not patched"
+    return None
+
+
+def _stack(model: nn.Module, name: str, family: Family) -> tuple[str, nn.Module | None]:
+    """The nearest ancestor of block ``name`` holding the family's final norm, and that norm."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        prefix = ".".join(parts[:i])
+        final = getattr(model.get_submodule(prefix), family.final, None) if family.final else None
+        if isinstance(final, nn.Module):
+            return prefix, final
+    return "", None
+
+
+def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
+    """Give every block of ``FAMILIES`` the fused forward; wire each block's last add to the norms
+    the stream goes through next (the next block's first norms, or the stack's final norm)."""
+    blocks = []
+    for name, m in model.named_modules():
+        family = family_of(m)
+        if family is None:
+            continue
+        missing = [
+            a for s in family.steps for a in (s.sublayer, s.norm, s.post, s.layer_scale) if a and not hasattr(m, a)
+        ]
+        if missing:
+            report.skipped.append((name, type(m).__name__, f"has no {', '.join(missing)}: not the layout fused"))
+            continue
+        blocks.append((name, m, family))
+    stacks: dict[str, list] = {}
+    for name, m, family in blocks:
+        stacks.setdefault(_stack(model, name, family)[0], []).append((name, m, family))
+    for _stack_name, members in stacks.items():
+        for i, (name, m, family) in enumerate(members):
+            _wire(model, report, members[i + 1] if i + 1 < len(members) else None, name, m, family)
+    for name, m, family in blocks:
+        original = type(m)
+        m.__class__ = _subclass(original, "block")
+        m.__dict__[ORIGINAL] = original
+        m.__dict__[FAMILY] = family
+        report.fused.append(name)
+    _report_unknown_blocks(model, report)
+
+
+def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
+    """List the layers (items of a ModuleList) that hold a patched norm but no block of the table:
+    their norms run addnorm's ops, their adds stay plain adds."""
+    why = "block layout not in addnorm.patch.FAMILIES: its norms are replaced, its adds stay plain"
+    for list_name, layers in model.named_modules():
+        if not isinstance(layers, nn.ModuleList):
+            continue
+        for i, layer in enumerate(layers):
+            inside = list(layer.modules())
+            if any(norm_style(m) for m in inside) and not any(
+                ORIGINAL in m.__dict__ and FAMILY in m.__dict__ for m in inside
+            ):
+                report.skipped.append((f"{list_name}.{i}", type(layer).__name__, why))
+
+
+def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family: Family) -> None:
+    """Record the adds of block ``m`` and set the norms its last add feeds (``following``: the next
+    block of the same stack, or None for the last one)."""
+    cls = type(m).__name__
+    steps = family.steps
+    if family.post_norm:
+        why = _why_not_norm(getattr(m, steps[0].norm), steps[0].norm)
+        report.adds.append(Add(name, cls, steps[0].sublayer, None if why else f"{name}.{steps[0].norm}", why or ""))
+        return
+    parallel = family.parallel is not None
+    inner = [] if parallel else steps[:-1]
+    for step, nxt in zip(inner, steps[1:], strict=False):
+        why = _why_not_norm(getattr(m, nxt.norm) if nxt.norm else None, f"{nxt.sublayer} takes the stream itself")
+        report.adds.append(Add(name, cls, step.sublayer, None if why else f"{name}.{nxt.norm}", why or ""))
+    last = "+".join(s.sublayer for s in steps[:2]) if parallel else steps[-1].sublayer
+    if following is not None:
+        f_name, f_block, f_family = following
+        names = entry_norms(f_family)
+        targets = [(f"{f_name}.{n}", getattr(f_block, n)) if n else (None, None) for n in names]
+        where = f"the next block's {names[0] or f_family.steps[0].sublayer} takes the stream itself"
+    else:
+        _, final = _stack(model, name, family)
+        targets = [(_module_name(model, final), final)] if final is not None else [(None, None)]
+        where = f"no final norm '{family.final}' found above the block"
+    why = _handoff_problem(targets, where)
+    if why is None:
+        m.__dict__[NEXT] = tuple(norm for _, norm in targets)
+        for _, norm in targets:
+            if type(norm) in (addnorm_nn.LayerNorm, addnorm_nn.RMSNorm):
+                norm.__class__ = _subclass(type(norm), _HANDOFF)
+    report.adds.append(Add(name, cls, last, None if why else " + ".join(n for n, _ in targets), why or ""))
+
+
+def _handoff_problem(targets, where: str) -> str | None:
+    if any(norm is None for _, norm in targets):
+        return where
+    for target, norm in targets:
+        why = _why_not_norm(norm, target)
+        if why:
+            return why
+    if len(targets) == 2:
+        (_, a), (_, b) = targets
+        if norm_style(a) not in ("layer", "rms") or norm_style(b) != norm_style(a):
+            return "the next block's two norms are not LayerNorm / RMSNorm of one style"
+        if a.normalized_shape != b.normalized_shape or a.eps != b.eps:
+            return "the next block's two norms differ in shape or eps"
+    return None
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+# --------------------------------------------------------------------------- patch / unpatch
+
+
+def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, backend: str = "auto") -> PatchReport:
+    """Make every norm of ``model`` run addnorm's ops, in place; returns a :class:`PatchReport`.
+
+    Args:
+        model: any ``nn.Module`` (a plain torch model, a Hugging Face model, ...).
+        norm_types: which norms to replace. ``None`` (default): ``torch.nn.LayerNorm``,
+            ``torch.nn.RMSNorm`` (exact classes, not subclasses with their own forward) and the
+            Hugging Face norms of ``HF_NORMS``. An iterable of those classes picks some of them;
+            a mapping ``{cls: style}`` (style in ``STYLES``) adds classes addnorm does not know.
+        fuse_residual: also run the residual adds of the blocks of ``FAMILIES`` inside the norms
+            that follow them (opt-in; same outputs; ``report.adds`` says which).
+        backend: the ``backend=`` of the patched norms (``"auto"``, ``"reference"``, ...).
+
+    Parameters, buffers, hooks and ``state_dict`` keys are kept (the module objects are the
+    same, only their class changes). Patch before wrapping with DDP/FSDP or ``torch.compile``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_backend(backend)
+    if not isinstance(fuse_residual, bool):
+        raise TypeError(f"fuse_residual must be a bool, got {type(fuse_residual).__name__}")
+    types = _resolve_norm_types(norm_types)
+    report = PatchReport()
+    for name, m in list(model.named_modules()):
+        cls = type(m)
+        style = types.get(cls, types.get(_path(cls)))
+        if style is None:
+            if norm_style(m) is None and _looks_like_norm(m):
+                report.skipped.append((name, cls.__name__, "unknown norm class; see norm_types"))
+            continue
+        why = _patch_norm(m, style, backend)
+        if why is None:
+            report.replaced.append((name, cls.__name__, style))
+        else:
+            report.skipped.append((name, cls.__name__, why))
+    if fuse_residual:
+        _fuse_blocks(model, report)
+    return report
+
+
+def unpatch(model: nn.Module) -> int:
+    """Give every module :func:`patch` changed its original class back; returns how many."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    count = 0
+    for m in model.modules():
+        original = m.__dict__.pop(ORIGINAL, None)
+        m.__dict__.pop(NEXT, None)
+        m.__dict__.pop(FAMILY, None)
+        if original is not None:
+            if norm_style(m) is not None:
+                del m.backend
+            m.__class__ = original
+            count += 1
+    return count

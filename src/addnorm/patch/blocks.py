@@ -1,0 +1,318 @@
+"""Residual fusion: which add of which block feeds which norm (``FAMILIES``), and the one forward
+that runs every block of the table with each add inside the norm that follows it.
+
+A block is a sequence of steps on the residual stream ``s``: ``h = norm(s)`` (or ``s`` itself),
+``out = post(sublayer(h))``, ``s = s + branch(out)`` where the branch is the block's dropout, layer
+scale and drop path. Each add is fused with the norm that reads ``s`` next: the next step's norm
+inside the block, and for the block's last add, the first norm of the *next* block (or the stack's
+final norm after the last block), found by :func:`addnorm.patch` from the model's structure. That
+last Add & Norm is computed in the block and handed to the next norm (:func:`.norms.hand_off`),
+which uses it only when called with the very stream tensor the block returned: the model's own
+loop, hooks and checkpointing stay as they are, and anything that changes the stream in between
+makes the next norm compute as usual. Parallel blocks (GPT-NeoX) add both sublayer outputs in one
+op and hand the next block both of its norms (``x1``, ``norm1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..ops import Sublayer
+from .norms import add_norm_forward, fusable, hand_off
+
+ORIGINAL = "_addnorm_original_class"
+NEXT = "_addnorm_next"  # the norms the block's last add feeds, set by patch()
+FAMILY = "_addnorm_family"  # the block's Family, set by patch() (some depend on the block's config)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One sublayer and its add: ``s = s + branch(post(sublayer(norm(s))))``."""
+
+    sublayer: str
+    norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
+    post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
+    dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
+    layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
+    drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to run a block class: its steps, the final norm of the stack it sits in (an attribute
+    of the nearest ancestor that has it), and how its first sublayer is called."""
+
+    steps: tuple[Step, ...]
+    final: str | None = None
+    rename: tuple[tuple[str, str], ...] = ()  # block argument -> attention argument
+    drop: tuple[str, ...] = ()  # block arguments the attention does not take
+    fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
+    extras: bool = False  # the block returns (stream, *the attention's other outputs)
+    kwargs: bool = True  # the block passes its ``**kwargs`` on to the attention
+    # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX); "sum" adds their
+    # sum with one dropout (Falcon); the steps' norms may be one module
+    parallel: str | None = None
+    post_norm: bool = False  # (BERT) the block is ``norm(dropout(sublayer(h)) + input_tensor)``
+
+
+def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
+    return f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer", Family(steps, final="norm")
+
+
+_PRE = (Step("self_attn", "input_layernorm"), Step("mlp", "post_attention_layernorm"))
+_SANDWICH = (
+    Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
+    Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
+)
+_BERT = Family((Step("dense", "LayerNorm", dropout="dropout"),), post_norm=True)
+_T5 = "transformers.models.t5.modeling_t5."
+_T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"),), extras=True)
+
+# block class path -> Family: the short per-family table (docs/integrations.md, section 3)
+FAMILIES: dict[str, Family] = {
+    **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
+    **dict(_llama(m, c, _PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
+    **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
+    "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": Family(
+        (
+            Step("self_attn", "input_layernorm", dropout="resid_attn_dropout"),
+            Step("mlp", "post_attention_layernorm", dropout="resid_mlp_dropout"),
+        ),
+        final="norm",
+    ),
+    "transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer": Family(
+        (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm")),
+        final="norm",
+    ),
+    "transformers.models.gpt2.modeling_gpt2.GPT2Block": Family(
+        (Step("attn", "ln_1"), Step("mlp", "ln_2")),
+        final="ln_f",
+        drop=("encoder_attention_mask",),
+        fallback=("encoder_hidden_states",),  # cross-attention sits between the adds
+    ),
+    "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer": lambda block: Family(
+        (
+            Step("attention", "input_layernorm", dropout="post_attention_dropout"),
+            Step("mlp", "post_attention_layernorm", dropout="post_mlp_dropout"),
+        ),
+        final="final_layer_norm",
+        parallel="x1" if block.use_parallel_residual else None,
+    ),
+    "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: _falcon(block.config),
+    "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(
+        (
+            Step("attention", "norm1", layer_scale="layer_scale1", drop_path="drop_path"),
+            Step("mlp", "norm2", layer_scale="layer_scale2", drop_path="drop_path"),
+        ),
+        final="layernorm",
+    ),
+    _T5 + "T5LayerSelfAttention": Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+    _T5 + "T5LayerCrossAttention": Family((Step("EncDecAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+    _T5 + "T5LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
+    "transformers.models.bert.modeling_bert.BertSelfOutput": _BERT,
+    "transformers.models.bert.modeling_bert.BertOutput": _BERT,
+    "transformers.models.roberta.modeling_roberta.RobertaSelfOutput": _BERT,
+    "transformers.models.roberta.modeling_roberta.RobertaOutput": _BERT,
+}
+
+
+def _falcon(config) -> Family:
+    """Falcon's three layouts: sequential (Falcon-RW), parallel with one norm (Falcon-7B) or two
+    (the new decoder architecture); its attention takes no ``**kwargs``."""
+    common = dict(final="ln_f", extras=True, kwargs=False)
+    if not (config.parallel_attn or config.new_decoder_architecture):
+        return Family(
+            (
+                Step("self_attention", "input_layernorm", dropout="config.attention_dropout"),
+                Step("mlp", "post_attention_layernorm", dropout="config.hidden_dropout"),
+            ),
+            **common,
+        )
+    two = config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2
+    attn, mlp = ("ln_attn", "ln_mlp") if two else ("input_layernorm", "input_layernorm")
+    steps = (Step("self_attention", attn), Step("mlp", mlp, dropout="config.hidden_dropout"))
+    return Family(steps, parallel="sum", **common)
+
+
+def family_of(block: nn.Module) -> Family | None:
+    """The Family of a block of a class in ``FAMILIES`` (resolved from its config where it varies)."""
+    entry = FAMILIES.get(f"{type(block).__module__}.{type(block).__qualname__}")
+    return entry(block) if callable(entry) else entry
+
+
+def entry_norms(family: Family) -> tuple[str | None, ...]:
+    """The norms the stream entering a block goes through first (both of a parallel block's)."""
+    if family.post_norm:
+        return ()
+    steps = family.steps[:2] if family.parallel else family.steps[:1]
+    return tuple(dict.fromkeys(step.norm for step in steps))
+
+
+# --------------------------------------------------------------------------- the fused forward
+
+
+def _arguments(self, hidden_states, args, kwargs) -> dict:
+    """The arguments of the original block forward after ``hidden_states``, by name, with its
+    defaults filled in and its ``**kwargs`` spread (passed on as the original does, whichever
+    name its cache argument has)."""
+    bound = type(self)._addnorm_signature.bind(self, hidden_states, *args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    del named["self"], named["hidden_states"]
+    spread = named.pop("kwargs", {})
+    if self.__dict__[FAMILY].kwargs:
+        named.update(spread)
+    return named
+
+
+def _dropout_p(block: nn.Module, step: Step) -> float:
+    """The dropout probability of ``step`` now (0 in eval mode)."""
+    if step.dropout is None or not block.training:
+        return 0.0
+    owner, *path = step.dropout.split(".")
+    value = getattr(block, owner)
+    for name in path:
+        value = getattr(value, name)
+    return float(value.p if isinstance(value, nn.Dropout) else value)
+
+
+def _rowscale(block: nn.Module, step: Step, x: Tensor) -> Tensor | None:
+    """Drop path as one factor per row: each sample kept with probability 1 - p and scaled by
+    1 / (1 - p), drawn as Hugging Face's ``drop_path`` draws it (one uniform per sample)."""
+    module = getattr(block, step.drop_path) if step.drop_path else None
+    p = float(getattr(module, "drop_prob", 0.0) or 0.0)
+    if not p or not block.training:
+        return None
+    keep = 1 - p
+    kept = (keep + torch.rand(x.shape[:1], dtype=x.dtype, device=x.device)).floor_()
+    return (kept / keep).view(-1, *[1] * (x.dim() - 2)).expand(x.shape[:-1])
+
+
+def _branch(block: nn.Module, step: Step, out: Tensor) -> Tensor:
+    """The unfused branch: what the original forward adds to the stream."""
+    p = _dropout_p(block, step)
+    if p:
+        out = F.dropout(out, p, training=True)
+    if step.layer_scale:
+        out = getattr(block, step.layer_scale)(out)
+    if step.drop_path:
+        out = getattr(block, step.drop_path)(out)
+    return out
+
+
+def _sublayer(block: nn.Module, step: Step, x: Tensor) -> Sublayer:
+    scale = getattr(block, step.layer_scale).lambda1 if step.layer_scale else None
+    return Sublayer(dropout_p=_dropout_p(block, step), layer_scale=scale, rowscale=_rowscale(block, step, x))
+
+
+def _may_hand_off(block: nn.Module, norms: tuple[nn.Module, ...], x: Tensor) -> bool:
+    """Whether the last add can be computed with the next norms now: not under torch.compile or
+    activation checkpointing (which replay a block alone), and with the next norms' weights plain
+    tensors on ``x``'s device (not sharded away by FSDP)."""
+    if not norms or torch.compiler.is_compiling():
+        return False
+    if getattr(block, "gradient_checkpointing", False) and block.training:
+        return False
+    for norm in norms:
+        w = getattr(norm, "weight", None)
+        if w is not None and (type(w.data) is not Tensor or w.device != x.device):
+            return False
+    return all(fusable(norm, x) for norm in norms)
+
+
+def _add(block: nn.Module, step: Step, out: Tensor, s: Tensor, norm: nn.Module | None):
+    """``(norm(s'), s')`` for the new stream ``s' = s + branch(out)``, fused when ``norm`` is given
+    (and its output can come from the fused op); ``(s', s')`` when no norm follows."""
+    if norm is not None and fusable(norm, out):
+        return add_norm_forward(norm, out, s, sublayer=_sublayer(block, step, out))
+    s = s + _branch(block, step, out)
+    return (s, s) if norm is None else (norm(s), s)
+
+
+def _call_first(block: nn.Module, family: Family, step: Step, h: Tensor, named: dict) -> tuple[Tensor, tuple]:
+    for old, new in family.rename:
+        named[new] = named.pop(old)
+    result = getattr(block, step.sublayer)(h, **named)
+    return (result[0], tuple(result[1:])) if isinstance(result, tuple) else (result, ())
+
+
+def block_forward(self, hidden_states, *args, **kwargs):
+    """The forward of every block of ``FAMILIES``: the original's steps with each add fused."""
+    family = self.__dict__[FAMILY]
+    if family.post_norm:
+        return _post_norm_forward(self, family, hidden_states, *args, **kwargs)
+    named = _arguments(self, hidden_states, args, kwargs)
+    if any(named.get(name) is not None for name in family.fallback):
+        return self.__dict__[ORIGINAL].forward(self, hidden_states, *args, **kwargs)
+    for name in family.fallback + family.drop:
+        named.pop(name, None)
+    nxt = tuple(self.__dict__.get(NEXT, ()))
+    if not _may_hand_off(self, nxt, hidden_states):
+        nxt = ()
+    if family.parallel:
+        s, extras = _parallel_forward(self, family, hidden_states, named, nxt)
+    else:
+        s, extras = _sequential_forward(self, family, hidden_states, named, nxt)
+    return (s, *extras) if family.extras else s
+
+
+def _norm(block: nn.Module, name: str | None) -> nn.Module | None:
+    return None if name is None else getattr(block, name)
+
+
+def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) -> tuple[Tensor, tuple]:
+    steps = family.steps
+    first = _norm(self, steps[0].norm)
+    h = s if first is None else first(s)
+    extras = ()
+    for i, step in enumerate(steps):
+        if i == 0:
+            out, extras = _call_first(self, family, step, h, named)
+        else:
+            out = getattr(self, step.sublayer)(h)
+        if step.post is not None:
+            out = getattr(self, step.post)(out)
+        if i + 1 < len(steps):
+            h, s = _add(self, step, out, s, _norm(self, steps[i + 1].norm))
+        elif nxt:
+            y, s = _add(self, step, out, s, nxt[0])
+            hand_off(nxt[0], s, y)
+        else:
+            s = s + _branch(self, step, out)
+    return s, extras
+
+
+def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) -> tuple[Tensor, tuple]:
+    """Attention and MLP on the same stream: ``s + dropout(mlp) + dropout(attn)`` (GPT-NeoX, "x1")
+    or ``s + dropout(mlp + attn)`` (Falcon, "sum")."""
+    attn, mlp = family.steps[:2]
+    h_attn = getattr(self, attn.norm)(s)
+    h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
+    out_attn, extras = _call_first(self, family, attn, h_attn, named)
+    out_mlp = getattr(self, mlp.sublayer)(h_mlp)
+    p = _dropout_p(self, mlp)
+    if family.parallel == "sum":
+        out_mlp, out_attn = out_mlp + out_attn, None
+    if nxt and (out_attn is None or p == _dropout_p(self, attn)):
+        second = nxt[1] if len(nxt) > 1 else None
+        ys = add_norm_forward(nxt[0], out_mlp, s, sublayer=Sublayer(dropout_p=p), x1=out_attn, norm1=second)
+        for norm, y in zip(nxt, ys[:-1], strict=True):
+            hand_off(norm, ys[-1], y)
+        return ys[-1], extras
+    if out_attn is None:
+        return s + _branch(self, mlp, out_mlp), extras
+    return _branch(self, mlp, out_mlp) + _branch(self, attn, out_attn) + s, extras
+
+
+def _post_norm_forward(self, family: Family, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
+    """BERT's output: ``norm(dropout(dense(h)) + input_tensor)``, dropout, add and norm in one op."""
+    (step,) = family.steps
+    out = getattr(self, step.sublayer)(hidden_states)
+    norm = getattr(self, step.norm)
+    if not fusable(norm, out):
+        return norm(_branch(self, step, out) + input_tensor)
+    return add_norm_forward(norm, out, input_tensor, sublayer=_sublayer(self, step, out), prenorm=False)

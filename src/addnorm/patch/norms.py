@@ -1,0 +1,175 @@
+"""The norm styles :func:`addnorm.patch` knows, and the one function that runs any of them.
+
+Each style keeps the numerics of the model it comes from, which differ in where the result is
+cast back to the activation dtype (all compute the statistics in float32)::
+
+    "layer"  torch.nn.LayerNorm      y = (xhat * w + b).to(x.dtype)      -> addnorm.LayerNorm
+    "rms"    torch.nn.RMSNorm        y = (xhat * w).to(x.dtype)          -> addnorm.RMSNorm
+    "llama"  LlamaRMSNorm & copies   y = w * xhat.to(x.dtype)            (cast, then weight)
+    "gemma"  GemmaRMSNorm & copies   y = (xhat * (1 + w.float())).to(x.dtype)
+    "olmo2"  Olmo2RMSNorm            y = (w * xhat).to(x.dtype)          (weight, then cast)
+    "t5"     T5LayerNorm             y = w * xhat.to(w.dtype if w is half else float32)
+
+``"olmo2"`` is ``"rms"`` on a class with ``variance_epsilon`` instead of torch's attributes; ``"t5"``
+casts to the *weight's* dtype, which is ``"llama"`` whenever the input has the weight's dtype.
+
+A norm may also receive its output ready-made (:func:`hand_off`): the block before it computed the
+residual stream and this norm's output in one fused op. The norm uses it only when it is called
+with that very stream tensor, so anything that changes the stream in between (a hook, a clamp, a
+dtype cast) makes it compute as usual.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from .. import nn as addnorm_nn
+from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
+
+STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5")
+HF_STYLES = ("llama", "gemma", "olmo2", "t5")  # Hugging Face classes: a 1-D weight and an epsilon
+
+# Hugging Face norms by exact class path -> style; each entry is checked against the real class
+# by tests/test_patch.py.
+HF_NORMS: dict[str, str] = {
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "llama"
+        for m, c in [
+            ("llama", "Llama"),
+            ("mistral", "Mistral"),
+            ("mixtral", "Mixtral"),
+            ("qwen2", "Qwen2"),
+            ("qwen3", "Qwen3"),
+            ("phi3", "Phi3"),
+        ]
+    },
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "gemma"
+        for m, c in [("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
+    },
+    "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm": "olmo2",
+    "transformers.models.t5.modeling_t5.T5LayerNorm": "t5",
+}
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def eps_of(norm: nn.Module) -> float | None:
+    """The epsilon of a Hugging Face RMSNorm: ``variance_epsilon`` (Llama) or ``eps`` (Gemma)."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
+
+
+def norm_style(module: nn.Module | None) -> str | None:
+    """The style addnorm runs ``module`` with (one of ``STYLES``), or ``None`` if it is not addnorm's."""
+    if isinstance(module, addnorm_nn.LayerNorm):
+        return "layer"
+    if isinstance(module, addnorm_nn.RMSNorm):
+        return "rms"
+    return getattr(type(module), "addnorm_style", None)
+
+
+def _t5_dtype(norm: nn.Module, x: Tensor) -> torch.dtype:
+    """The dtype T5LayerNorm casts the normalized input to before the weight."""
+    w = norm.weight.dtype
+    return w if w in _HALF else torch.promote_types(x.dtype, torch.float32)
+
+
+def fusable(norm: nn.Module, x: Tensor) -> bool:
+    """Whether ``norm``'s output on the stream of ``x``'s dtype can come out of a fused Add & Norm
+    (a T5 norm casting to a dtype other than the stream's cannot: its input is never rounded)."""
+    style = norm_style(norm)
+    return style is not None and (style != "t5" or _t5_dtype(norm, x) == x.dtype)
+
+
+def add_norm_forward(
+    norm: nn.Module,
+    x: Tensor,
+    residual: Tensor | None = None,
+    *,
+    sublayer: Sublayer = NO_SUBLAYER,
+    x1: Tensor | None = None,
+    norm1: nn.Module | None = None,
+    prenorm: bool | None = None,
+):
+    """``norm(x)`` with addnorm's op and ``norm``'s numerics. With ``residual`` (the pre-norm Add &
+    Norm) returns ``(norm(s), s)`` for the stream ``s = residual + branch(x)`` from one op, where the
+    branch is ``sublayer``'s dropout, layer scale and row scale; ``x1`` adds a second sublayer output
+    (parallel blocks) and ``norm1`` a second norm of the same ``s``: ``(norm(s), norm1(s), s)``.
+    ``prenorm=False`` (post-norm blocks) returns ``norm(s)`` alone."""
+    style = norm_style(norm)
+    if style is None:
+        raise TypeError(f"norm must be a module patched by addnorm, got {type(norm).__name__}")
+    prenorm = residual is not None if prenorm is None else prenorm
+    if style == "t5" and _t5_dtype(norm, x) != x.dtype:
+        if residual is not None:
+            raise ValueError("a T5 norm casting to another dtype than the stream's cannot be fused")
+        up = torch.promote_types(x.dtype, _t5_dtype(norm, x)) != x.dtype  # exact: x is widened
+        y = add_norm(x.to(_t5_dtype(norm, x)) if up else x, None, *_norm_args(norm, None), rms=True, **_common(norm))
+        return norm.weight * y.to(_t5_dtype(norm, x))
+    parallel = NO_PARALLEL
+    if x1 is not None or norm1 is not None:
+        if style not in ("layer", "rms"):
+            raise ValueError("x1 and norm1 take norms of style 'layer' or 'rms'")
+        w1, b1 = (None, None) if norm1 is None else (norm1.weight, getattr(norm1, "bias", None))
+        parallel = Parallel(x1, w1, b1)
+    if style == "gemma":  # the (1 + w) offset in float32 (zero_centered_weight), the cast last
+        sublayer = sublayer._replace(zero_centered_weight=True)
+    weight = norm.weight
+    late = style in ("llama", "t5") and not (
+        x.dtype == weight.dtype == torch.float32 and (residual is None or residual.dtype == torch.float32)
+    )  # the cast comes before the weight: in float32 it is a no-op and the weight can go into the op
+    common = dict(rms=style != "layer", prenorm=prenorm, residual_dtype=None, backend=norm.backend)
+    out = add_norm(
+        x, residual, *_norm_args(norm, None if late else weight), **common, sublayer=sublayer, parallel=parallel
+    )
+    if not late:
+        return out
+    return (weight * out[0], out[1]) if prenorm else weight * out
+
+
+def _norm_args(norm: nn.Module, weight: Tensor | None) -> tuple:
+    """``(normalized_shape, weight, bias, eps)`` of ``norm`` for :func:`addnorm.ops.add_norm`."""
+    if norm_style(norm) in ("layer", "rms"):
+        bias = getattr(norm, "bias", None)
+        return norm.normalized_shape, weight, bias, norm.eps
+    return norm.weight.shape, weight, None, eps_of(norm)
+
+
+def _common(norm: nn.Module) -> dict:
+    return dict(prenorm=False, residual_dtype=None, backend=norm.backend)
+
+
+# --------------------------------------------------------------------------- hand-off between blocks
+
+# norm -> (stream, its output): strong references until the norm's next call or the next hand-off,
+# kept off the module so that pickling and deepcopy never see them
+_PENDING: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def hand_off(norm: nn.Module, stream: Tensor, output: Tensor) -> None:
+    """Give ``norm`` its output on ``stream``, computed by the block before it."""
+    _PENDING[norm] = (stream, output)
+
+
+def handed_off(norm: nn.Module, x: Tensor) -> Tensor | None:
+    """The output handed to ``norm`` for the input ``x``, if ``x`` is that very stream tensor."""
+    if torch.compiler.is_compiling() or not _PENDING:
+        return None
+    pending = _PENDING.pop(norm, None)
+    return pending[1] if pending is not None and pending[0] is x else None
+
+
+def norm_forward(self, x: Tensor) -> Tensor:
+    """The forward of every class :func:`addnorm.patch` makes for a norm."""
+    y = handed_off(self, x)
+    return add_norm_forward(self, x) if y is None else y
+
+
+def torch_norm_forward(self, x: Tensor) -> Tensor:
+    """The forward of addnorm's own LayerNorm / RMSNorm when a block hands them their output."""
+    y = handed_off(self, x)
+    return super(type(self), self).forward(x) if y is None else y

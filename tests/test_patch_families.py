@@ -1,0 +1,280 @@
+"""addnorm.patch(model, fuse_residual=True) on every Hugging Face family of the coverage table
+(docs/integrations.md), each a tiny random config, against the unpatched model."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+import sys
+
+import pytest
+import torch
+
+import addnorm
+from tiny_models import assert_same_step, hf_inputs, hf_model, round_trip, step
+
+pytest.importorskip("transformers")
+norms_module = sys.modules["addnorm.patch.norms"]
+blocks_module = sys.modules["addnorm.patch.blocks"]
+
+# family -> (norms replaced, {block class: {add: "fused" or why not}}), counted in each model's code
+COVERAGE = {
+    **{
+        name: (count, {f"{cls}DecoderLayer": {"self_attn": "fused", "mlp": "fused"}})
+        for name, cls, count in [
+            ("llama", "Llama", 5),
+            ("qwen2", "Qwen2", 5),
+            ("qwen3", "Qwen3", 9),  # q_norm and k_norm too
+            ("mistral", "Mistral", 5),
+            ("mixtral", "Mixtral", 5),
+            ("phi3", "Phi3", 5),
+            ("gemma", "Gemma", 5),
+            ("gemma2", "Gemma2", 9),  # sandwich norms: four per layer
+            ("gemma3", "Gemma3", 13),  # sandwich norms, q_norm and k_norm
+        ]
+    },
+    "olmo2": (
+        9,
+        {
+            "Olmo2DecoderLayer": {
+                "self_attn": "no norm reads the sum: mlp takes the stream itself",
+                "mlp": "the next block's self_attn takes the stream itself",  # the last block's: fused
+            }
+        },
+    ),
+    "gpt2": (5, {"GPT2Block": {"attn": "fused", "mlp": "fused"}}),
+    "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
+    "roberta": (6, {"RobertaSelfOutput": {"dense": "fused"}, "RobertaOutput": {"dense": "fused"}}),
+    "t5": (
+        12,
+        {
+            "T5LayerSelfAttention": {"SelfAttention": "fused"},
+            "T5LayerCrossAttention": {"EncDecAttention": "fused"},
+            "T5LayerFF": {"DenseReluDense": "fused"},
+        },
+    ),
+    "gpt_neox": (5, {"GPTNeoXLayer": {"attention+mlp": "fused"}}),
+    "gpt_neox_sequential": (5, {"GPTNeoXLayer": {"attention": "fused", "mlp": "fused"}}),
+    "falcon": (5, {"FalconDecoderLayer": {"self_attention+mlp": "fused"}}),  # ln_attn, ln_mlp
+    "falcon_7b": (3, {"FalconDecoderLayer": {"self_attention+mlp": "fused"}}),  # one norm
+    "falcon_rw": (5, {"FalconDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),  # sequential
+    "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
+}
+FAMILIES = list(COVERAGE)
+BF16 = [n for n in FAMILIES if n != "mixtral"]  # Mixtral's experts (torch._grouped_mm) have no float64 oracle
+DROPOUT = ["bert", "phi3", "t5", "gpt_neox", "falcon", "falcon_rw"]
+LABELS = {
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "phi3": "Phi-3",
+    "olmo2": "OLMo 2",
+    "gpt2": "GPT-2",
+    "bert": "BERT",
+    "roberta": "RoBERTa",
+    "t5": "T5 (encoder-decoder)",
+    "gpt_neox": "GPT-NeoX (parallel)",
+    "gpt_neox_sequential": "GPT-NeoX (`use_parallel_residual=False`)",
+    "falcon": "Falcon (new architecture: parallel, 2 norms)",
+    "falcon_7b": "Falcon-7B (parallel, 1 norm)",
+    "falcon_rw": "Falcon-RW (sequential)",
+    "dinov2": "DINOv2 (layer scale, drop path)",
+}
+
+
+def fused_copy(name: str, **kwargs):
+    original = hf_model(name, **kwargs)
+    patched = copy.deepcopy(original)
+    return original, patched, addnorm.patch(patched, fuse_residual=True)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """The Add & Norm calls :func:`addnorm.patch` makes: (with a residual, the dropout p)."""
+    calls = []
+    real = norms_module.add_norm
+
+    def spy(x, residual, *args, **kwargs):
+        calls.append((residual is not None, kwargs.get("sublayer", norms_module.NO_SUBLAYER).dropout_p))
+        return real(x, residual, *args, **kwargs)
+
+    monkeypatch.setattr(norms_module, "add_norm", spy)
+    return calls
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_report_outputs_and_gradients(name, fused_calls):
+    original, patched, report = fused_copy(name)
+    norms, expected = COVERAGE[name]
+    assert len(report.replaced) == norms and not report.skipped
+    outcomes = {cls: {add: set(c) for add, c in adds.items()} for cls, adds in report.by_class().items()}
+    for cls, adds in expected.items():
+        for add, outcome in adds.items():
+            assert outcome in outcomes[cls][add], (cls, add, outcomes[cls])
+    if name == "olmo2":  # only the last block's MLP add is read by a norm: the final one
+        assert [a.norm for a in report.fused_adds] == ["model.norm"]
+    else:
+        assert report.fused_adds == report.adds
+    inputs = hf_inputs(name)
+    assert_same_step(original, patched, inputs)  # training mode, no dropout: logits and every gradient
+    forward_calls = [c for c in fused_calls if c[0]]
+    assert len(forward_calls) == len(report.fused_adds) > 0  # each fused add ran in the norm op
+    original.eval(), patched.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(patched(**inputs).logits, original(**inputs).logits, rtol=1e-6, atol=1e-6)
+        loaded = round_trip(patched)
+        assert torch.equal(loaded(**inputs).logits, patched(**inputs).logits)
+    # each loaded block hands its last add to the loaded model's own norms
+    own = {id(m) for m in loaded.modules()}
+    handed = [n for m in loaded.modules() for n in m.__dict__.get(blocks_module.NEXT, ())]
+    assert len(handed) >= sum(a.block not in a.norm for a in report.fused_adds) and all(id(n) in own for n in handed)
+    assert addnorm.unpatch(loaded) == len(report.replaced) + len(report.fused)
+    assert {type(m) for m in loaded.modules()} == {type(m) for m in original.modules()}
+
+
+@pytest.mark.parametrize("name", BF16)
+def test_bf16_gradients_within_twice_torchs_error(name):
+    """bf16 logits and gradients of the patched model against the fp64 model: at most twice the
+    error of the unpatched bf16 model, plus 1e-2 of each tensor's scale (tests/conftest.py)."""
+    oracle = hf_model(name, torch.float64)
+    torch_bf16, ours, _ = fused_copy(name, dtype=torch.bfloat16)
+    inputs = hf_inputs(name)
+    if "pixel_values" in inputs:
+        inputs_for = lambda m: {**inputs, "pixel_values": inputs["pixel_values"].to(next(m.parameters()).dtype)}  # noqa: E731
+    else:
+        inputs_for = lambda m: inputs  # noqa: E731
+    (lo, go), (lu, gu), (lt, gt) = (step(m, inputs_for(m)) for m in (oracle, ours, torch_bf16))
+    for key, want in [("logits", lo), *go.items()]:
+        got, theirs = (lu, lt) if key == "logits" else (gu[key], gt[key])
+        err = (got.double() - want).abs().max().item()
+        ref = (theirs.double() - want).abs().max().item()
+        assert err <= 2 * ref + 1e-2 * want.abs().max().item(), f"{key}: {err:.3g} vs torch's {ref:.3g}"
+
+
+@pytest.mark.parametrize("name", DROPOUT)
+def test_dropout_runs_fused_and_a_seed_reproduces_it(name, fused_calls):
+    _, patched, _ = fused_copy(name, dropout=0.25)
+    inputs = hf_inputs(name)
+    losses = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        losses.append(step(patched, inputs))
+    assert any(p == 0.25 for fused, p in fused_calls if fused)  # the op's own dropout
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    patched.eval()
+    with torch.no_grad():
+        assert not torch.equal(patched(**inputs).logits, losses[0][0])  # dropout did act in training
+
+
+def test_drop_path_draws_as_hugging_face_does():
+    """Dinov2's drop path goes in as the op's rowscale, drawn from torch's generator exactly as
+    Hugging Face's drop_path draws it: a seeded step matches the unpatched model's."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Dinov2Config(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, image_size=8, patch_size=4, num_labels=5
+    )
+    config.drop_path_rate = 0.5
+    original = tf.Dinov2ForImageClassification(config).train()
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    assert len(report.fused_adds) == 4
+    inputs = dict(pixel_values=torch.randn(6, 3, 8, 8), labels=torch.randint(0, 5, (6,)))
+    torch.manual_seed(5)
+    lo, go = step(original, inputs)
+    torch.manual_seed(5)
+    lp, gp = step(patched, inputs)
+    torch.testing.assert_close(lp, lo, rtol=1e-5, atol=1e-5)
+    for key in go:
+        torch.testing.assert_close(gp[key], go[key], rtol=1e-5, atol=1e-5)
+
+
+def test_a_hook_that_changes_the_stream_gets_the_plain_path():
+    """The next block's norm takes the output handed to it only for the very stream tensor the
+    block returned: a forward hook replacing the stream makes it compute on the new one."""
+    original, patched, _ = fused_copy("llama")
+    for model in (original, patched):
+        model.model.layers[0].register_forward_hook(lambda m, args, out: out * 1.5)
+    assert_same_step(original, patched, hf_inputs("llama"))
+
+
+def test_gradient_checkpointing_keeps_gradients():
+    original, patched, _ = fused_copy("llama")
+    for model in (original, patched):
+        model.gradient_checkpointing_enable()
+    assert_same_step(original, patched, hf_inputs("llama"))
+
+
+def test_unknown_blocks_are_left_alone_and_reported():
+    original, patched, report = fused_copy("vit")
+    assert len(report.replaced) == 5 and report.adds == [] and report.fused == []
+    assert [(n, c) for n, c, _ in report.skipped] == [
+        ("vit.layers.0", "ViTLayer"),
+        ("vit.layers.1", "ViTLayer"),
+    ]
+    assert all("not in addnorm.patch.FAMILIES" in why for _, _, why in report.skipped)
+    assert_same_step(original, patched, hf_inputs("vit"))
+
+
+@pytest.mark.parametrize("cls_name", ["T5LayerNorm", "Olmo2RMSNorm"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_norms_with_their_own_cast_keep_it_across_dtypes(cls_name, dtypes):
+    """T5 casts to the weight's dtype, OLMo2 to the input's after the weight: with a weight and an
+    input of different dtypes the outputs (dtype and bits) are the real class's."""
+    import transformers as tf
+
+    module = tf.models.t5.modeling_t5 if cls_name == "T5LayerNorm" else tf.models.olmo2.modeling_olmo2
+    weight_dtype, x_dtype = dtypes
+    norm = getattr(module, cls_name)(48, eps=1e-6).to(weight_dtype)
+    with torch.no_grad():
+        norm.weight.normal_(0.2, 0.5)
+    ours = copy.deepcopy(norm)
+    addnorm.patch(ours, backend="reference")
+    x = (torch.randn(5, 48) * 3).to(x_dtype)
+    want, got = norm(x), ours(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------- the coverage table of the docs
+
+DOC = pathlib.Path(__file__).parent.parent / "docs" / "integrations.md"
+MARKERS = ("<!-- coverage table: tests/test_patch_families.py -->\n", "<!-- end of coverage table -->")
+
+
+def coverage_table() -> str:
+    """The coverage table of docs/integrations.md, from what patch() reports on each tiny model."""
+    rows = [
+        "| family (tiny config tested) | norms replaced: class → style | adds fused (2 layers) | training checked |",
+        "|---|---|---|---|",
+    ]
+    for name in FAMILIES:
+        report = fused_copy(name)[2]
+        norms = ", ".join(f"`{cls}` → {style}" for cls, style in sorted({(c, s) for _, c, s in report.replaced}))
+        adds = f"{len(report.fused_adds)} of {len(report.adds)}"
+        unfused = sorted({a.why for a in report.adds if not a.fused})
+        if unfused:
+            adds += " (not: " + "; ".join(unfused) + ")"
+        checked = ["fp32 outputs and gradients", "save/load"]
+        checked += ["bf16 gradients (2× rule)"] if name in BF16 else []
+        checked += ["fused dropout"] if name in DROPOUT else []
+        checked += ["drop path"] if name == "dinov2" else []
+        rows.append(f"| {LABELS.get(name, name.capitalize())} | {norms} | {adds} | {', '.join(checked)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _doc_with(table: str) -> str:
+    start, end = MARKERS
+    return re.sub(f"{re.escape(start)}.*?{re.escape(end)}", lambda _: start + table + end, DOC.read_text(), flags=re.S)
+
+
+def test_docs_coverage_table_is_current():
+    assert MARKERS[0] in DOC.read_text()
+    assert _doc_with(coverage_table()) == DOC.read_text(), (
+        "docs/integrations.md: the coverage table is out of date; "
+        "run PYTHONPATH=src python tests/test_patch_families.py to rewrite it"
+    )
+
+
+if __name__ == "__main__":  # rewrite the table in the docs
+    DOC.write_text(_doc_with(coverage_table()))
