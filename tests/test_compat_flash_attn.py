@@ -142,3 +142,56 @@ def test_rms_norm_module_is_flash_attn_s():
     assert not torch.allclose(y_train, y)  # dropout in training only
     loaded = RMSNorm(16)
     loaded.load_state_dict(norm.state_dict())
+
+
+class FlashRMSNorm(torch.nn.Module):
+    """A stand-in for flash-attn's RMSNorm module (flash-attn is not installed here): its name,
+    module, attributes and forward signature, with the unfused formula as its forward."""
+
+    def __init__(self, hidden_size, eps=1e-5, dropout_p=0.0):
+        super().__init__()
+        self.eps = eps
+        self.drop = torch.nn.Dropout(dropout_p) if dropout_p > 0 else None
+        self.zero_centered_weight = False
+        self.weight = torch.nn.Parameter(torch.randn(hidden_size) * 0.1 + 1)
+        self.register_parameter("bias", None)
+
+    def forward(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        s = x if residual is None else x + residual
+        s = s.float() if residual_in_fp32 else s
+        y = (s * torch.rsqrt(s.float().square().mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        return (y, s) if prenorm else y
+
+
+FlashRMSNorm.__name__ = FlashRMSNorm.__qualname__ = "RMSNorm"
+
+
+@pytest.mark.parametrize("module", ["flash_attn.ops.triton.layer_norm", "mamba_ssm.ops.triton.layer_norm"])
+def test_patch_swaps_flash_attn_s_rms_norm(module, monkeypatch):
+    monkeypatch.setattr(FlashRMSNorm, "__module__", module)
+    model = torch.nn.ModuleDict({"norm": FlashRMSNorm(32), "other": torch.nn.Linear(32, 32)})
+    x, r = torch.randn(4, 32), torch.randn(4, 32)
+    before_y, before_s = model["norm"](x, r, prenorm=True)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = addnorm.patch(model, backend="reference")
+    assert report.replaced == [("norm", "RMSNorm", "flash_attn")]
+    y, s = model["norm"](x, r, prenorm=True)
+    torch.testing.assert_close(y, before_y)
+    torch.testing.assert_close(s, before_s)
+    assert model["norm"].backend == "reference"
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert addnorm.unpatch(model) == 1 and type(model["norm"]) is FlashRMSNorm
+
+
+def test_a_look_alike_with_another_signature_is_left_alone(monkeypatch):
+    class RMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.ones(8)), 1e-5
+
+        def forward(self, x):
+            return x
+
+    monkeypatch.setattr(RMSNorm, "__module__", "flash_attn.ops.triton.layer_norm")
+    report = addnorm.patch(torch.nn.Sequential(RMSNorm()))
+    assert report.replaced == [] and report.skipped[0][2] == "unknown norm class; see norm_types"

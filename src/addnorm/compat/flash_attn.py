@@ -44,6 +44,8 @@ def layer_norm_fn(
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
+    *,
+    backend: str = "auto",
 ):
     """flash-attn's ``layer_norm_fn``: ``s = residual + dropout(rowscale * x) + dropout(x1)``,
     normalized over the last dim (LayerNorm, or RMSNorm with ``is_rms_norm``; both take a bias).
@@ -51,7 +53,8 @@ def layer_norm_fn(
     Returns ``y`` (or ``(y, y1)`` with ``weight1``), then ``s`` when ``prenorm``, then both keep
     masks when ``return_dropout_mask`` (``None`` without dropout; the second ``None`` without
     ``x1``). ``s`` is kept in ``residual``'s dtype, or in float32 when there is no residual and
-    ``residual_in_fp32``; it is ``x`` itself when nothing is added, dropped or converted."""
+    ``residual_in_fp32``; it is ``x`` itself when nothing is added, dropped or converted.
+    ``backend`` (keyword-only, addnorm's own) picks the backend, ``"auto"`` by default."""
     if residual is not None:
         residual_dtype = residual.dtype
     else:
@@ -71,7 +74,7 @@ def layer_norm_fn(
         rms=is_rms_norm,
         prenorm=prenorm,
         residual_dtype=residual_dtype,
-        backend="auto",
+        backend=backend,
         out=out,
         residual_out=residual_out,
         sublayer=sublayer,
@@ -110,6 +113,8 @@ def rms_norm_fn(
     out_dtype: torch.dtype | None = None,
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
+    *,
+    backend: str = "auto",
 ):
     """flash-attn's ``rms_norm_fn``: :func:`layer_norm_fn` with ``is_rms_norm=True``."""
     return layer_norm_fn(
@@ -131,6 +136,7 @@ def rms_norm_fn(
         out_dtype,
         out,
         residual_out,
+        backend=backend,
     )
 
 
@@ -139,7 +145,8 @@ class RMSNorm(nn.Module):
     ``zero_centered_weight``, ``weight``, ``bias = None``) and ``state_dict``, so that
     :func:`addnorm.patch` can swap the class of flash-attn's or mamba_ssm's modules in place.
     ``forward(x, residual=None, prenorm=False, residual_in_fp32=False)`` as :func:`rms_norm_fn`,
-    with dropout in training only."""
+    with dropout in training only (a module patched by :func:`addnorm.patch` runs on its
+    ``backend``)."""
 
     def __init__(
         self,
@@ -173,4 +180,5 @@ class RMSNorm(nn.Module):
             prenorm=prenorm,
             residual_in_fp32=residual_in_fp32,
             zero_centered_weight=getattr(self, "zero_centered_weight", False),
+            backend=getattr(self, "backend", "auto"),
         )

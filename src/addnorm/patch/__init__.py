@@ -25,8 +25,19 @@ from torch import Tensor, nn
 
 from .. import nn as addnorm_nn
 from ..checks import check_backend
+from ..compat import flash_attn as flash_attn_compat
 from .blocks import FAMILIES, FAMILY, NEXT, ORIGINAL, Family, block_forward, entry_norms, family_of
-from .norms import HF_NORMS, HF_STYLES, STYLES, add_norm_forward, eps_of, norm_forward, norm_style, torch_norm_forward
+from .norms import (
+    HF_NORMS,
+    HF_STYLES,
+    STYLES,
+    add_norm_forward,
+    eps_of,
+    flash_attn_style,
+    norm_forward,
+    norm_style,
+    torch_norm_forward,
+)
 from .report import Add, PatchReport
 
 __all__ = ["FAMILIES", "HF_NORMS", "STYLES", "Add", "PatchReport", "add_norm_forward", "norm_style", "patch", "unpatch"]
@@ -45,7 +56,9 @@ _HANDOFF = "handoff"  # addnorm's own LayerNorm / RMSNorm, taking the output a b
 def _subclass(cls: type, kind: str) -> type:
     """``cls`` with addnorm's forward: kind is a norm style, ``"handoff"`` or ``"block"``."""
     if (cls, kind) not in _SUBCLASSES:
-        if kind in STYLES:
+        if kind == "flash_attn":
+            body = {"forward": flash_attn_compat.RMSNorm.forward, "addnorm_style": kind}
+        elif kind in STYLES:
             body = {"forward": norm_forward, "addnorm_style": kind}
         elif kind == _HANDOFF:
             body = {"forward": torch_norm_forward}
@@ -114,7 +127,7 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
     cls = type(m)
     if "backend" in m.__dict__:
         return "already has an attribute named 'backend'"
-    if style in HF_STYLES:
+    if style in HF_STYLES or style == "flash_attn":
         w = getattr(m, "weight", None)
         if not isinstance(w, Tensor) or w.dim() != 1 or eps_of(m) is None:
             return "expected a 1-D 'weight' and a float 'variance_epsilon' or 'eps'"
@@ -281,6 +294,8 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
     for name, m in list(model.named_modules()):
         cls = type(m)
         style = types.get(cls, types.get(_path(cls)))
+        if style is None and norm_types is None:
+            style = flash_attn_style(m)
         if style is None:
             if norm_style(m) is None and _looks_like_norm(m):
                 report.skipped.append((name, cls.__name__, "unknown norm class; see norm_types"))

@@ -9,6 +9,8 @@ cast back to the activation dtype (all compute the statistics in float32)::
     "gemma"  GemmaRMSNorm & copies   y = (xhat * (1 + w.float())).to(x.dtype)
     "olmo2"  Olmo2RMSNorm            y = (w * xhat).to(x.dtype)          (weight, then cast)
     "t5"     T5LayerNorm             y = w * xhat.to(w.dtype if w is half else float32)
+    "flash_attn"  flash-attn's / mamba_ssm's RMSNorm: its own forward(x, residual, prenorm,
+             residual_in_fp32), run by :class:`addnorm.compat.flash_attn.RMSNorm`
 
 ``"olmo2"`` is ``"rms"`` on a class with ``variance_epsilon`` instead of torch's attributes; ``"t5"``
 casts to the *weight's* dtype, which is ``"llama"`` whenever the input has the weight's dtype.
@@ -21,6 +23,7 @@ dtype cast) makes it compute as usual.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -29,7 +32,7 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
-STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5")
+STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5", "flash_attn")
 HF_STYLES = ("llama", "gemma", "olmo2", "t5")  # Hugging Face classes: a 1-D weight and an epsilon
 
 # Hugging Face norms by exact class path -> style; each entry is checked against the real class
@@ -55,6 +58,23 @@ HF_NORMS: dict[str, str] = {
 }
 
 _HALF = (torch.float16, torch.bfloat16)
+# flash-attn's fused-norm module and its copy in mamba_ssm, recognised by name and signature
+# (never imported): their forward takes the residual and returns the stream itself
+FLASH_ATTN_MODULES = ("flash_attn.ops.triton.layer_norm", "mamba_ssm.ops.triton.layer_norm")
+_FLASH_ATTN_FORWARD = ["self", "x", "residual", "prenorm", "residual_in_fp32"]
+
+
+def flash_attn_style(module: nn.Module) -> str | None:
+    """``"flash_attn"`` for flash-attn's or mamba_ssm's ``RMSNorm`` (by class name, module and
+    forward signature), else None."""
+    cls = type(module)
+    if cls.__name__ != "RMSNorm" or not cls.__module__.startswith(FLASH_ATTN_MODULES):
+        return None
+    try:
+        params = list(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return "flash_attn" if params == _FLASH_ATTN_FORWARD else None
 
 
 def eps_of(norm: nn.Module) -> float | None:
