@@ -105,7 +105,7 @@ def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out) -
         except ImportError as err:
             skipped[name] = f"not installed ({err.name or err})"
         except Exception as err:  # noqa: BLE001 - any failure of a third-party impl is reported, not fatal
-            skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0][:80] if str(err) else ''}"
+            skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     timings = measure(runs, rounds, device) if runs else {}
     results = []
     for name, (med, p20, p80) in timings.items():
