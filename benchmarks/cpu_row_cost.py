@@ -1,6 +1,6 @@
 """Per-element cost of the CPU kernels' row loops against torch's own CPU layer_norm, 1 thread.
 
-    python benchmarks/cpu_row_cost.py [float32|bfloat16]
+    python benchmarks/cpu_row_cost.py [float32|bfloat16] [--reps CALLS]
 
 Rows stay in cache (16 and 80 rows of 768), and the per-call cost (Python, dispatch) cancels
 out: the reported ns/element is the slope between the two sizes, best of 7 repetitions.
@@ -8,7 +8,7 @@ out: the reported ns/element is the slope between the two sizes, best of 7 repet
 
 from __future__ import annotations
 
-import sys
+import argparse
 import time
 
 import torch
@@ -58,12 +58,18 @@ def best_seconds(fn, reps: int = 300) -> float:
 
 
 def main() -> None:
-    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float32")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dtype", nargs="?", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--reps", type=int, default=300, help="calls per timed repetition (default 300)")
+    args = parser.parse_args()
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     small, large = calls(16, dtype), calls(80, dtype)
     print(f"{dtype}, 1 thread, rows of {N}: ns per element (slope between 16 and 80 rows)")
     for name in small:
-        slope = (best_seconds(large[name]) - best_seconds(small[name])) / (64 * N)
+        slope = (best_seconds(large[name], args.reps) - best_seconds(small[name], args.reps)) / (64 * N)
         print(f"  {name:32s} {slope * 1e9:.3f}")
 
 

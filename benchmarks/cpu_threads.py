@@ -9,8 +9,8 @@ on one thread and on torch's thread count, with torch's own ops beside them for 
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 
 import torch
@@ -49,11 +49,30 @@ def calls(m: int, n: int) -> dict:
     }
 
 
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        m, n = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS, e.g. 64x1024, got {text!r}") from None
+    if m < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"rows and columns must be positive, got {text!r}")
+    return m, n
+
+
 def main() -> None:
-    shapes = sys.argv[1:] or ["16x1024", "32x1024", "64x1024", "128x1024", "256x1024", "512x1024", "1024x1024"]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "shapes",
+        nargs="*",
+        metavar="ROWSxCOLS",
+        type=_shape,
+        default=[_shape(f"{m}x1024") for m in (16, 32, 64, 128, 256, 512, 1024)],
+        help="shapes to time (default: 16x1024 ... 1024x1024)",
+    )
+    shapes = parser.parse_args().shapes
     print(f"fp32, {torch.get_num_threads()} threads; median µs per call")
-    for shape in shapes:
-        m, n = map(int, shape.split("x"))
+    for m, n in shapes:
+        shape = f"{m}x{n}"
         fns = calls(m, n)
         times: dict[str, list[float]] = {k: [] for k in fns}
         for fn in fns.values():
