@@ -49,6 +49,16 @@ def calls(m: int, n: int) -> dict:
     }
 
 
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        m, n = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxCOLS, e.g. 64x1024, got {text!r}") from None
+    if m < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"rows and columns must be positive, got {text!r}")
+    return m, n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("shapes", nargs="*", metavar="ROWSxCOLS", help="default: 16x1024 ... 1024x1024")

@@ -7,6 +7,7 @@ which runs over every usable backend, this one included.
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -160,7 +161,7 @@ def test_second_process_loads_compiled_kernels_from_cache():
     code = (
         "import torch; from addnorm.kernels import cpu; "
         "cpu.forward(torch.randn(2, 8), None, None, None, eps=1e-5, rms=False, residual_dtype=None); "
-        "print(sum(e.cache_hits for e in cpu._FORWARD_ENTRIES.values()))"
+        "print(sum(e.cache_hits for e in cpu.entry.FORWARD_ENTRIES.values()))"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(addnorm.__file__).parents[1])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -236,6 +237,97 @@ def test_large_fresh_outputs_ask_for_huge_pages_where_linux_wants_asking():
     huge pages are in madvise mode, and only then."""
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         madvise_mode = "[madvise]" in f.read()
-    assert (cpu._MADVISE is not None) == madvise_mode
-    big = cpu._empty(torch.empty(1, 1).expand(cpu.HUGE_PAGES_MIN_BYTES // 4 // 1024, 1024), torch.float32)
+    assert (cpu.launch.MADVISE is not None) == madvise_mode
+    big = cpu.launch.empty_output(
+        torch.empty(1, 1).expand(cpu.launch.HUGE_PAGES_MIN_BYTES // 4 // 1024, 1024), torch.float32
+    )
     assert ("hg" in _vm_flags(big.data_ptr() + big.nbytes // 2)) == madvise_mode
+
+
+def _float64_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _packed(monkeypatch, call) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ``(args, branch)`` slots ``call`` hands the entry (which is not run)."""
+    calls = []
+    monkeypatch.setattr(cpu, "run_on_threads", lambda entry, threads, args, branch: calls.append((args, branch)))
+    result = call()
+    assert len(calls) == 1
+    return result, *calls[0]
+
+
+def test_forward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
+    """forward packs a plain tuple in ForwardSlot order: each value must be where the entry reads
+    that name (a swap would hand the kernel one tensor's address for another's)."""
+    from addnorm.kernels.cpu.entry import COUNTERS, BranchSlot, ForwardSlot
+
+    m, n = 3, 8
+    x, r, w, b = torch.randn(m, n), torch.randn(m, n), torch.randn(n), torch.randn(n)
+    ls, seed = torch.randn(n), torch.tensor(1234, dtype=torch.int64)
+    branch = backends.Branch(0.25, seed, ls, None)
+    (y, s, mean, rstd), args, br = _packed(
+        monkeypatch, lambda: cpu.forward(x, r, w, b, eps=0.5, rms=False, residual_dtype=None, branch=branch)
+    )
+    assert len(args) == ForwardSlot.BRANCH - COUNTERS and len(br) == len(BranchSlot)
+    assert {slot.name: args[slot - COUNTERS] for slot in ForwardSlot if slot < ForwardSlot.BRANCH} == {
+        "X": x.data_ptr(),
+        "RESIDUAL": r.data_ptr(),
+        "WEIGHT": w.data_ptr(),
+        "BIAS": b.data_ptr(),
+        "Y": y.data_ptr(),
+        "S": s.data_ptr(),
+        "MEAN": mean.data_ptr(),
+        "RSTD": rstd.data_ptr(),
+        "ROWS": m,
+        "COLS": n,
+        "BLOCK_ROWS": m,
+        "HAS_RESIDUAL": True,
+        "WRITE_S": True,
+        "RMS": False,
+        "WRITE_STATS": True,
+        "EPS": _float64_bits(0.5),
+    }
+    packed = {slot.name: br[slot] for slot in BranchSlot}
+    assert packed.pop("ROWSCALE") not in (0, ls.data_ptr())  # a row of ones made for the call
+    assert packed == {
+        "SEED": 1234,
+        "KEEP_THRESHOLD": addnorm.reference.keep_threshold(0.25),
+        "SCALE": _float64_bits(addnorm.reference.dropout_scale(0.25)),
+        "LAYER_SCALE": ls.data_ptr(),
+        "LAYER_SCALED": True,
+    }
+
+
+def test_backward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
+    """As the forward's test, for BackwardSlot: post-norm (the stream recomputed from x and the
+    residual), with a stream gradient, RMSNorm, no branch."""
+    from addnorm.kernels.cpu.entry import COUNTERS, NO_BRANCH, BackwardSlot
+
+    m, n = 3, 8
+    x, r, w, dy, dstream = torch.randn(m, n), torch.randn(m, n), torch.randn(n), torch.randn(m, n), torch.randn(m, n)
+    rstd = torch.rand(m) + 1
+    grads, args, br = _packed(
+        monkeypatch, lambda: cpu.backward(dy, dstream, (x, r), w, None, rstd, rms=True, has_bias=True)
+    )
+    assert len(args) == BackwardSlot.BRANCH - COUNTERS and br == NO_BRANCH
+    assert {slot.name: args[slot - COUNTERS] for slot in BackwardSlot if slot < BackwardSlot.BRANCH} == {
+        "DY": dy.data_ptr(),
+        "DSTREAM": dstream.data_ptr(),
+        "S": x.data_ptr(),
+        "RESIDUAL": r.data_ptr(),
+        "WEIGHT": w.data_ptr(),
+        "MEAN": rstd.data_ptr(),  # RMSNorm: no mean, never read
+        "RSTD": rstd.data_ptr(),
+        "DS": grads.ds.data_ptr(),
+        "DWEIGHT": grads.dweight.data_ptr(),
+        "DBIAS": grads.dbias.data_ptr(),
+        "DX": 0,
+        "DLAYER_SCALE": 0,
+        "ROWS": m,
+        "COLS": n,
+        "BLOCK_ROWS": m,
+        "BLOCKS": 1,
+        "HAS_DSTREAM": True,
+        "RMS": True,
+    }

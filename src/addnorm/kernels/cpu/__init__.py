@@ -1,0 +1,210 @@
+"""Fused CPU kernels (numba): the contract of :mod:`addnorm.reference`, one pass over memory.
+
+Rows are split into contiguous blocks (BLOCKS_PER_THREAD per thread); the threads claim blocks
+from an atomic counter and run a compiled, GIL-free row loop on each. The modules, from the
+bottom up:
+
+- :mod:`.floats`: element loads and stores in every dtype (16-bit floats as their bit patterns).
+- :mod:`.numerics`: the row sums and statistics (corrected mean, centred variance, row scaling).
+- :mod:`.branch`: the sublayer branch fused into the add (dropout hash, layer scale, rowscale).
+- :mod:`.rows`: the forward and backward loops over a block of rows.
+- :mod:`.blocks`: the parallel kernels, whose threads claim blocks of rows.
+- :mod:`.entry`: the C entry points and the argument slots they read.
+- :mod:`.launch`: the threads an entry runs on, and the tensors a call hands it.
+
+This module is the backend contract (:class:`addnorm.backend.Backend`): ``CAPABILITIES``,
+``unavailable_reason``, ``forward``, ``backward``.
+
+Determinism: ``dweight``/``dbias`` are summed per block of rows, then in block order:
+bit-identical from run to run for a given thread count; which thread runs a row never changes
+its bits. Accuracy: no fastmath except reassociation inside the row sums (:mod:`.numerics`);
+the order of operations is fixed by the compiled code, so results are run-to-run deterministic
+on a machine, not across CPU generations. Statistics and arithmetic are float32 (float64 for
+float64 streams); 16-bit floats are widened to float32 and rounded back to nearest-even.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ... import reference
+from ...backend import Capabilities, Grads, check_s_parts
+from .entry import NO_BRANCH, backward_entry, float64_bits, forward_entry
+from .launch import branch_args, contiguous_rows, empty_output, kernel_param_dtype, param_row, run_on_threads
+
+# Post-norm training saves x and residual, and backward recomputes s = x + residual as it reads
+# them (addnorm.ops.plan): the forward writes y alone, not s and y. Same bytes over forward +
+# backward, one fresh output fewer, and fresh outputs are what cost most here (see
+# docs/benchmarks.md, "Fresh outputs page-fault").
+CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True)
+
+# Below this many elements one thread does the whole call: waking the other threads costs more
+# than they save (`python benchmarks/cpu_threads.py`; docs/benchmarks.md, "Dispatch, threads,
+# compile time, warm start"). Results never depend on it: each row is computed the same way on
+# any thread.
+PARALLEL_MIN_ELEMENTS = 1 << 16
+# Rows are split into this many blocks per thread, claimed one at a time: a late thread costs
+# at most its share of blocks, and dweight/dbias keep one partial row per block.
+BLOCKS_PER_THREAD = 8
+
+
+def unavailable_reason(x: Tensor | None) -> str | None:
+    return None  # numba is a dependency of addnorm; the device is checked against CAPABILITIES
+
+
+def thread_plan(rows: int, max_blocks: int | None = None) -> tuple[int, int]:
+    """``(threads, block_rows)`` for a call of PARALLEL_MIN_ELEMENTS or more (smaller ones run
+    as one block on the calling thread): torch's thread count, and BLOCKS_PER_THREAD blocks per
+    thread, at most ``max_blocks`` (but one per thread)."""
+    threads = max(1, min(rows, torch.get_num_threads()))
+    blocks = BLOCKS_PER_THREAD * threads if threads > 1 else 1
+    if max_blocks is not None:
+        blocks = min(blocks, max(threads, max_blocks))
+    return threads, -(-rows // max(1, min(rows, blocks)))
+
+
+def forward(
+    x,
+    residual,
+    weight,
+    bias,
+    *,
+    eps,
+    rms,
+    residual_dtype,
+    write_stream=True,
+    write_stats=True,
+    out=None,
+    residual_out=None,
+    branch=None,
+):
+    """:func:`addnorm.reference.forward` in one pass over the rows; ``y`` and ``s`` are written
+    straight into ``out``/``residual_out`` when given."""
+    n = x.shape[-1]
+    y_dtype = sd = x.dtype
+    if residual is not None:
+        sd = reference.stream_dtype(x, residual, residual_dtype)
+        if x.dtype is not sd or residual.dtype is not sd:
+            # mixed dtypes (e.g. bf16 x, fp32 stream): cast first, as the reference does, so that one
+            # compiled kernel per dtype serves; y then goes through the statistics dtype
+            x, residual = x.to(sd), residual.to(sd)
+        residual = contiguous_rows(residual)
+    cd = torch.float64 if sd is torch.float64 else torch.float32
+    if not x.is_contiguous():
+        x = x.contiguous()
+    m = x.numel() // n if n else 0
+    direct = sd is y_dtype  # else y is computed in the statistics dtype, then cast once
+    y = out if out is not None and direct else empty_output(x, y_dtype if direct else cd)
+    write_s = residual is not None and (write_stream or residual_out is not None)
+    s = None
+    if write_s:
+        s = residual_out if residual_out is not None else empty_output(x, sd)
+    mean = rstd = None
+    if write_stats:
+        mean = None if rms else torch.empty(m, dtype=cd)
+        rstd = torch.empty(m, dtype=cd)
+    if m:
+        threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else thread_plan(m)
+        pd = cd if sd is cd else kernel_param_dtype(sd, cd, weight, bias)
+        w, b = param_row(weight, n, pd, 1.0), param_row(bias, n, pd, 0.0)  # held: the kernel reads them
+        branch_slots, held = branch_args(branch, m, n, cd) if branch is not None else (NO_BRANCH, ())
+        args = (  # in entry.ForwardSlot order
+            x.data_ptr(),
+            x.data_ptr() if residual is None else residual.data_ptr(),
+            w.data_ptr(),
+            b.data_ptr(),
+            y.data_ptr(),
+            s.data_ptr() if write_s else 0,
+            0 if mean is None else mean.data_ptr(),
+            0 if rstd is None else rstd.data_ptr(),
+            m,
+            n,
+            block_rows,
+            residual is not None,
+            write_s,
+            rms,
+            write_stats,
+            float64_bits(eps),
+        )
+        run_on_threads(forward_entry(sd, y.dtype, pd, branch is not None), threads, args, branch_slots)
+        del held
+    if y.dtype is not y_dtype:
+        y = out.copy_(y) if out is not None else y.to(y_dtype)
+    return y, s, mean, rstd
+
+
+def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=None, param_dtype=None):
+    """:func:`addnorm.reference.backward` in two passes over each row; from ``s_parts = (x,
+    residual)`` the stream is recomputed as it is read (through the branch, when given)."""
+    check_s_parts(s_parts, branch)
+    s, residual = s_parts if len(s_parts) == 2 else (s_parts[0], None)
+    sd = s_parts[-1].dtype  # the stream dtype (with a branch, residual's)
+    cd = rstd.dtype
+    if s.dtype is not sd:
+        s = s.to(sd)
+    # a gradient of another dtype than s is cast to the statistics dtype first (as the reference)
+    if dy.dtype is not sd:
+        dy = dy.to(cd)
+    if dstream is not None and dstream.dtype is not sd:
+        dstream = dstream.to(cd)
+    s, dy = contiguous_rows(s), contiguous_rows(dy)
+    if residual is not None:
+        residual = contiguous_rows(residual)
+    n = s.shape[-1]
+    m = s.numel() // n if n else 0
+    ds = empty_output(s, sd)
+    dx = empty_output(s, sd) if branch is not None else None
+    # one block (one thread): the kernel sums dweight and dbias itself, rounded to ``od`` once;
+    # else one partial row per block in the statistics dtype, at most 1/16 of ds's rows (the
+    # scratch stays small beside the (m, n) tensors for few, wide rows), summed below
+    threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else thread_plan(m, max_blocks=m // 16)
+    blocks = -(-m // block_rows) if m else 1
+    od = param_dtype if param_dtype is cd or param_dtype is sd else cd
+    # separate tensors: the custom op's outputs may not alias. The kernel zeroes each block's row
+    # before it sums into it: zeros only where it does not run
+    alloc = torch.empty if m else torch.zeros
+    if blocks == 1:
+        dw = alloc(n, dtype=od) if weight is not None else None
+        db = alloc(n, dtype=od) if has_bias else None
+    else:
+        dw, db = alloc((blocks, n), dtype=cd), alloc((blocks, n), dtype=cd)
+    dls = alloc((blocks, n) if blocks > 1 else n, dtype=cd) if branch is not None else None
+    if m:
+        dst = s if dstream is None else contiguous_rows(dstream)
+        pd = cd if sd is cd else kernel_param_dtype(sd, cd, weight)
+        w = param_row(weight, n, pd, 1.0)  # held: the kernel reads it
+        branch_slots, held = branch_args(branch, m, n, cd) if branch is not None else (NO_BRANCH, ())
+        args = (  # in entry.BackwardSlot order
+            dy.data_ptr(),
+            dst.data_ptr(),
+            s.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
+            w.data_ptr(),
+            (rstd if rms else mean).data_ptr(),
+            rstd.data_ptr(),
+            ds.data_ptr(),
+            0 if dw is None else dw.data_ptr(),
+            0 if db is None else db.data_ptr(),
+            0 if dx is None else dx.data_ptr(),
+            0 if dls is None else dls.data_ptr(),
+            m,
+            n,
+            block_rows,
+            blocks,
+            dstream is not None,
+            rms,
+        )
+        entry = backward_entry(sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None)
+        run_on_threads(entry, threads, args, branch_slots)
+        del held
+    if blocks > 1:  # the per-block partial rows summed by torch (no atomics, a fixed order for a
+        # given shape): bit-identical from run to run for a given thread count
+        dw = dw.sum(0) if weight is not None else None
+        db = db.sum(0) if has_bias else None
+        dls = None if dls is None else dls.sum(0)
+    if param_dtype is not None:
+        dw, db = (g if g is None or g.dtype is param_dtype else g.to(param_dtype) for g in (dw, db))
+    if branch is None or branch.layer_scale is None:
+        dls = None
+    return Grads(ds, dw, db, dx, dls)

@@ -1,0 +1,174 @@
+"""The parallel kernels: every calling thread claims blocks of rows until none is left.
+
+Rows are split into contiguous blocks of ``block_rows`` rows. Each thread that runs a kernel
+claims the next block from a shared atomic counter (``counters[0]``), runs the row loop of
+:mod:`.rows` on it, counts it done (``counters[1]``), and returns once every block is done, so
+the results are complete whichever threads ran. Claiming blocks, rather than fixing one share
+per thread, matters on shared machines: a thread that starts late (descheduled, still spinning
+down from torch's last op) takes fewer blocks instead of holding the others up.
+
+``dweight``/``dbias`` (and ``dlayer_scale``) accumulate into one partial row per block, not per
+thread, so their sums do not depend on which thread ran which block: bit-identical from run to
+run for a given thread count (docs/reliability.md, "3. Determinism").
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .branch import prepare_branch
+from .rows import backward_rows, backward_rows_branch, forward_rows, index_or_none
+
+
+@intrinsic
+def _atomic_increment(typingctx, counters, k):
+    """Atomically add 1 to ``counters[k]`` (an int64 array) and return its previous value."""
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
+        return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "seq_cst")
+
+    return types.int64(counters, types.intp), codegen
+
+
+@intrinsic
+def _atomic_load(typingctx, counters, k):
+    """Atomic load of ``counters[k]``: a value another thread is updating."""
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]])
+        return builder.load_atomic(ptr, "seq_cst", 8)
+
+    return types.int64(counters, types.intp), codegen
+
+
+_NEXT_BLOCK, _BLOCKS_DONE = 0, 1  # the two counters, in this order (entry.COUNTERS)
+
+
+@numba.njit
+def _claim_block(counters, block_rows, m):
+    """``(block, lo, hi)``: the next unclaimed block of rows, or block -1 when none is left."""
+    blk = _atomic_increment(counters, _NEXT_BLOCK)
+    lo = blk * block_rows
+    if lo >= m:
+        return -1, m, m
+    return blk, lo, min(m, lo + block_rows)
+
+
+@numba.njit
+def _wait_all_blocks(counters, block_rows, m):
+    """Return once every block is done: the results are then complete, whether or not the other
+    threads ever got a block."""
+    blocks = (m + block_rows - 1) // block_rows
+    while _atomic_load(counters, _BLOCKS_DONE) < blocks:
+        pass
+
+
+@numba.njit(nogil=True, error_model="numpy")
+def forward_blocks(
+    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, counters, block_rows, direct, br
+):
+    """:func:`.rows.forward_rows` over the blocks this thread claims. ``br``: the branch's
+    arguments (``entry.read_branch``), or None."""
+    m, n = x.shape
+    buf = np.empty(n, rstd.dtype)
+    kbuf = np.empty(1, rstd.dtype)
+    branch = prepare_branch(br, n)
+    gates = np.empty((2, n if br is not None else 0), rstd.dtype)
+    blk, lo, hi = _claim_block(counters, block_rows, m)
+    while blk >= 0:
+        forward_rows(
+            x[lo:hi],
+            r[lo:hi],
+            w,
+            b,
+            eps,
+            nf,
+            has_residual,
+            write_s,
+            write_stats,
+            rms,
+            y[lo:hi],
+            s[lo:hi],
+            mean[lo:hi],
+            rstd[lo:hi],
+            buf,
+            kbuf,
+            direct,
+            branch,
+            lo,
+            gates,
+        )
+        _atomic_increment(counters, _BLOCKS_DONE)
+        blk, lo, hi = _claim_block(counters, block_rows, m)
+    _wait_all_blocks(counters, block_rows, m)
+
+
+@numba.njit(nogil=True, error_model="numpy")
+def backward_blocks(
+    dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, counters, block_rows, br, dx, dls
+):
+    """:func:`.rows.backward_rows` (or ``backward_rows_branch``) over the blocks this thread
+    claims. ``dw``/``db`` (and ``dls``): one partial row per block (not per thread), so that the
+    sums do not depend on which thread ran which block."""
+    m, n = s.shape
+    sbuf = np.empty(n, rstd.dtype)
+    kbuf = np.empty(1, rstd.dtype)
+    branch = prepare_branch(br, n)
+    gates = np.empty((2, n if br is not None else 0), rstd.dtype)
+    blk, lo, hi = _claim_block(counters, block_rows, m)
+    while blk >= 0:
+        dw[blk][:] = 0  # (scratch from torch.empty: zeros would cost a call each)
+        db[blk][:] = 0
+        if br is not None:  # an argument: the other branch is pruned when compiling
+            dls[blk][:] = 0
+            backward_rows_branch(
+                dy[lo:hi],
+                dstream[lo:hi],
+                s[lo:hi],
+                index_or_none(r, slice(lo, hi)),
+                w,
+                mean[lo:hi],
+                rstd[lo:hi],
+                nf,
+                has_dstream,
+                rms,
+                ds[lo:hi],
+                dw[blk],
+                db[blk],
+                sbuf,
+                kbuf,
+                branch,
+                lo,
+                gates,
+                dx[lo:hi],
+                dls[blk],
+            )
+        else:
+            backward_rows(
+                dy[lo:hi],
+                dstream[lo:hi],
+                s[lo:hi],
+                index_or_none(r, slice(lo, hi)),
+                w,
+                mean[lo:hi],
+                rstd[lo:hi],
+                nf,
+                has_dstream,
+                rms,
+                ds[lo:hi],
+                dw[blk],
+                db[blk],
+                sbuf,
+                kbuf,
+            )
+        _atomic_increment(counters, _BLOCKS_DONE)
+        blk, lo, hi = _claim_block(counters, block_rows, m)
+    _wait_all_blocks(counters, block_rows, m)

@@ -1,0 +1,94 @@
+"""The sublayer branch fused into the add: ``s = residual + rowscale * layer_scale * dropout(x)``.
+
+The keep mask is :func:`addnorm.reference.keep_mask`, a counter-based hash of ``(seed, row,
+column)``: no mask is stored, the backward recomputes it. The hash (``reference.mask_hash``) is
+written here in 32-bit lanes: ``fmix32`` as LLVM intrinsics, so that the loop over a row
+vectorizes with 32-bit multiplies (numba would widen every integer operation to 64 bits). The
+column keys depend only on the seed and the column, so each thread computes them once per call
+(:func:`prepare_branch`); a row then costs one hash per element.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+from ... import reference
+from .floats import load, round_to
+
+_M32 = np.uint64(0xFFFFFFFF)
+_GOLDEN = np.uint64(reference._GOLDEN)
+_U32 = np.uint64(32)
+
+
+def _fmix32_codegen(combine):
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        h = combine(builder, args[0], args[1])
+        for shift, factor in ((16, reference._FMIX[0]), (13, reference._FMIX[1]), (16, None)):
+            h = builder.xor(h, builder.lshr(h, ir.Constant(i32, shift)))
+            if factor is not None:
+                h = builder.mul(h, ir.Constant(i32, factor - (1 << 32)))  # the same bits, as a signed i32
+        return h
+
+    return codegen
+
+
+@intrinsic
+def _fmix32_xor(typingctx, a, b):
+    """``fmix32(a ^ b)`` of two uint32 values (reference.fmix32)."""
+    return types.uint32(types.uint32, types.uint32), _fmix32_codegen(lambda bld, a, b: bld.xor(a, b))
+
+
+@intrinsic
+def _fmix32_add(typingctx, a, b):
+    """``fmix32(a + b mod 2**32)`` of two uint32 values."""
+    return types.uint32(types.uint32, types.uint32), _fmix32_codegen(lambda bld, a, b: bld.add(a, b))
+
+
+def prepare_branch(args, n):
+    """None without a branch; else ``(k0, k1, threshold, scale, layer_scale, rowscale, col_keys,
+    layer_scaled)`` from ``args = (seed, threshold, scale, layer_scale, rowscale, layer_scaled)``
+    (``entry.read_branch``), the column keys of :func:`addnorm.reference.mask_hash` computed once
+    per thread."""
+
+
+@overload(prepare_branch)
+def _prepare_branch_impl(args, n):
+    if isinstance(args, types.NoneType):
+        return lambda args, n: None
+
+    def prepare(args, n):
+        seed, threshold, scale, layer_scale, rowscale, layer_scaled = args
+        k0, k1 = np.uint64(seed) & _M32, (np.uint64(seed) >> _U32) & _M32
+        k0, k1, k0g = np.uint32(k0), np.uint32(k1), np.uint32(k0 ^ _GOLDEN)
+        cols = np.empty(n, np.uint32)
+        for j in range(n):
+            cols[j] = _fmix32_add(_fmix32_xor(np.uint32(j), k1), k0g)
+        # p = 1 (threshold 2**32) has scale 0: the gate is 0 whatever the 32-bit comparison says
+        return k0, k1, np.uint32(min(threshold, 0xFFFFFFFF)), scale, layer_scale, rowscale, cols, layer_scaled
+
+    return prepare
+
+
+@numba.njit
+def stream_through_branch(xi, ri, sbuf, gates, branch, row):
+    """``sbuf`` = the stream of row ``row`` (its index in the call) through the branch (from
+    :func:`prepare_branch`), rounded to the residual's dtype, in the statistics dtype:
+    :func:`addnorm.reference.stream` with :func:`addnorm.reference.branch_terms`, bit for bit.
+    ``gates[0]`` gets ``keep ? scale : 0`` and ``gates[1]`` the factor of ``x``, that times the
+    layer scale. (Two loops, the integer one and the float one, so that each vectorizes.)"""
+    k0, k1, threshold, scale, layer_scale, rowscale, cols, _ = branch
+    a = _fmix32_add(_fmix32_xor(np.uint32(row), k0), k1)
+    zero = scale - scale
+    gate, factor = gates[0], gates[1]
+    for j in range(sbuf.shape[0]):
+        g = scale if _fmix32_add(a, cols[j]) >= threshold else zero
+        gate[j] = g
+        factor[j] = g * layer_scale[j]
+    rs = rowscale[row]
+    for j in range(sbuf.shape[0]):
+        sbuf[j] = round_to(ri, load(ri, j) + load(xi, j) * factor[j] * rs)

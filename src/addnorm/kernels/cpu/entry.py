@@ -1,0 +1,313 @@
+"""The C entry points the threads run, and the layout of the argument block they read.
+
+One call's arguments travel as a block of int64 slots: the two block counters of
+:mod:`.blocks`, then tensor addresses, sizes, flags (0 or 1) and floats as their float64 bits,
+then the branch's arguments. :class:`ForwardSlot`, :class:`BackwardSlot` and
+:class:`BranchSlot` name every slot, once: the entries read them by name, and the Python side
+packs plain tuples in that order (keyword arguments would cost more than the packing itself on
+small calls; tests/test_cpu_kernels.py checks every slot by name).
+
+An entry is a numba ``cfunc``, ``void entry(int64 *block)``, compiled per combination of
+dtypes: threads run it with no Python in between, so no GIL to hand from thread to thread and
+no unboxing of a dozen arguments by numba's dispatcher (docs/benchmarks.md, "Dispatch,
+threads, compile time, warm start").
+
+Compiled entries are cached on disk (``NUMBA_CACHE_DIR`` or numba's defaults: next to these
+files, else a user cache directory), so a second process starts warm; without any writable cache
+directory the kernels still work, compiled once per process. numba checks a cached entry against
+this file alone, so each entry also holds a digest of the whole package's source (and of
+:mod:`addnorm.reference`, whose constants the kernels compile in): an edit to any of them
+recompiles instead of loading stale code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import warnings
+from enum import IntEnum, auto
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import carray, types
+from numba.extending import intrinsic, overload
+
+from ... import reference
+from .blocks import backward_blocks, forward_blocks
+from .floats import put
+
+COUNTERS = 2  # slots 0 and 1: next block to claim, blocks done (see .blocks); each call zeroes them
+
+
+class ForwardSlot(IntEnum):
+    X = COUNTERS
+    RESIDUAL = auto()  # (x's address again without a residual: never read then)
+    WEIGHT = auto()
+    BIAS = auto()
+    Y = auto()
+    S = auto()  # 0 unless WRITE_S
+    MEAN = auto()  # 0 unless WRITE_STATS, and for RMSNorm
+    RSTD = auto()  # 0 unless WRITE_STATS
+    ROWS = auto()
+    COLS = auto()
+    BLOCK_ROWS = auto()
+    HAS_RESIDUAL = auto()
+    WRITE_S = auto()
+    RMS = auto()
+    WRITE_STATS = auto()
+    EPS = auto()  # float64 bits
+    BRANCH = auto()  # the first of the branch's slots (BranchSlot)
+
+
+class BackwardSlot(IntEnum):
+    DY = COUNTERS
+    DSTREAM = auto()  # (s's address again without one: never read then)
+    S = auto()  # s, or x when the stream is recomputed (RESIDUAL, or through the branch)
+    RESIDUAL = auto()  # 0 unless the stream is recomputed as x + residual
+    WEIGHT = auto()
+    MEAN = auto()  # (rstd's address for RMSNorm: never read then)
+    RSTD = auto()
+    DS = auto()
+    DWEIGHT = auto()  # 0: not wanted (one block); else BLOCKS partial rows
+    DBIAS = auto()  # as DWEIGHT
+    DX = auto()  # 0 without a branch
+    DLAYER_SCALE = auto()  # BLOCKS partial rows; 0 without a branch
+    ROWS = auto()
+    COLS = auto()
+    BLOCK_ROWS = auto()
+    BLOCKS = auto()
+    HAS_DSTREAM = auto()
+    RMS = auto()
+    BRANCH = auto()  # the first of the branch's slots (BranchSlot)
+
+
+class BranchSlot(IntEnum):
+    """Offsets from a direction's ``BRANCH`` slot; all 0 without a branch."""
+
+    SEED = 0
+    KEEP_THRESHOLD = auto()
+    SCALE = auto()  # float64 bits
+    LAYER_SCALE = auto()  # address of a row of COLS factors (ones for a missing layer scale)
+    ROWSCALE = auto()  # address of ROWS factors (ones for a missing rowscale)
+    LAYER_SCALED = auto()  # a layer scale was given: its gradient is wanted
+
+
+SLOTS = max(ForwardSlot.BRANCH, BackwardSlot.BRANCH) + len(BranchSlot)
+
+
+NO_BRANCH = (0,) * len(BranchSlot)  # the branch's slots without a branch
+
+
+def _pack_into(layout: type[IntEnum]):
+    return struct.Struct(f"{layout.BRANCH + len(BranchSlot)}q").pack_into
+
+
+# ``PACK_INTO[len(args)](block, 0, *ZEROED_COUNTERS, *args, *branch)``: a call's slots (the
+# counters, its own in ForwardSlot or BackwardSlot order, the branch's) into a ctypes block in
+# one call; keyed by the number of a direction's own slots
+ZEROED_COUNTERS = (0,) * COUNTERS
+PACK_INTO = {layout.BRANCH - COUNTERS: _pack_into(layout) for layout in (ForwardSlot, BackwardSlot)}
+
+NUMPY_DTYPES = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.bfloat16: np.uint16,
+    torch.float16: np.int16,
+}
+
+
+def _source_digest() -> str:
+    """A digest of the source the entries compile from: this package and addnorm.reference."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")) + [Path(reference.__file__)]:
+        try:
+            digest.update(path.read_bytes())
+        except OSError:  # no source to read (a frozen install): numba's own check stands alone
+            digest.update(path.name.encode())
+    return digest.hexdigest()
+
+
+SOURCE_DIGEST = _source_digest()
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """The int64 ``address`` as a pointer, for ``carray``."""
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return types.voidptr(types.int64), codegen
+
+
+def _compile_entry(fn):
+    """``fn(block)`` compiled as a C function ``void fn(int64 *block)``, cached on disk."""
+    sig = types.void(types.voidptr)
+    try:
+        return numba.cfunc(sig, cache=True)(fn)
+    except RuntimeError as err:  # no writable cache directory: compile per process instead
+        warnings.warn(
+            f"addnorm: numba cache unavailable ({err}); kernels compile on first use", RuntimeWarning, stacklevel=3
+        )
+        return numba.cfunc(sig)(fn)
+
+
+def read_branch(a, f, at, m, n, cd, branched):
+    """The branch's arguments from slots ``at``.. (int64 view ``a``, float64 view ``f``) as
+    :func:`.branch.prepare_branch` takes them; None (a constant, so the branch code is pruned
+    when compiling) without a branch."""
+
+
+@overload(read_branch)
+def _read_branch_impl(a, f, at, m, n, cd, branched):
+    if isinstance(branched, types.NoneType):
+        return lambda a, f, at, m, n, cd, branched: None
+
+    def read(a, f, at, m, n, cd, branched):
+        return (
+            a[at + BranchSlot.SEED],
+            a[at + BranchSlot.KEEP_THRESHOLD],
+            cd(f[at + BranchSlot.SCALE]),
+            carray(_pointer(a[at + BranchSlot.LAYER_SCALE]), n, cd),
+            carray(_pointer(a[at + BranchSlot.ROWSCALE]), m, cd),
+            a[at + BranchSlot.LAYER_SCALED] != 0,
+        )
+
+    return read
+
+
+def _compile_forward(sd, yd, pd, branched):
+    """The forward entry (ForwardSlot); ``sd``: the dtype of x, residual and s, ``yd`` that of
+    y, ``pd`` that of weight and bias (numpy dtypes; 16-bit floats as uint16/int16, see
+    NUMPY_DTYPES); ``branched``: True, or None without a branch."""
+    cd = np.float64 if sd == np.float64 else np.float32
+    direct = True if sd == cd else None  # see rows.forward_rows
+    source_digest = SOURCE_DIGEST
+
+    def entry(block):
+        source_digest  # noqa: B018 (in the closure, so in numba's cache key)
+        a = carray(block, SLOTS, np.int64)
+        f = carray(block, SLOTS, np.float64)
+        m, n = a[ForwardSlot.ROWS], a[ForwardSlot.COLS]
+        write_s, write_stats = a[ForwardSlot.WRITE_S] != 0, a[ForwardSlot.WRITE_STATS] != 0
+        stats_rows = m if write_stats else 0
+        forward_blocks(
+            carray(_pointer(a[ForwardSlot.X]), (m, n), sd),
+            carray(_pointer(a[ForwardSlot.RESIDUAL]), (m, n), sd),
+            carray(_pointer(a[ForwardSlot.WEIGHT]), n, pd),
+            carray(_pointer(a[ForwardSlot.BIAS]), n, pd),
+            cd(f[ForwardSlot.EPS]),
+            cd(n),
+            a[ForwardSlot.HAS_RESIDUAL] != 0,
+            write_s,
+            write_stats,
+            a[ForwardSlot.RMS] != 0,
+            carray(_pointer(a[ForwardSlot.Y]), (m, n), yd),
+            carray(_pointer(a[ForwardSlot.S]), (m, n if write_s else 0), sd),
+            carray(_pointer(a[ForwardSlot.MEAN]), stats_rows, cd),
+            carray(_pointer(a[ForwardSlot.RSTD]), stats_rows, cd),
+            a[:COUNTERS],
+            a[ForwardSlot.BLOCK_ROWS],
+            direct,
+            read_branch(a, f, ForwardSlot.BRANCH, m, n, cd, branched),
+        )
+
+    return _compile_entry(entry)
+
+
+def _compile_backward(sd, gd, td, pd, od, summed, branched):
+    """The backward entry (BackwardSlot); ``sd``: the dtype of s and ds, ``gd`` of dy, ``td`` of
+    dstream, ``pd`` of weight, ``od`` of dweight and dbias; ``summed``: the stream is recomputed
+    as x + residual; ``branched``: True (the stream recomputed through the branch), or None.
+
+    dweight and dbias: with one block (one thread), ``n`` values of ``od`` (or address 0: not
+    wanted), summed here and rounded once; with several, one partial row per block in the
+    statistics dtype, which the caller sums."""
+    cd = np.float64 if sd == np.float64 else np.float32
+    source_digest = SOURCE_DIGEST
+
+    def entry(block):
+        source_digest  # noqa: B018 (in the closure, so in numba's cache key)
+        a = carray(block, SLOTS, np.int64)
+        f = carray(block, SLOTS, np.float64)
+        m, n, blocks = a[BackwardSlot.ROWS], a[BackwardSlot.COLS], a[BackwardSlot.BLOCKS]
+        r = carray(_pointer(a[BackwardSlot.RESIDUAL]), (m, n), sd) if summed else None  # a constant: pruned
+        br = read_branch(a, f, BackwardSlot.BRANCH, m, n, cd, branched)
+        rows_dx = m if br is not None else 0
+        single = blocks == 1
+        dw = np.empty((1, n), cd) if single else carray(_pointer(a[BackwardSlot.DWEIGHT]), (blocks, n), cd)
+        db = np.empty((1, n), cd) if single else carray(_pointer(a[BackwardSlot.DBIAS]), (blocks, n), cd)
+        backward_blocks(
+            carray(_pointer(a[BackwardSlot.DY]), (m, n), gd),
+            carray(_pointer(a[BackwardSlot.DSTREAM]), (m, n), td),
+            carray(_pointer(a[BackwardSlot.S]), (m, n), sd),
+            r,
+            carray(_pointer(a[BackwardSlot.WEIGHT]), n, pd),
+            carray(_pointer(a[BackwardSlot.MEAN]), m, cd),
+            carray(_pointer(a[BackwardSlot.RSTD]), m, cd),
+            cd(n),
+            a[BackwardSlot.HAS_DSTREAM] != 0,
+            a[BackwardSlot.RMS] != 0,
+            carray(_pointer(a[BackwardSlot.DS]), (m, n), sd),
+            dw,
+            db,
+            a[:COUNTERS],
+            a[BackwardSlot.BLOCK_ROWS],
+            br,
+            carray(_pointer(a[BackwardSlot.DX]), (rows_dx, n), sd),
+            carray(_pointer(a[BackwardSlot.DLAYER_SCALE]), (blocks if br is not None else 0, n), cd),
+        )
+        if single:
+            for at, sums in ((BackwardSlot.DWEIGHT, dw[0]), (BackwardSlot.DBIAS, db[0])):
+                if a[at] != 0:
+                    out = carray(_pointer(a[at]), n, od)
+                    for j in range(n):
+                        put(out, j, sums[j])
+
+    return _compile_entry(entry)
+
+
+# compiled entries, made on first use: (stream, y, parameter dtypes, branched) and (s, dy,
+# dstream, weight, weight gradient dtypes, summed, branched)
+FORWARD_ENTRIES: dict[tuple, object] = {}
+BACKWARD_ENTRIES: dict[tuple, object] = {}
+
+
+def forward_entry(sd: torch.dtype, yd: torch.dtype, pd: torch.dtype, branched: bool = False):
+    key = (sd, yd, pd, branched)
+    entry = FORWARD_ENTRIES.get(key)
+    if entry is None:
+        dtypes = (NUMPY_DTYPES[d] for d in (sd, yd, pd))
+        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, True if branched else None)
+    return entry
+
+
+def backward_entry(
+    sd: torch.dtype,
+    gd: torch.dtype,
+    td: torch.dtype,
+    pd: torch.dtype,
+    od: torch.dtype,
+    summed: bool,
+    branched: bool = False,
+):
+    key = (sd, gd, td, pd, od, summed, branched)
+    entry = BACKWARD_ENTRIES.get(key)
+    if entry is None:
+        dtypes = (NUMPY_DTYPES[d] for d in (sd, gd, td, pd, od))
+        entry = BACKWARD_ENTRIES[key] = _compile_backward(*dtypes, summed, True if branched else None)
+    return entry
+
+
+_FLOAT64_BITS: dict[float, int] = {}
+
+
+def float64_bits(value: float) -> int:
+    """``value``'s float64 bits as an int64, for a slot read as float64 (eps, the dropout scale)."""
+    bits = _FLOAT64_BITS.get(value)
+    if bits is None:
+        bits = _FLOAT64_BITS[value] = int.from_bytes(struct.pack("<d", value), "little", signed=True)
+    return bits

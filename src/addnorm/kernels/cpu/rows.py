@@ -1,0 +1,264 @@
+"""The row loops: forward and backward over a block of rows, each row while it sits in L1/L2.
+
+Forward, per row: add the residual and round it to the stream dtype (written out as ``s``,
+unless post-norm needs no ``s``), the row in the statistics dtype (``x`` or ``s`` itself when
+already in it, else widened into a buffer), then the statistics (:mod:`.numerics`) and the
+output.
+
+Backward, per row: the row sums (of ``s - mean``, whose mean re-centres the row about the
+rounded saved mean as the forward centred it, of ``g = dy * weight`` and of ``g * xhat``) in one
+pass, then ``ds`` (plus the stream's own gradient) and the row's share of ``dweight``/``dbias``
+in another (:func:`gradient_pass`). ``xhat`` and ``g`` are recomputed in each pass (a
+multiply-add each) rather than stored by the first: fewer stores (docs/benchmarks.md, "Dispatch,
+threads, compile time, warm start": row cost in cache). For post-norm the stream ``s`` is itself
+recomputed from ``x`` and ``residual`` (:func:`stream_row`), bit for bit the forward's.
+
+Choices that depend on a dtype or on an argument being None are made by type when compiling
+(``@overload``, or a None argument), so that each case gets its own loops and each loop
+vectorizes; a runtime test inside a row loop would keep it from vectorizing.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from .branch import stream_through_branch
+from .floats import load, put, round_to
+from .numerics import SUM_MATH, add_row, centred_stats, dot, load_row, row_scale, row_stats, row_sum
+
+# Below this rstd (a std beyond 1e18) s - mean may overflow in float32: backward then scales
+# the row as the forward did. Above it the scaling would change nothing (it is exact).
+_SCALE_BELOW_RSTD = 1e-18
+
+
+@numba.njit
+def forward_rows(
+    x,
+    r,
+    w,
+    b,
+    eps,
+    nf,
+    has_residual,
+    write_s,
+    write_stats,
+    rms,
+    y,
+    s,
+    mean,
+    rstd,
+    buf,
+    kbuf,
+    direct,
+    branch,
+    first,
+    gates,
+):
+    """``y`` (and ``s``, ``mean``, ``rstd``) of the rows ``x`` (plus ``r``). ``direct``: None for
+    16-bit rows, whose x and s are never in the statistics dtype (a type, so that the branches
+    below that use x or s directly are pruned when compiling: left in, they keep the widening
+    loop from vectorizing). ``branch``: from :func:`.branch.prepare_branch` (None without one),
+    ``first`` the index of the first row in the call."""
+    n = buf.shape[0]
+    one = nf / nf
+    for i in range(x.shape[0]):
+        # the row in the statistics dtype and its sum (of squares for RMSNorm): 16-bit rows are
+        # widened into buf, summed as they are; others are x or s itself (nothing copied: a store
+        # per element fewer), or buf = x + residual, summed after, so that every path (plain,
+        # pre-norm, post-norm) sums its row the same way
+        if branch is not None:
+            row = buf
+            stream_through_branch(x[i], r[i], buf, gates, branch, first + i)
+            if write_s:
+                si = s[i]
+                for j in range(n):
+                    put(si, j, buf[j])
+            total = dot(row, row) if rms else row_sum(row)
+        elif direct is None:
+            row = buf
+            total = load_row(x[i], r[i], s[i], buf, has_residual, write_s, rms)
+        else:
+            if not has_residual:
+                row = x[i]
+            elif write_s:
+                row = s[i]
+                add_row(x[i], r[i], row)
+            else:
+                row = buf
+                add_row(x[i], r[i], row)
+            total = dot(row, row) if rms else row_sum(row)
+        k = one
+        if rms:
+            mu = c = nf - nf
+            var = total / nf
+        else:
+            mu, c, var = centred_stats(row, total, nf)
+        if not np.isfinite(var):  # overflow (bf16 beyond ~1e19): again on the row times k <= 1
+            k = row_scale(row, kbuf)
+            if k != one:
+                for j in range(n):
+                    buf[j] = row[j] * k
+                row = buf
+                mu, c, var = row_stats(row, nf, rms)
+        rs = one / np.sqrt(var + eps * k * k)  # rstd / k
+        yi = y[i]
+        for j in range(n):
+            put(yi, j, ((row[j] - mu) - c) * rs * load(w, j) + load(b, j))
+        if write_stats:
+            if not rms:
+                mean[i] = (mu + c) / k
+            rstd[i] = rs * k
+
+
+def stream_row(si, ri, sbuf):
+    """``(row, residual)`` with ``stream_at(row, residual, j)`` element ``j`` of the stream. When
+    the saved row ``si`` is ``x`` (``ri`` the residual, see ``CAPABILITIES``), the stream is the
+    forward's ``x + residual``, rounded as the forward rounded it: bit for bit its ``s``. For
+    16-bit rows it is recomputed once into ``sbuf`` (statistics dtype) rather than in each of the
+    backward's two passes, where the add and its rounding cost more instructions than the rest of
+    a pass; float32 and float64 rows add in place, in each pass, where the buffer costs more than
+    it saves (`python benchmarks/cpu_row_cost.py`; docs/benchmarks.md, "Dispatch, threads,
+    compile time, warm start": row cost in cache)."""
+
+
+def stream_at(si, ri, j):
+    """Element ``j`` of the stream: ``si[j]`` (``ri`` None), else ``si[j] + ri[j]`` rounded to the
+    dtype of ``si``."""
+
+
+def index_or_none(a, index):
+    """``a[index]``, or None when ``a`` is None."""
+
+
+def _plus_dstream(v, dsti, j):
+    """``v + dsti[j]`` (the gradient of the returned stream, pre-norm), or ``v`` when ``dsti`` is
+    None."""
+
+
+@overload(stream_row)
+def _stream_row_impl(si, ri, sbuf):
+    if isinstance(ri, types.NoneType) or si.dtype == sbuf.dtype:
+        return lambda si, ri, sbuf: (si, ri)
+
+    def recompute(si, ri, sbuf):
+        for j in range(sbuf.shape[0]):
+            sbuf[j] = round_to(si, load(si, j) + load(ri, j))
+        return sbuf, None
+
+    return recompute
+
+
+@overload(stream_at)
+def _stream_at_impl(si, ri, j):
+    if isinstance(ri, types.NoneType):
+        return lambda si, ri, j: load(si, j)
+    return lambda si, ri, j: round_to(si, load(si, j) + load(ri, j))
+
+
+@overload(index_or_none)
+def _index_or_none_impl(a, index):
+    if isinstance(a, types.NoneType):
+        return lambda a, index: None
+    return lambda a, index: a[index]
+
+
+@overload(_plus_dstream)
+def _plus_dstream_impl(v, dsti, j):
+    if isinstance(dsti, types.NoneType):
+        return lambda v, dsti, j: v
+    return lambda v, dsti, j: v + load(dsti, j)
+
+
+@numba.njit(fastmath=SUM_MATH)
+def _backward_sums(si, ri, dyi, w, k, mu, rs_k):
+    """The row sums of ``d = s * k - mu``, of ``g = dy * weight`` and of ``g * d * rs_k``."""
+    sum_d = sum_g = sum_gx = mu - mu
+    for j in range(w.shape[0]):
+        d = stream_at(si, ri, j) * k - mu
+        gj = load(dyi, j) * load(w, j)
+        sum_d += d
+        sum_g += gj
+        sum_gx += gj * (d * rs_k)
+    return sum_d, sum_g, sum_gx
+
+
+@numba.njit
+def _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf):
+    """``(k, mu, c, rs_k, mean(g * xhat), mean(g))`` of row ``i``, ``xhat = (s * k - mu - c) *
+    rs_k``: ``mu`` the saved mean and ``c`` its correction, the mean of ``s * k - mu`` (the saved
+    mean is rounded: see :func:`addnorm.reference.backward_rows`), both scaled by the row scale
+    ``k`` as in the forward. The pass that sums ``g`` and ``g * (s * k - mu) * rs_k`` takes ``c``
+    too, and ``sum(g * xhat) = sum(g * (s * k - mu) * rs_k) - c * rs_k * sum(g)``: no pass more.
+    Rows with rstd below _SCALE_BELOW_RSTD are copied to ``sbuf`` to find ``k``."""
+    zero = nf - nf
+    rs = rstd[i]
+    k = nf / nf
+    if rs < _SCALE_BELOW_RSTD:
+        for j in range(sbuf.shape[0]):  # (a copy onto itself when si is sbuf)
+            sbuf[j] = stream_at(si, ri, j)
+        k = row_scale(sbuf, kbuf)
+    mu = zero if rms else mean[i] * k
+    rs_k = rs / k
+    sum_d, sum_g, sum_gx = _backward_sums(si, ri, dyi, w, k, mu, rs_k)
+    c = zero if rms else sum_d / nf
+    return k, mu, c, rs_k, (sum_gx - c * rs_k * sum_g) / nf, (zero if rms else sum_g / nf)
+
+
+@numba.njit(inline="always")  # into each caller: as a call of its own, one case vectorized worse
+def gradient_pass(si, ri, dyi, w, dsti, coefs, rs, dsi, dw, db):
+    """The backward's second pass over a row: ``ds`` (plus ``dsti``, the gradient of the returned
+    stream, when not None) and the row's share of ``dweight`` and ``dbias``, from the row's
+    ``coefs`` (:func:`_row_coefs`). ``dsti`` None or not is a type: each case compiles to one
+    vectorized loop."""
+    k, mu, c, rs_k, mgx, mg = coefs
+    for j in range(w.shape[0]):
+        dj = load(dyi, j)
+        xh = ((stream_at(si, ri, j) * k - mu) - c) * rs_k
+        dw[j] += dj * xh
+        db[j] += dj
+        put(dsi, j, _plus_dstream((dj * load(w, j) - xh * mgx - mg) * rs, dsti, j))
+
+
+@numba.njit
+def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf):
+    """``ds`` of the rows and their share of ``dweight`` (``dw``) and ``dbias`` (``db``): two
+    passes over each row while it sits in cache. ``r``: None (``s`` is the stream), or the
+    residual, ``s`` then being ``x`` (see :func:`stream_row`)."""
+    for i in range(s.shape[0]):
+        (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf), dy[i]
+        coefs = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
+        if has_dstream:
+            gradient_pass(si, ri, dyi, w, dstream[i], coefs, rstd[i], ds[i], dw, db)
+        else:
+            gradient_pass(si, ri, dyi, w, None, coefs, rstd[i], ds[i], dw, db)
+
+
+@numba.njit
+def backward_rows_branch(
+    dy, dstream, x, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, branch, first, gates, dx, dls
+):
+    """:func:`backward_rows` through the branch: the stream and its gates recomputed into
+    ``sbuf``/``gates`` (:func:`.branch.stream_through_branch`), then besides ``ds`` (the
+    residual's gradient) ``dx`` and the row's share of ``dlayer_scale`` (``dls``), as
+    :func:`addnorm.reference.branch_backward`."""
+    rowscale, layer_scaled = branch[5], branch[7]
+    gate, factor = gates[0], gates[1]
+    for i in range(x.shape[0]):
+        xi, dyi, dsi, dxi = x[i], dy[i], ds[i], dx[i]
+        stream_through_branch(xi, r[i], sbuf, gates, branch, first + i)
+        coefs = _row_coefs(sbuf, None, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
+        rsc = rowscale[first + i]
+        # short loops over the row, so that each vectorizes: ds (and dweight, dbias) as without
+        # a branch, then dx and dlayer_scale from ds as stored (as autograd reads it)
+        if has_dstream:
+            gradient_pass(sbuf, None, dyi, w, dstream[i], coefs, rstd[i], dsi, dw, db)
+        else:
+            gradient_pass(sbuf, None, dyi, w, None, coefs, rstd[i], dsi, dw, db)
+        for j in range(w.shape[0]):
+            put(dxi, j, load(dsi, j) * factor[j] * rsc)
+        if layer_scaled:  # (a row of ones stands in for a missing layer scale: no gradient to take)
+            for j in range(w.shape[0]):
+                dls[j] += load(dsi, j) * (load(xi, j) * gate[j] * rsc)
