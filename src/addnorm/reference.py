@@ -189,6 +189,18 @@ def branch_backward(ds: Tensor, x: Tensor, branch: Branch, rows: Tensor) -> tupl
     return branch_terms(ds, branch, rows)["t"], dlayer_scale
 
 
+def sum_partials(partials: Tensor) -> Tensor:
+    """The sum over dim 0 of the ``(blocks, N)`` partial rows of a parameter gradient, in a fixed
+    pairwise tree: ``p[i] + p[i + half]`` level by level, each level one elementwise add, so the
+    order of every sum depends on the number of blocks alone, never on threads (the reduction
+    contract: docs/reliability.md)."""
+    while partials.shape[0] > 1:
+        half = partials.shape[0] // 2
+        pairs = partials[:half] + partials[half : 2 * half]
+        partials = torch.cat((pairs, partials[2 * half :])) if partials.shape[0] % 2 else pairs
+    return partials[0]
+
+
 def row_scale(sf: Tensor) -> Tensor:
     """Per row, a power of two ``k <= 1`` with ``max|s * k| < 1``, shape ``(rows, 1)``.
 

@@ -15,11 +15,14 @@ bottom up:
 This module is the backend contract (:class:`addnorm.backend.Backend`): ``CAPABILITIES``,
 ``unavailable_reason``, ``forward``, ``backward``.
 
-Determinism: ``dweight``/``dbias`` are summed per block of rows, then in block order:
-bit-identical from run to run for a given thread count; which thread runs a row never changes
-its bits. Accuracy: no fastmath except reassociation inside the row sums (:mod:`.numerics`);
-the order of operations is fixed by the compiled code, so results are run-to-run deterministic
-on a machine, not across CPU generations. Statistics and arithmetic are float32 (float64 for
+Determinism: ``dweight``/``dbias`` are summed per block of rows in row order, then the blocks'
+partial rows in a fixed tree (:func:`addnorm.reference.sum_partials`); the backward's blocks
+depend on the shape alone (:func:`reduction_blocks`), so the bits are the same from run to run
+and for any thread count; which thread runs a row never changes its bits.
+
+Accuracy: no fastmath except reassociation inside the row sums (:mod:`.numerics`); the order of
+operations is fixed by the compiled code, so results are run-to-run deterministic on a machine,
+not across CPU generations. Statistics and arithmetic are float32 (float64 for
 float64 streams); 16-bit floats are widened to float32 and rounded back to nearest-even.
 """
 
@@ -44,24 +47,34 @@ CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True)
 # compile time, warm start"). Results never depend on it: each row is computed the same way on
 # any thread.
 PARALLEL_MIN_ELEMENTS = 1 << 16
-# Rows are split into this many blocks per thread, claimed one at a time: a late thread costs
-# at most its share of blocks, and dweight/dbias keep one partial row per block.
+# The forward splits rows into this many blocks per thread, claimed one at a time: a late thread
+# costs at most its share of blocks.
 BLOCKS_PER_THREAD = 8
+# The backward's blocks, one partial row of dweight/dbias each: at most this many, of at least
+# 16 rows (the scratch stays small beside the (m, n) tensors), a count of the shape alone.
+REDUCTION_BLOCKS = 64
 
 
 def unavailable_reason(x: Tensor | None) -> str | None:
     return None  # numba is a dependency of addnorm; the device is checked against CAPABILITIES
 
 
-def thread_plan(rows: int, max_blocks: int | None = None) -> tuple[int, int]:
-    """``(threads, block_rows)`` for a call of PARALLEL_MIN_ELEMENTS or more (smaller ones run
-    as one block on the calling thread): torch's thread count, and BLOCKS_PER_THREAD blocks per
-    thread, at most ``max_blocks`` (but one per thread)."""
+def thread_plan(rows: int) -> tuple[int, int]:
+    """``(threads, block_rows)`` of a forward of PARALLEL_MIN_ELEMENTS or more (smaller ones run
+    as one block on the calling thread): torch's thread count, BLOCKS_PER_THREAD blocks each."""
     threads = max(1, min(rows, torch.get_num_threads()))
     blocks = BLOCKS_PER_THREAD * threads if threads > 1 else 1
-    if max_blocks is not None:
-        blocks = min(blocks, max(threads, max_blocks))
     return threads, -(-rows // max(1, min(rows, blocks)))
+
+
+def reduction_blocks(rows: int, cols: int) -> tuple[int, int]:
+    """``(blocks, block_rows)`` of the backward: one block below PARALLEL_MIN_ELEMENTS, else up to
+    REDUCTION_BLOCKS blocks of at least 16 rows. The shape alone decides, never the thread count:
+    dweight/dbias are the same bits on any number of threads (docs/reliability.md)."""
+    if rows * cols < PARALLEL_MIN_ELEMENTS:
+        return 1, max(rows, 1)
+    block_rows = -(-rows // max(1, min(REDUCTION_BLOCKS, rows // 16)))
+    return -(-rows // block_rows), block_rows
 
 
 def forward(
@@ -156,10 +169,9 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
     ds = empty_output(s, sd)
     dx = empty_output(s, sd) if branch is not None else None
     # one block (one thread): the kernel sums dweight and dbias itself, rounded to ``od`` once;
-    # else one partial row per block in the statistics dtype, at most 1/16 of ds's rows (the
-    # scratch stays small beside the (m, n) tensors for few, wide rows), summed below
-    threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else thread_plan(m, max_blocks=m // 16)
-    blocks = -(-m // block_rows) if m else 1
+    # else one partial row per block in the statistics dtype, summed below in a fixed tree
+    blocks, block_rows = reduction_blocks(m, n)
+    threads = 1 if blocks == 1 else min(blocks, max(1, torch.get_num_threads()))
     od = param_dtype if param_dtype is cd or param_dtype is sd else cd
     # separate tensors: the custom op's outputs may not alias. The kernel zeroes each block's row
     # before it sums into it: zeros only where it does not run
@@ -198,11 +210,10 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
         entry = backward_entry(sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None)
         run_on_threads(entry, threads, args, branch_slots)
         del held
-    if blocks > 1:  # the per-block partial rows summed by torch (no atomics, a fixed order for a
-        # given shape): bit-identical from run to run for a given thread count
-        dw = dw.sum(0) if weight is not None else None
-        db = db.sum(0) if has_bias else None
-        dls = None if dls is None else dls.sum(0)
+    if blocks > 1:  # the per-block partial rows, in a tree fixed by the number of blocks
+        dw = reference.sum_partials(dw) if weight is not None else None
+        db = reference.sum_partials(db) if has_bias else None
+        dls = None if dls is None else reference.sum_partials(dls)
     if param_dtype is not None:
         dw, db = (g if g is None or g.dtype is param_dtype else g.to(param_dtype) for g in (dw, db))
     if branch is None or branch.layer_scale is None:

@@ -8,8 +8,9 @@ per thread, matters on shared machines: a thread that starts late (descheduled, 
 down from torch's last op) takes fewer blocks instead of holding the others up.
 
 ``dweight``/``dbias`` (and ``dlayer_scale``) accumulate into one partial row per block, not per
-thread, so their sums do not depend on which thread ran which block: bit-identical from run to
-run for a given thread count (docs/reliability.md, "3. Determinism").
+thread, and the backward's blocks are fixed by the shape (``reduction_blocks``), so their sums
+depend neither on which thread ran which block nor on how many threads ran: the same bits on
+any thread count (docs/reliability.md, "3. Determinism and the reduction contract").
 """
 
 from __future__ import annotations
