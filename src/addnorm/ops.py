@@ -124,17 +124,19 @@ def add_norm(
         return _nested(
             x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out
         )
-    call = (x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out)
-    if parallel is not NO_PARALLEL:
-        return _parallel(*call, sublayer, parallel)
-    if residual is None and (
-        prenorm
-        or residual_out is not None
-        or (residual_dtype is not None and residual_dtype != getattr(x, "dtype", None))
-        or (sublayer is not NO_SUBLAYER and (sublayer.dropout_p or sublayer.layer_scale is not None))
-        or (sublayer is not NO_SUBLAYER and sublayer.rowscale is not None)
+    if parallel is not NO_PARALLEL or (
+        residual is None
+        and (
+            prenorm
+            or residual_out is not None
+            or (residual_dtype is not None and residual_dtype != getattr(x, "dtype", None))
+            or _has_branch(sublayer)
+        )
     ):
-        return _stream_starts_here(*call, sublayer)
+        call = (x, residual, normalized_shape, weight, bias, eps, rms, prenorm, residual_dtype, backend)
+        if parallel is not NO_PARALLEL:
+            return _parallel(*call, out, residual_out, sublayer, parallel)
+        return _stream_starts_here(*call, out, residual_out, sublayer)
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
     if type(prenorm) is not bool:
         check_flag("prenorm", prenorm)
@@ -318,6 +320,13 @@ def _dropout_mask(x: Tensor, n: int, dropout_p: float, seed: Tensor | None) -> T
 # --------------------------------------------------------------------------- first and parallel blocks
 
 
+def _has_branch(sublayer: Sublayer) -> bool:
+    """Whether the sublayer branch changes ``x`` (dropout, a layer scale or a row scale)."""
+    return sublayer is not NO_SUBLAYER and (
+        bool(sublayer.dropout_p) or sublayer.layer_scale is not None or sublayer.rowscale is not None
+    )
+
+
 def _stream_starts_here(
     x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, backend, out, residual_out, sublayer
 ):
@@ -327,8 +336,7 @@ def _stream_starts_here(
     of zeros, which is exactly ``branch(x)``. Else the stream is ``x`` itself (no copy)."""
     x = check_float_tensor("x", x)
     sd = residual_dtype or x.dtype
-    plain = sublayer is NO_SUBLAYER or not (sublayer.dropout_p or sublayer.layer_scale is not None)
-    if sd != x.dtype or residual_out is not None or not plain or sublayer.rowscale is not None:
+    if sd != x.dtype or residual_out is not None or _has_branch(sublayer):
         zeros = torch.zeros_like(x, dtype=sd, requires_grad=False)
         return add_norm(
             x, zeros, shape, weight, bias, eps, rms=rms, prenorm=prenorm, residual_dtype=sd, backend=backend,
