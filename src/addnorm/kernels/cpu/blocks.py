@@ -120,7 +120,7 @@ def backward_blocks(
     claims. ``dw``/``db`` (and ``dls``): one partial row per block (not per thread), so that the
     sums do not depend on which thread ran which block."""
     m, n = s.shape
-    sbuf = np.empty(n, rstd.dtype)
+    sbuf = np.empty((2, n), rstd.dtype)
     kbuf = np.empty(1, rstd.dtype)
     branch = prepare_branch(br, n)
     gates = np.empty((2, n if br is not None else 0), rstd.dtype)
@@ -144,7 +144,7 @@ def backward_blocks(
                 ds[lo:hi],
                 dw[blk],
                 db[blk],
-                sbuf,
+                sbuf[0],
                 kbuf,
                 branch,
                 lo,

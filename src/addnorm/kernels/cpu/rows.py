@@ -29,6 +29,11 @@ from .branch import stream_through_branch
 from .floats import load, put, round_to
 from .numerics import SUM_MATH, add_row, centred_stats, dot, load_row, row_scale, row_stats, row_sum
 
+# Rows at least this wide take the backward's second pass two rows at a time, which loads and
+# stores dweight/dbias once per pair; narrower rows one at a time, where the pair loop's setup
+# costs more than it saves (docs/benchmarks.md, "CPU backward: where the time goes").
+PAIR_MIN_COLS = 2048
+
 # Below this rstd (a std beyond 1e18) s - mean may overflow in float32: backward then scales
 # the row as the forward did. Above it the scaling would change nothing (it is exact).
 _SCALE_BELOW_RSTD = 1e-18
@@ -222,14 +227,51 @@ def gradient_pass(si, ri, dyi, w, dsti, coefs, rs, dsi, dw, db):
         put(dsi, j, _plus_dstream((dj * load(w, j) - xh * mgx - mg) * rs, dsti, j))
 
 
+@numba.njit(inline="always")
+def _gradient_pair(rows, w, dw, db):
+    """:func:`gradient_pass` of two rows in one pass: ``dweight``/``dbias`` loaded and stored
+    once per pair, each row's term added in row order as two passes would (the same bits).
+    ``rows``: per row ``(si, ri, dyi, dsti, coefs, rs, dsi)``."""
+    si, ri, dyi, dsti, (k, mu, c, rs_k, mgx, mg), rs, dsi = rows[0]
+    sj, rj, dyj, dstj, (k2, mu2, c2, rs_k2, mgx2, mg2), rs2, dsj = rows[1]
+    for j in range(w.shape[0]):
+        wj = load(w, j)
+        di = load(dyi, j)
+        xi = ((stream_at(si, ri, j) * k - mu) - c) * rs_k
+        dj = load(dyj, j)
+        xj = ((stream_at(sj, rj, j) * k2 - mu2) - c2) * rs_k2
+        dw[j] = (dw[j] + di * xi) + dj * xj
+        db[j] = (db[j] + di) + dj
+        put(dsi, j, _plus_dstream((di * wj - xi * mgx - mg) * rs, dsti, j))
+        put(dsj, j, _plus_dstream((dj * wj - xj * mgx2 - mg2) * rs2, dstj, j))
+
+
 @numba.njit
 def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf):
     """``ds`` of the rows and their share of ``dweight`` (``dw``) and ``dbias`` (``db``): two
-    passes over each row while it sits in cache. ``r``: None (``s`` is the stream), or the
-    residual, ``s`` then being ``x`` (see :func:`stream_row`)."""
-    for i in range(s.shape[0]):
-        (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf), dy[i]
-        coefs = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
+    passes over each row while it sits in cache; rows of PAIR_MIN_COLS or more take their
+    second pass two at a time (:func:`_gradient_pair`), the same bits. ``r``: None (``s`` is
+    the stream), or the residual, ``s`` then being ``x`` (see :func:`stream_row`). ``sbuf``: two
+    rows of scratch."""
+    m = s.shape[0]
+    paired = m - m % 2 if w.shape[0] >= PAIR_MIN_COLS else 0
+    for i in range(0, paired, 2):
+        (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf[0]), dy[i]
+        (sj, rj), dyj = stream_row(s[i + 1], index_or_none(r, i + 1), sbuf[1]), dy[i + 1]
+        ci = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf[0], kbuf)
+        cj = _row_coefs(sj, rj, dyj, w, mean, rstd, i + 1, nf, rms, sbuf[1], kbuf)
+        if has_dstream:
+            rows = (
+                (si, ri, dyi, dstream[i], ci, rstd[i], ds[i]),
+                (sj, rj, dyj, dstream[i + 1], cj, rstd[i + 1], ds[i + 1]),
+            )
+            _gradient_pair(rows, w, dw, db)
+        else:
+            rows = ((si, ri, dyi, None, ci, rstd[i], ds[i]), (sj, rj, dyj, None, cj, rstd[i + 1], ds[i + 1]))
+            _gradient_pair(rows, w, dw, db)
+    for i in range(paired, m):
+        (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf[0]), dy[i]
+        coefs = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf[0], kbuf)
         if has_dstream:
             gradient_pass(si, ri, dyi, w, dstream[i], coefs, rstd[i], ds[i], dw, db)
         else:
