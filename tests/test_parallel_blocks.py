@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import addnorm
-from conftest import TOLERANCES, assert_matches_oracle
+from conftest import TOLERANCES, assert_matches_oracle, interpreted
 
 F = torch.nn.functional
 
@@ -148,7 +148,9 @@ def test_parallel_block_gradcheck_and_gradgradcheck(backend, kind):
 
     inputs = (x, r, x1, w, b, w1, b1)
     assert torch.autograd.gradcheck(f, inputs)
-    assert torch.autograd.gradgradcheck(f, inputs)
+    if not interpreted(backend):  # a second derivative differentiates the torch formulas on every
+        # backend (kernels/torch.differentiable_backward): the interpreter would only repeat it slowly
+        assert torch.autograd.gradgradcheck(f, inputs)
 
 
 def test_return_order_follows_flash_attn(backend):
