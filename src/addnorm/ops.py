@@ -38,7 +38,7 @@ from torch.autograd import forward_ad
 
 from . import backend as backends
 from . import reference
-from .autograd import OpArgs, dropped_add, eager_apply, forward_op, make_branch, op_args
+from .autograd import OpArgs, _to, dropped_add, eager_apply, forward_op, make_branch, op_args
 from .checks import (
     PLAIN,
     check_backend,
@@ -180,10 +180,6 @@ def add_norm(
     if len(shape) > 1:
         result = tuple(t.unflatten(-1, shape) for t in result)
     return result if len(result) > 1 else result[0]
-
-
-def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 # --------------------------------------------------------------------------- the router
