@@ -1,0 +1,226 @@
+"""Before/after of a change: addnorm bench on two revisions, their runs alternated.
+
+    python benchmarks/compare_revs.py BASE [--head REV] [--rounds K] [--format table|markdown]
+        [--save FILE] -- [addnorm bench arguments]
+
+``BASE`` (and ``--head``) is any commit of this repository (a hash, a tag, ``HEAD~3``); without
+``--head`` the other side is this working tree as it is, uncommitted edits included. Each
+revision is exported with ``git archive`` into a temporary folder and benchmarked from there
+(``PYTHONPATH=<folder>/src``); nothing in this checkout changes.
+
+Each round runs ``python -m addnorm bench ... --format json`` once per side, in alternating order
+(base first, then head first), so that both sides of a round run on the machine as it is then.
+A shared machine's speed drifts from minute to minute: a ratio is the median, over the rounds,
+of the ratio of the two sides' medians in the same round, with its lowest and highest round.
+Torch eager's rows, when asked for (``--impl torch-eager,...``), are measured in both runs, and
+each side's ``vs torch`` is against the torch of its own run.
+
+A run cut short (a failed bench, Ctrl-C) prints the rounds that finished; ``--save`` appends
+every finished run's rows (JSON lines, each with its side and round) as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = ("op", "pass", "rows", "cols", "dtype", "impl")
+OWNED = ("--format", "--save", "--results", "--plot")  # the bench options this script sets itself
+
+
+class Failure(Exception):
+    """A problem to report in one line (exit status ``code``), with no traceback."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+def resolve(rev: str) -> str:
+    """The full hash of commit ``rev`` of this repository, or a Failure naming it."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise Failure(f"cannot run git in {ROOT}: {e}", 2) from None
+    if done.returncode or not done.stdout.strip():
+        raise Failure(f"{rev!r} is not a commit of the repository at {ROOT}", 2)
+    return done.stdout.strip()
+
+
+def export(commit: str, into: Path) -> Path:
+    """The tree of ``commit``, written under ``into`` by ``git archive``."""
+    tree = into / commit[:10]
+    archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=ROOT, capture_output=True, timeout=300)
+    if archive.returncode:
+        raise Failure(f"git archive {commit[:10]} failed: {archive.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+def child_env(tree: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def check_imports_from(tree: Path) -> None:
+    """Fail unless ``import addnorm`` in a child run from ``tree`` loads ``tree``'s own copy (an
+    installed copy found first would make both sides the same code)."""
+    code = "import addnorm, sys; sys.stdout.write(addnorm.__file__)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=child_env(tree), capture_output=True, text=True)
+    where = Path(done.stdout.strip() or "?").resolve()
+    if done.returncode or not where.is_relative_to(tree.resolve()):
+        raise Failure(f"import addnorm from {tree} loaded {where}, not that tree: {done.stderr.strip()[-300:]}")
+
+
+def bench(tree: Path, args: list[str]) -> list[dict]:
+    """The rows of one ``addnorm bench`` run of the code in ``tree``."""
+    cmd = [sys.executable, "-m", "addnorm", "bench", *args, "--format", "json"]
+    done = subprocess.run(cmd, cwd=tree, env=child_env(tree), capture_output=True, text=True)
+    if done.returncode:
+        tail = done.stderr.strip().splitlines()[-3:]
+        raise Failure(f"addnorm bench failed in {tree} (exit {done.returncode}): " + " | ".join(tail))
+    return json.loads(done.stdout)["rows"]
+
+
+def summarize(rounds: list[dict[str, list[dict]]]) -> list[dict]:
+    """One line per configuration and implementation measured on both sides in every round."""
+    by_key: dict[tuple, dict[str, list[dict]]] = {}
+    for rnd in rounds:
+        for side, rows in rnd.items():
+            for row in rows:
+                by_key.setdefault(tuple(row[k] for k in KEY), {}).setdefault(side, []).append(row)
+    lines = []
+    for key, sides in by_key.items():
+        base, head = sides.get("base", []), sides.get("head", [])
+        if not base or len(base) != len(head):
+            continue
+        ratios = [b["median_ms"] / h["median_ms"] for b, h in zip(base, head)]
+        med = lambda rows, field: statistics.median(r[field] for r in rows)  # noqa: E731
+        lines.append(
+            {
+                **dict(zip(KEY, key)),
+                "base_ms": med(base, "median_ms"),
+                "head_ms": med(head, "median_ms"),
+                "base_copy_fraction": med(base, "copy_fraction"),
+                "head_copy_fraction": med(head, "copy_fraction"),
+                "base_vs_torch": med(base, "vs_torch_eager"),
+                "head_vs_torch": med(head, "vs_torch_eager"),
+                "speedup": statistics.median(ratios),
+                "speedup_low": min(ratios),
+                "speedup_high": max(ratios),
+                "rounds": len(ratios),
+            }
+        )
+    return lines
+
+
+def render(lines: list[dict], fmt: str, labels: tuple[str, str]) -> str:
+    """The summary as a terminal table or a markdown table. Each side's cell: median ms, fraction
+    of the copy bandwidth, ratio to torch eager of its run."""
+    head = ["op", "pass", "shape", "dtype", "impl", labels[0], labels[1], "head vs base"]
+    body = [
+        [
+            ln["op"],
+            ln["pass"],
+            f"{ln['rows']}x{ln['cols']}",
+            ln["dtype"],
+            ln["impl"],
+            f"{ln['base_ms']:.3f} · {ln['base_copy_fraction']:.2f} · {ln['base_vs_torch']:.2f}x",
+            f"{ln['head_ms']:.3f} · {ln['head_copy_fraction']:.2f} · {ln['head_vs_torch']:.2f}x",
+            f"{ln['speedup']:.2f}x ({ln['speedup_low']:.2f}-{ln['speedup_high']:.2f})",
+        ]
+        for ln in lines
+    ]
+    if fmt == "markdown":
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * 5 + "---:|" * 3]
+        out += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(out)
+    widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body])
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    ours, bench_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(
+        prog="compare_revs.py",
+        description=__doc__.splitlines()[0],
+        epilog="Arguments after -- go to addnorm bench (see: addnorm bench --help).",
+    )
+    p.add_argument("base", metavar="BASE", help="the commit to compare against (hash, tag, HEAD~1, ...)")
+    p.add_argument("--head", metavar="REV", help="the other commit (default: this working tree as it is)")
+    p.add_argument("--rounds", type=int, default=3, help="alternated runs per side (default 3)")
+    p.add_argument("--format", choices=["table", "markdown"], default="table")
+    p.add_argument("--save", metavar="FILE", help="append every run's rows as JSON lines to FILE")
+    args = p.parse_args(ours)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    owned = [a for a in bench_args if a.split("=")[0] in OWNED]
+    if owned:
+        p.error(f"{', '.join(owned)}: set by this script; give addnorm bench the other options")
+    return args, bench_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, bench_args = parse(sys.argv[1:] if argv is None else argv)
+    rounds: list[dict[str, list[dict]]] = []
+    labels = ("base", "head")
+    code = 0
+    with tempfile.TemporaryDirectory(prefix="addnorm-revs-") as tmp:
+        try:
+            base = resolve(args.base)
+            trees = {"base": export(base, Path(tmp))}
+            head_label = "working tree"
+            if args.head is not None:
+                head = resolve(args.head)
+                trees["head"], head_label = export(head, Path(tmp)), head[:10]
+            else:
+                trees["head"] = ROOT
+            labels = (f"base {base[:10]}", f"head {head_label}")
+            commits = {"base": base[:7], "head": None if args.head is None else head_label[:7]}
+            for tree in trees.values():
+                check_imports_from(tree)
+            print(f"{labels[0]} vs {labels[1]}: addnorm bench {' '.join(bench_args)}", file=sys.stderr)
+            for k in range(args.rounds):
+                order = ("base", "head") if k % 2 == 0 else ("head", "base")
+                rnd = {}
+                for side in order:
+                    rnd[side] = bench(trees[side], bench_args)
+                    if args.save:
+                        with open(args.save, "a") as f:
+                            for row in rnd[side]:
+                                commit = commits[side] or row["commit"]  # (an archive has no git)
+                                f.write(json.dumps({**row, "commit": commit, "side": side, "round": k}) + "\n")
+                rounds.append(rnd)
+                print(f"round {k + 1}/{args.rounds} done", file=sys.stderr)
+        except Failure as e:
+            print(f"compare_revs: {e}", file=sys.stderr)
+            code = e.code
+        except KeyboardInterrupt:
+            print("compare_revs: interrupted", file=sys.stderr)
+            code = 130
+    if rounds:
+        if code:
+            print(f"(the {len(rounds)} round(s) that finished)", file=sys.stderr)
+        print(render(summarize(rounds), args.format, labels))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
