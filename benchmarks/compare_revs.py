@@ -8,7 +8,7 @@
 revision is exported with ``git archive`` into a temporary folder and benchmarked from there
 (``PYTHONPATH=<folder>/src``); nothing in this checkout changes.
 
-Each round runs ``python -m addnorm bench ... --format json`` once per side, in alternating order
+Each round runs ``addnorm bench ... --save`` once per side, in alternating order
 (base first, then head first), so that both sides of a round run on the machine as it is then.
 A shared machine's speed drifts from minute to minute: a ratio is the median, over the rounds,
 of the ratio of the two sides' medians in the same round, with its lowest and highest round.
@@ -25,6 +25,7 @@ import argparse
 import io
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -89,27 +90,68 @@ def check_imports_from(tree: Path) -> None:
         raise Failure(f"import addnorm from {tree} loaded {where}, not that tree: {done.stderr.strip()[-300:]}")
 
 
-def bench(tree: Path, args: list[str]) -> list[dict]:
-    """The rows of one ``addnorm bench`` run of the code in ``tree``."""
-    cmd = [sys.executable, "-m", "addnorm", "bench", *args, "--format", "json"]
+def cli_command(tree: Path) -> list[str]:
+    """The command that runs ``tree``'s ``addnorm`` CLI: its console script (``[project.scripts]``
+    of its pyproject.toml) called in a child Python, so that revisions older than ``python -m
+    addnorm`` run too."""
+    try:
+        found = re.search(r'^addnorm\s*=\s*"([\w.]+):(\w+)"', (tree / "pyproject.toml").read_text(), re.MULTILINE)
+    except OSError as e:
+        raise Failure(f"cannot read {tree}/pyproject.toml: {e}") from None
+    if found is None:
+        raise Failure(f"{tree}/pyproject.toml names no addnorm console script")
+    module, func = found.groups()
+    call = f"import sys; from {module} import {func} as main; sys.argv[0] = 'addnorm'; sys.exit(main())"
+    return [sys.executable, "-c", call]
+
+
+def bench(tree: Path, args: list[str], scratch: Path) -> list[dict]:
+    """The rows of one ``addnorm bench`` run of the code in ``tree``, read from the JSONL file its
+    ``--save --results`` writes (older revisions have no ``--format json``)."""
+    rows = scratch / "rows.jsonl"
+    rows.unlink(missing_ok=True)
+    cmd = [*cli_command(tree), "bench", *args, "--save", "--results", str(rows)]
     done = subprocess.run(cmd, cwd=tree, env=child_env(tree), capture_output=True, text=True)
     if done.returncode:
         tail = done.stderr.strip().splitlines()[-3:]
         raise Failure(f"addnorm bench failed in {tree} (exit {done.returncode}): " + " | ".join(tail))
-    return json.loads(done.stdout)["rows"]
+    return [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
+
+
+def _with_derived(rnd: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The round's rows with ``vs_torch_eager`` (against the torch-eager row of the same run) and
+    ``copy_fraction`` (bytes over time over the copy bandwidth of the run, or, for a revision
+    whose rows record no copy bandwidth, of the other side's run in the same round; the bytes are
+    the newer side's count, as both sides move the same tensors) set on every row."""
+    copy = {side: next((r["copy_gbps"] for r in rows if r.get("copy_gbps")), None) for side, rows in rnd.items()}
+    count = {tuple(r[k] for k in KEY): r["bytes"] for rows in rnd.values() for r in rows if "copy_gbps" in r}
+    out = {}
+    for side, rows in rnd.items():
+        torch_ms = {tuple(r[k] for k in KEY[:5]): r["median_ms"] for r in rows if r["impl"] == "torch-eager"}
+        gbps = copy[side] or next((g for g in copy.values() if g), None)
+        derived = []
+        for r in rows:
+            key = tuple(r[k] for k in KEY)
+            nbytes = count.get(key, r["bytes"])
+            fraction = nbytes / (r["median_ms"] * 1e6) / gbps if gbps else float("nan")
+            base_ms = torch_ms.get(key[:5])
+            vs = base_ms / r["median_ms"] if base_ms else float("nan")
+            derived.append({**r, "copy_fraction": fraction, "vs_torch_eager": vs})
+        out[side] = derived
+    return out
 
 
 def summarize(rounds: list[dict[str, list[dict]]]) -> list[dict]:
     """One line per configuration and implementation measured on both sides in every round."""
     by_key: dict[tuple, dict[str, list[dict]]] = {}
     for rnd in rounds:
-        for side, rows in rnd.items():
+        for side, rows in _with_derived(rnd).items():
             for row in rows:
                 by_key.setdefault(tuple(row[k] for k in KEY), {}).setdefault(side, []).append(row)
     lines = []
     for key, sides in by_key.items():
         base, head = sides.get("base", []), sides.get("head", [])
-        if not base or len(base) != len(head):
+        if not base or len(base) != len(head) or len(base) != len(rounds):
             continue
         ratios = [b["median_ms"] / h["median_ms"] for b, h in zip(base, head)]
         med = lambda rows, field: statistics.median(r[field] for r in rows)  # noqa: E731
@@ -201,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = ("base", "head") if k % 2 == 0 else ("head", "base")
                 rnd = {}
                 for side in order:
-                    rnd[side] = bench(trees[side], bench_args)
+                    rnd[side] = bench(trees[side], bench_args, Path(tmp))
                     if args.save:
                         with open(args.save, "a") as f:
                             for row in rnd[side]:

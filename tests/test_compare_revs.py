@@ -18,8 +18,8 @@ compare_revs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(compare_revs)
 
 
-def row(impl: str, ms: float, torch_ms: float) -> dict:
-    return {
+def row(impl: str, ms: float, copy_gbps: float | None = 1.0) -> dict:
+    r = {
         "op": "add_layer_norm",
         "pass": "fwd",
         "rows": 8,
@@ -27,29 +27,48 @@ def row(impl: str, ms: float, torch_ms: float) -> dict:
         "dtype": "float32",
         "impl": impl,
         "median_ms": ms,
-        "copy_fraction": 0.1 / ms,
-        "vs_torch_eager": torch_ms / ms,
+        "bytes": 1e5,  # 0.1 GB/s at 1 ms
     }
+    if copy_gbps is not None:
+        r["copy_gbps"] = copy_gbps
+    return r
 
 
 def test_the_ratio_is_the_median_of_each_rounds_ratio():
     # base/head per round: 2.0, 1.0, 4.0 -> median 2.0; the sides' own medians are 2.0 and 1.0
     base = [2.0, 1.0, 4.0]
     head = [1.0, 1.0, 1.0]
-    rounds = [{"base": [row("addnorm", b, 1.0)], "head": [row("addnorm", h, 1.0)]} for b, h in zip(base, head)]
-    (line,) = compare_revs.summarize(rounds)
+    rounds = [
+        {"base": [row("addnorm", b), row("torch-eager", 1.0)], "head": [row("addnorm", h), row("torch-eager", 0.5)]}
+        for b, h in zip(base, head)
+    ]
+    lines = {ln["impl"]: ln for ln in compare_revs.summarize(rounds)}
+    line = lines["addnorm"]
     assert line["speedup"] == 2.0 and (line["speedup_low"], line["speedup_high"]) == (1.0, 4.0)
     assert (line["base_ms"], line["head_ms"], line["rounds"]) == (2.0, 1.0, 3)
-    assert line["head_vs_torch"] == 1.0 and line["base_vs_torch"] == 0.5
+    # each side against the torch of its own run: 1.0 / 2.0 and 0.5 / 1.0
+    assert line["base_vs_torch"] == 0.5 and line["head_vs_torch"] == 0.5
+    # 1e5 bytes in 2 ms at 1 GB/s; in 1 ms
+    assert line["base_copy_fraction"] == pytest.approx(0.05) and line["head_copy_fraction"] == pytest.approx(0.1)
     text = compare_revs.render([line], "markdown", ("base a", "head b"))
     assert "| add_layer_norm | fwd | 8x64 | float32 | addnorm |" in text and "2.00x (1.00-4.00)" in text
 
 
 def test_a_configuration_missing_from_a_round_is_left_out():
     rounds = [
-        {"base": [row("addnorm", 1.0, 1.0), row("torch-eager", 1.0, 1.0)], "head": [row("addnorm", 1.0, 1.0)]},
+        {"base": [row("addnorm", 1.0), row("torch-eager", 1.0)], "head": [row("addnorm", 1.0)]},
+        {
+            "base": [row("addnorm", 1.0), row("torch-eager", 1.0)],
+            "head": [row("addnorm", 1.0), row("torch-eager", 1.0)],
+        },
     ]
     assert [ln["impl"] for ln in compare_revs.summarize(rounds)] == ["addnorm"]
+
+
+def test_rows_of_a_revision_without_copy_bandwidth_take_the_other_sides():
+    rounds = [{"base": [row("addnorm", 2.0, copy_gbps=None)], "head": [row("addnorm", 1.0, copy_gbps=0.5)]}]
+    (line,) = compare_revs.summarize(rounds)
+    assert line["base_copy_fraction"] == pytest.approx(0.1) and line["head_copy_fraction"] == pytest.approx(0.2)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
