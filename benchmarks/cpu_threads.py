@@ -1,4 +1,4 @@
-"""Where splitting a call over threads starts to pay in the CPU kernels (``PARALLEL_MIN_ELEMENTS``).
+"""Where splitting a call over threads starts to pay in the CPU kernels (``parallel_min_elements``).
 
     python benchmarks/cpu_threads.py [ROWSxCOLS ...] [--rounds 15]   (default: 16x1024 ... 1024x1024)
 
@@ -20,11 +20,12 @@ from addnorm.tools.bench import measure, parse_shapes
 
 def threaded(min_elements: int, fn):
     def run():
-        old, cpu.PARALLEL_MIN_ELEMENTS = cpu.PARALLEL_MIN_ELEMENTS, min_elements
+        old = cpu.config.SETTINGS
+        cpu.config.SETTINGS = old.updated(parallel_min_elements=min_elements)
         try:
             fn()
         finally:
-            cpu.PARALLEL_MIN_ELEMENTS = old
+            cpu.config.SETTINGS = old
 
     return run
 

@@ -1,5 +1,5 @@
 """What a fresh output costs: filling a new tensor against refilling one, with and without the
-huge-page advice the CPU kernels give their outputs of HUGE_PAGES_MIN_BYTES and more.
+huge-page advice the CPU kernels give their outputs of ``huge_pages_min_bytes`` and more.
 
     python benchmarks/fresh_outputs.py [threads] [--rounds 15]
 
@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from addnorm.kernels.cpu import launch
+from addnorm.kernels.cpu import config, launch
 from addnorm.tools.bench import measure, parse_shapes
 from addnorm.tools.cli import UsageError
 
@@ -53,7 +53,7 @@ def main() -> None:
     print(
         f"{torch.get_num_threads()} thread(s); huge-page advice "
         f"{'on' if launch.MADVISE is not None else 'off (THP mode is not madvise)'} "
-        f"from {launch.HUGE_PAGES_MIN_BYTES >> 20} MiB; median ms (page faults per call)"
+        f"from {config.SETTINGS.huge_pages_min_bytes >> 20} MiB; median ms (page faults per call)"
     )
     for shape in shapes:
         kept = torch.empty(shape)

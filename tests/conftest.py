@@ -123,9 +123,9 @@ def assert_matches_oracle(
 @pytest.fixture
 def parallel_cpu_kernels(monkeypatch):
     """Split even small inputs over threads in the CPU kernels (normally only inputs of
-    ``PARALLEL_MIN_ELEMENTS`` and more are), so that small tests cover the threaded path."""
+    ``parallel_min_elements`` and more are), so that small tests cover the threaded path."""
     try:
         from addnorm.kernels import cpu
     except ImportError:  # numba missing: the cpu backend is not tested at all
         return
-    monkeypatch.setattr(cpu, "PARALLEL_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(cpu.config, "SETTINGS", cpu.config.SETTINGS.updated(parallel_min_elements=1))

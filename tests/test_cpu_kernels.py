@@ -233,13 +233,13 @@ def _vm_flags(address: int) -> list[str]:
 
 
 def test_large_fresh_outputs_ask_for_huge_pages_where_linux_wants_asking():
-    """Outputs of HUGE_PAGES_MIN_BYTES and more carry MADV_HUGEPAGE ("hg") when transparent
+    """Outputs of ``huge_pages_min_bytes`` and more carry MADV_HUGEPAGE ("hg") when transparent
     huge pages are in madvise mode, and only then."""
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         madvise_mode = "[madvise]" in f.read()
     assert (cpu.launch.MADVISE is not None) == madvise_mode
     big = cpu.launch.empty_output(
-        torch.empty(1, 1).expand(cpu.launch.HUGE_PAGES_MIN_BYTES // 4 // 1024, 1024), torch.float32
+        torch.empty(1, 1).expand(cpu.config.SETTINGS.huge_pages_min_bytes // 4 // 1024, 1024), torch.float32
     )
     assert ("hg" in _vm_flags(big.data_ptr() + big.nbytes // 2)) == madvise_mode
 

@@ -313,14 +313,14 @@ def test_zero_centered_modules_start_as_the_identity_scale():
         addnorm.LayerNorm(16, elementwise_affine=False, zero_centered_weight=True)
 
 
-@pytest.mark.large  # above the CPU kernel's threading threshold (PARALLEL_MIN_ELEMENTS): many row blocks
+@pytest.mark.large  # above the CPU kernel's threading threshold (parallel_min_elements): many row blocks
 def test_gradients_above_the_threading_threshold(backend):
     """Several row blocks on several threads: dlayer_scale's per-block partials, dx and the mask
     at rows far from the first block, against the float64 oracle with the returned mask."""
     from addnorm.kernels import cpu
 
     shape = (300, 512)
-    assert shape[0] * shape[1] > 2 * cpu.PARALLEL_MIN_ELEMENTS
+    assert shape[0] * shape[1] > 2 * cpu.config.SETTINGS.parallel_min_elements
     x, r, w, b, ls, rs = inputs(shape, dtype=torch.float32)
     x, r, w, ls = (t.requires_grad_() for t in (x, r, w, ls))
     y, s, mask = addnorm.add_layer_norm(

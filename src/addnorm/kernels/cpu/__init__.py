@@ -1,9 +1,11 @@
 """Fused CPU kernels (numba): the contract of :mod:`addnorm.reference`, one pass over memory.
 
-Rows are split into contiguous blocks (BLOCKS_PER_THREAD per thread); the threads claim blocks
+Rows are split into contiguous blocks (``blocks_per_thread`` per thread, :mod:`.config`); the
+threads claim blocks
 from an atomic counter and run a compiled, GIL-free row loop on each. The modules, from the
 bottom up:
 
+- :mod:`.config`: the settings (threads, blocks, huge pages), one table.
 - :mod:`.floats`: element loads and stores in every dtype (16-bit floats as their bit patterns).
 - :mod:`.numerics`: the row sums and statistics (corrected mean, centred variance, row scaling).
 - :mod:`.branch`: the sublayer branch fused into the add (dropout hash, layer scale, rowscale).
@@ -33,6 +35,7 @@ from torch import Tensor
 
 from ... import reference
 from ...backend import Capabilities, Grads, check_s_parts
+from . import config
 from .entry import NO_BRANCH, backward_entry, float64_bits, forward_entry
 from .launch import branch_args, contiguous_rows, empty_output, kernel_param_dtype, param_row, run_on_threads
 
@@ -42,38 +45,29 @@ from .launch import branch_args, contiguous_rows, empty_output, kernel_param_dty
 # docs/benchmarks.md, "Fresh outputs page-fault").
 CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True)
 
-# Below this many elements one thread does the whole call: waking the other threads costs more
-# than they save (`python benchmarks/cpu_threads.py`; docs/benchmarks.md, "Dispatch, threads,
-# compile time, warm start"). Results never depend on it: each row is computed the same way on
-# any thread.
-PARALLEL_MIN_ELEMENTS = 1 << 16
-# The forward splits rows into this many blocks per thread, claimed one at a time: a late thread
-# costs at most its share of blocks.
-BLOCKS_PER_THREAD = 8
-# The backward's blocks, one partial row of dweight/dbias each: at most this many, of at least
-# 16 rows (the scratch stays small beside the (m, n) tensors), a count of the shape alone.
-REDUCTION_BLOCKS = 64
-
 
 def unavailable_reason(x: Tensor | None) -> str | None:
     return None  # numba is a dependency of addnorm; the device is checked against CAPABILITIES
 
 
 def thread_plan(rows: int) -> tuple[int, int]:
-    """``(threads, block_rows)`` of a forward of PARALLEL_MIN_ELEMENTS or more (smaller ones run
-    as one block on the calling thread): torch's thread count, BLOCKS_PER_THREAD blocks each."""
+    """``(threads, block_rows)`` of a forward of ``parallel_min_elements`` or more (smaller ones
+    run as one block on the calling thread): torch's thread count, ``blocks_per_thread`` blocks
+    each."""
     threads = max(1, min(rows, torch.get_num_threads()))
-    blocks = BLOCKS_PER_THREAD * threads if threads > 1 else 1
+    blocks = config.SETTINGS.blocks_per_thread * threads if threads > 1 else 1
     return threads, -(-rows // max(1, min(rows, blocks)))
 
 
 def reduction_blocks(rows: int, cols: int) -> tuple[int, int]:
-    """``(blocks, block_rows)`` of the backward: one block below PARALLEL_MIN_ELEMENTS, else up to
-    REDUCTION_BLOCKS blocks of at least 16 rows. The shape alone decides, never the thread count:
-    dweight/dbias are the same bits on any number of threads (docs/reliability.md)."""
-    if rows * cols < PARALLEL_MIN_ELEMENTS:
+    """``(blocks, block_rows)`` of the backward: one block below ``parallel_min_elements``, else up
+    to ``reduction_blocks`` blocks of at least ``reduction_min_rows`` rows. The shape alone
+    decides, never the thread count: dweight/dbias are the same bits on any number of threads
+    (docs/reliability.md)."""
+    settings = config.SETTINGS
+    if rows * cols < settings.parallel_min_elements:
         return 1, max(rows, 1)
-    block_rows = -(-rows // max(1, min(REDUCTION_BLOCKS, rows // 16)))
+    block_rows = -(-rows // max(1, min(settings.reduction_blocks, rows // settings.reduction_min_rows)))
     return -(-rows // block_rows), block_rows
 
 
@@ -118,7 +112,7 @@ def forward(
         mean = None if rms else torch.empty(m, dtype=cd)
         rstd = torch.empty(m, dtype=cd)
     if m:
-        threads, block_rows = (1, m) if m * n < PARALLEL_MIN_ELEMENTS else thread_plan(m)
+        threads, block_rows = (1, m) if m * n < config.SETTINGS.parallel_min_elements else thread_plan(m)
         pd = cd if sd is cd else kernel_param_dtype(sd, cd, weight, bias)
         w, b = param_row(weight, n, pd, 1.0), param_row(bias, n, pd, 0.0)  # held: the kernel reads them
         branch_slots, held = branch_args(branch, m, n, cd) if branch is not None else (NO_BRANCH, ())

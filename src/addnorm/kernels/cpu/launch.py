@@ -7,7 +7,7 @@ OpenMP, a forked child) on this thread plus a small Python pool. Why not
 threads starve torch's own ops, or (workqueue layer) wake two threads per call
 (docs/benchmarks.md, "Dispatch, threads, compile time, warm start").
 
-Outputs. Fresh outputs of HUGE_PAGES_MIN_BYTES and more ask for transparent huge pages, as numpy
+Outputs. Fresh outputs of ``huge_pages_min_bytes`` (:mod:`.config`) and more ask for transparent huge pages, as numpy
 does for its own arrays (docs/benchmarks.md, "Fresh outputs page-fault").
 """
 
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ... import reference
+from . import config
 from .entry import PACK_INTO, SLOTS, ZEROED_COUNTERS, float64_bits
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, pool)
@@ -96,11 +97,6 @@ def _madvise_if_asked():
     return fn
 
 
-# Fresh outputs of at least this many bytes ask for transparent huge pages: glibc serves requests
-# of 32 MiB and more with a fresh mmap on every call, every 4 KiB page of which faults when first
-# written; smaller ones come from its heap and do not fault once warm (`python
-# benchmarks/fresh_outputs.py`; docs/benchmarks.md, "Fresh outputs page-fault").
-HUGE_PAGES_MIN_BYTES = 32 << 20
 MADVISE = _madvise_if_asked() if hasattr(mmap, "MADV_HUGEPAGE") else None  # None: no advice to give
 
 
@@ -108,7 +104,7 @@ def empty_output(like: Tensor, dtype: torch.dtype) -> Tensor:
     """``torch.empty_like`` of a contiguous ``like`` (so contiguous too); a large one asks for huge
     pages over the pages it spans."""
     t = torch.empty_like(like) if dtype is like.dtype else torch.empty_like(like, dtype=dtype)
-    if MADVISE is not None and t.nbytes >= HUGE_PAGES_MIN_BYTES:
+    if MADVISE is not None and t.nbytes >= config.SETTINGS.huge_pages_min_bytes:
         start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (t.data_ptr() + t.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         MADVISE(start, end - start, mmap.MADV_HUGEPAGE)  # advice only: a failure changes nothing

@@ -25,14 +25,12 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from . import config
 from .branch import stream_through_branch
 from .floats import load, put, round_to
 from .numerics import SUM_MATH, add_row, centred_stats, dot, load_row, row_scale, row_stats, row_sum
 
-# Rows at least this wide take the backward's second pass two rows at a time, which loads and
-# stores dweight/dbias once per pair; narrower rows one at a time, where the pair loop's setup
-# costs more than it saves (docs/benchmarks.md, "CPU backward: where the time goes").
-PAIR_MIN_COLS = 2048
+PAIR_MIN_COLS = config.SETTINGS.pair_min_cols  # a constant of the compiled kernels
 
 # Below this rstd (a std beyond 1e18) s - mean may overflow in float32: backward then scales
 # the row as the forward did. Above it the scaling would change nothing (it is exact).

@@ -1,0 +1,46 @@
+"""The CPU backend's settings, in one table: when a call uses threads, how rows are split into
+blocks, which fresh outputs ask for huge pages, which rows take the backward's paired gradient
+pass. Each setting changes speed alone, never a result's bits, except ``reduction_blocks`` and
+``reduction_min_rows``: they fix the order in which ``dweight``/``dbias`` are summed (a function
+of the shape alone, so still the same bits on any thread count; docs/reliability.md, "3.
+Determinism and the reduction contract").
+
+The launchers read :data:`SETTINGS` at each call, so a test or a benchmark may swap it
+(``config.SETTINGS = SETTINGS.updated(parallel_min_elements=1)``); ``pair_min_cols`` is read
+when the kernels are compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Below this many elements one thread does the whole call: waking the other threads costs
+    # more than they save (`python benchmarks/cpu_threads.py`; docs/benchmarks.md, "Dispatch,
+    # threads, compile time, warm start").
+    parallel_min_elements: int = 1 << 16
+    # The forward splits rows into this many blocks per thread, claimed one at a time: a late
+    # thread costs at most its share of blocks.
+    blocks_per_thread: int = 8
+    # The backward's blocks, one partial row of dweight/dbias each: at most reduction_blocks, of
+    # at least reduction_min_rows rows (the scratch stays small beside the (m, n) tensors).
+    reduction_blocks: int = 64
+    reduction_min_rows: int = 16
+    # Fresh outputs of at least this many bytes ask for transparent huge pages: glibc serves
+    # requests of 32 MiB and more with a fresh mmap on every call, every 4 KiB page of which
+    # faults when first written (`python benchmarks/fresh_outputs.py`; docs/benchmarks.md,
+    # "Fresh outputs page-fault").
+    huge_pages_min_bytes: int = 32 << 20
+    # Rows at least this wide take the backward's second pass two rows at a time, which loads
+    # and stores dweight/dbias once per pair; narrower rows one at a time, where the pair loop's
+    # setup costs more than it saves (docs/benchmarks.md, "CPU backward: where the time goes").
+    pair_min_cols: int = 2048
+
+    def updated(self, **changes) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+SETTINGS = Settings()
