@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from addnorm.kernels import cpu
-from addnorm.tools.bench import copy_bandwidth, measure, parse_shapes
+from addnorm.tools.bench import Copy, measure, parse_shapes
 from addnorm.tools.cli import UsageError
 
 SUM = {"reassoc"}
@@ -58,7 +58,7 @@ def two_passes(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
             dsi[j] = dyi[j] + xi[j] + ri[j] + total
 
 
-@numba.njit(fastmath=SUM, inline="always")
+@numba.njit(fastmath=SUM)  # not inline="always": inlined, it would compile with its caller's flags
 def _sums(xi, ri, dyi, w, mu, rs):
     sg = sgx = np.float32(0)
     for j in range(w.shape[0]):
@@ -154,11 +154,14 @@ def main() -> None:
     if args.threads < 1:
         p.error(f"--threads must be at least 1, got {args.threads}")
     torch.set_num_threads(args.threads)
-    bandwidth = copy_bandwidth("cpu")
-    print(f"fp32, {args.threads} thread(s), copy bandwidth {bandwidth:.1f} GB/s; ms · fraction of copy · vs stream")
+    copy = Copy("cpu")
+    print(f"fp32, {args.threads} thread(s); ms · fraction of the copy bandwidth (timed in the same rounds) · vs stream")
     with ThreadPoolExecutor(max_workers=args.threads) as pool:
         for m, n in shapes:
-            medians = {k: t[0] for k, t in measure(calls(m, n, args.threads, pool), args.rounds, "cpu").items()}
+            runs = {**calls(m, n, args.threads, pool), Copy: copy}
+            medians = {k: t[0] for k, t in measure(runs, args.rounds, "cpu").items()}
+            bandwidth = copy.gbps(medians.pop(Copy))
+            print(f"  {m}x{n}: copy bandwidth {bandwidth:.1f} GB/s")
             passes = 4 * m * n * 4  # dy, x, residual read; ds written
             for name, sec in medians.items():
                 frac = passes / sec / 1e9 / bandwidth

@@ -21,7 +21,21 @@ RUN += ["--impl", "torch-eager,addnorm-reference,addnorm,liger"]
 
 @pytest.fixture
 def fixed_copy(monkeypatch):
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 10.0)  # GB/s: copy fractions are gbps / 10
+    """A copy bandwidth of 10 GB/s, at the run's start and beside each configuration: copy
+    fractions are then gbps / 10."""
+
+    class TenGBps:
+        def __init__(self, device):
+            pass
+
+        def __call__(self):
+            pass
+
+        def gbps(self, seconds_per_call):
+            return 10.0
+
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 10.0)
+    monkeypatch.setattr(bench, "Copy", TenGBps)
 
 
 def _check_values(rows: list[dict]) -> None:
@@ -176,3 +190,29 @@ def test_bytes_moved_is_what_each_backend_reads_and_writes(op, backend, monkeypa
         for pass_ in bench.PASSES:
             expected = _observed(op, backend, dtype, pass_, monkeypatch)
             assert bytes_moved(op, M, N, dtype, pass_, **flags) == expected, (dtype, pass_)
+
+
+def test_rows_carry_the_copy_bandwidth_timed_beside_their_configuration(capsys, monkeypatch):
+    """The run's start measures 10 GB/s; the copy timed in each configuration's rounds 20 GB/s:
+    the rows (and their fractions) take the latter, and the copy was timed in every round."""
+    calls = []
+
+    class TwentyGBps:
+        def __init__(self, device):
+            pass
+
+        def __call__(self):
+            calls.append(1)
+
+        def gbps(self, seconds_per_call):
+            return 20.0
+
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 10.0)
+    monkeypatch.setattr(bench, "Copy", TwentyGBps)
+    assert main([*RUN, "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert "copy bandwidth 10.0 GB/s" in err
+    rows = json.loads(out)["rows"]
+    assert {r["copy_gbps"] for r in rows} == {20.0}
+    assert all(r["copy_fraction"] == pytest.approx(r["gbps"] / 20.0) for r in rows)
+    assert len(calls) >= 4 * 3  # four configurations, every round (at least 3) times the copy

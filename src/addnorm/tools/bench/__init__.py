@@ -21,7 +21,7 @@ import torch
 
 from ..cli import UsageError, check_threads, output_file
 from .impls import DROPOUT_P, DTYPES, EPS, OTHER_IMPLS, all_impls, make_impl, out_variant, runner, traffic
-from .measure import bytes_moved, copy_bandwidth, measure, quantile, sync
+from .measure import Copy, bytes_moved, copy_bandwidth, measure, quantile, sync
 from .rows import (
     DEFAULT_RESULTS,
     OPS,
@@ -48,6 +48,7 @@ __all__ = [
     "ROW_FIELDS",
     "all_impls",
     "bytes_moved",
+    "Copy",
     "copy_bandwidth",
     "git_commit",
     "machine_name",
@@ -84,8 +85,14 @@ def _choices(text: str, allowed: list[str], flag: str) -> list[str]:
     return items
 
 
-def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out) -> tuple[list[dict], dict]:
-    """Measure ``impls`` on one configuration: (result rows, {impl: reason} for those skipped)."""
+_COPY = object()  # the copy's key among a configuration's runs: no implementation's name
+
+
+def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out, copy=None) -> tuple[list[dict], dict]:
+    """Measure ``impls`` on one configuration: (result rows, {impl: reason} for those skipped).
+    ``copy`` (a :class:`.measure.Copy`), when given, is timed in the same rounds: each row's
+    ``copy_gbps`` is then the copy bandwidth of the moments its configuration ran, not of the
+    run's start (a shared machine's bandwidth drifts within a run)."""
     g = torch.Generator(device=device).manual_seed(0)
     mk = lambda *shape: torch.randn(*shape, generator=g, device=device).to(dtype)
     x, dy = mk(rows, cols), mk(rows, cols)
@@ -106,7 +113,10 @@ def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out) -
             skipped[name] = f"not installed ({err.name or err})"
         except Exception as err:  # noqa: BLE001 - any failure of a third-party impl is reported, not fatal
             skipped[name] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if runs and copy is not None:
+        runs[_COPY] = copy
     timings = measure(runs, rounds, device) if runs else {}
+    copy_gbps = copy.gbps(timings.pop(_COPY)[0]) if _COPY in timings else None
     results = []
     for name, (med, p20, p80) in timings.items():
         # out= buffers: the stream's buffer is filled too
@@ -124,6 +134,7 @@ def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out) -
                 "p80_ms": p80 * 1e3,
                 "bytes": nbytes,
                 "gbps": nbytes / med / 1e9,
+                **({"copy_gbps": copy_gbps} if copy_gbps is not None else {}),
             }
         )
     return results, skipped
@@ -159,6 +170,7 @@ def run(args) -> int:
     for_people = sys.stdout if args.format in ("table", "markdown") else sys.stderr
     say = lambda *lines: print(*lines, sep="\n", file=for_people)  # noqa: E731
     copy_gbps = copy_bandwidth(args.device)
+    copy = Copy(args.device)  # timed again beside each configuration (run_config)
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     run_fields = {
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -183,7 +195,9 @@ def run(args) -> int:
         task = progress.add_task("benchmarking", total=len(configs))
         for op, (rows, cols), dtype, pass_ in configs:
             progress.update(task, description=f"{op} {pass_} {rows}x{cols} {dtype}")
-            res, skip = run_config(op, rows, cols, dtype, pass_, impls, args.device, args.rounds, args.out_buffers)
+            res, skip = run_config(
+                op, rows, cols, dtype, pass_, impls, args.device, args.rounds, args.out_buffers, copy
+            )
             res = [make_row(run_fields, r) for r in res]
             results += res
             skipped.update(skip)

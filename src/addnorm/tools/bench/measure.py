@@ -70,12 +70,26 @@ def measure(
     return out
 
 
+class Copy:
+    """``dst.copy_(src)`` on two ``mib`` MiB buffers, made once: the yardstick, callable, to time
+    beside the implementations of a configuration (:func:`measure`); :meth:`gbps` turns its time
+    per call into GB/s (bytes read + bytes written)."""
+
+    def __init__(self, device: str, mib: int = 64):
+        self.src = torch.ones(mib * 2**20 // 4, device=device)
+        self.dst = torch.empty_like(self.src)
+
+    def __call__(self):
+        return self.dst.copy_(self.src)
+
+    def gbps(self, seconds_per_call: float) -> float:
+        return 2 * self.src.numel() * 4 / seconds_per_call / 1e9
+
+
 def copy_bandwidth(device: str, mib: int = 64, rounds: int = 15) -> float:
     """GB/s of ``dst.copy_(src)`` on a ``mib`` MiB buffer (bytes read + bytes written)."""
-    src = torch.ones(mib * 2**20 // 4, device=device)
-    dst = torch.empty_like(src)
-    median = measure({"copy": lambda: dst.copy_(src)}, rounds, device)["copy"][0]
-    return 2 * src.numel() * 4 / median / 1e9
+    copy = Copy(device, mib)
+    return copy.gbps(measure({"copy": copy}, rounds, device)["copy"][0])
 
 
 def bytes_moved(

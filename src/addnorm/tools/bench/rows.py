@@ -8,8 +8,9 @@ order :data:`ROW_FIELDS` lists them:
 - ``op``, ``pass``, ``rows``, ``cols``, ``dtype``, ``impl``: the configuration and implementation;
 - ``median_ms``, ``p20_ms``, ``p80_ms``: time per call; ``bytes``: what one call moves
   (:func:`addnorm.tools.bench.measure.bytes_moved`); ``gbps``: ``bytes`` over the median;
-- ``copy_gbps``: the copy bandwidth measured at the start of the run (rows saved before it was
-  recorded lack it).
+- ``copy_gbps``: the copy bandwidth, timed in the same interleaved rounds as the row's
+  configuration (rows saved before then carry the run's, measured at its start; older rows
+  lack it).
 
 This module is the only one that knows the schema: ``addnorm bench`` writes through it, and
 ``addnorm plot bench`` and ``benchmarks/bench_table.py`` read through it.
