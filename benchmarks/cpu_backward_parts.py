@@ -125,12 +125,14 @@ def calls(m: int, n: int, threads: int, pool: ThreadPoolExecutor) -> dict:
     _, _, mean, rstd = cpu.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None, write_stream=False)
     arrays = [t.numpy() for t in (x, r, dy, w, mean, rstd)]
     ds = np.empty((m, n), np.float32)
-    partials = np.zeros((threads, 2, n), np.float32)
+    # each thread's dweight/dbias rows apart, as the kernel's (separate tensors): rows of one array
+    # 4 KiB apart would alias one another's stores, and two threads' rows share no cache line
+    partials = [(torch.zeros(n).numpy(), torch.zeros(n).numpy()) for _ in range(threads)]
     shares = [(k * m // threads, (k + 1) * m // threads) for k in range(threads)]
 
     def run(fn):
         def one(k):
-            fn(*arrays, ds, partials[k, 0], partials[k, 1], *shares[k])
+            fn(*arrays, ds, *partials[k], *shares[k])
 
         return lambda: list(pool.map(one, range(threads)))
 

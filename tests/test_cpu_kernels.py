@@ -218,6 +218,37 @@ def test_post_norm_inference_never_writes_the_stream(dtype, rms):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_with_a_residual_match_the_norm_of_their_sum_bit_for_bit(dtype, rms, threads):
+    """float32/float64 rows with a residual run one row ahead (the next row's add inside this
+    row's output loop): y, s and the statistics are the bits of the plain norm of ``x + r``
+    (torch's add, the same rounding), on 1 and 2 threads, at every position in a block (odd row
+    counts, one row, rows far from zero, a row whose variance overflows and is scaled)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(4)
+        for m, n in [(1, 40), (5, 300), (133, 1024)]:
+            x = (torch.randn(m, n, generator=g) * 3 + 1e4).to(dtype)
+            r = torch.randn(m, n, generator=g).to(dtype)
+            if m > 2:  # a row whose variance overflows: scaled, done again
+                x[2] = torch.linspace(-1, 1, n, dtype=dtype) * (torch.finfo(dtype).max / 2)
+            w, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+            bias = None if rms else b
+            plain = cpu.forward(x + r, None, w, bias, eps=1e-5, rms=rms, residual_dtype=None)
+            for write_stream in (False, True):
+                y, s, mean, rstd = cpu.forward(
+                    x, r, w, bias, eps=1e-5, rms=rms, residual_dtype=None, write_stream=write_stream
+                )
+                assert y.isfinite().all() and torch.equal(y, plain[0]) and torch.equal(rstd, plain[3])
+                assert rms or torch.equal(mean, plain[2])
+                assert (s is None) != write_stream and (s is None or torch.equal(s, x + r))
+    finally:
+        torch.set_num_threads(before)
+
+
 def _vm_flags(address: int) -> list[str]:
     """The VmFlags of the mapping of this process holding ``address`` (/proc/self/smaps)."""
     inside = False

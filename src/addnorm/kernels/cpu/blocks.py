@@ -79,7 +79,7 @@ def forward_blocks(
     """:func:`.rows.forward_rows` over the blocks this thread claims. ``br``: the branch's
     arguments (``entry.read_branch``), or None."""
     m, n = x.shape
-    buf = np.empty(n, rstd.dtype)
+    buf = np.empty((3, n), rstd.dtype)  # the row (two, alternating, when pipelined) and a scaled row
     kbuf = np.empty(1, rstd.dtype)
     branch = prepare_branch(br, n)
     gates = np.empty((2, n if br is not None else 0), rstd.dtype)

@@ -3,7 +3,9 @@
 Forward, per row: add the residual and round it to the stream dtype (written out as ``s``,
 unless post-norm needs no ``s``), the row in the statistics dtype (``x`` or ``s`` itself when
 already in it, else widened into a buffer), then the statistics (:mod:`.numerics`) and the
-output.
+output. float32 and float64 rows with a residual run one row ahead: the loop that writes a
+row's output adds the next row's stream, so that reading the next row overlaps writing this
+one (:func:`_forward_rows_pipelined`; docs/benchmarks.md, "CPU forward: one row ahead").
 
 Backward, per row: the row sums (of ``s - mean``, whose mean re-centres the row about the
 rounded saved mean as the forward centred it, of ``g = dy * weight`` and of ``g * xhat``) in one
@@ -64,56 +66,102 @@ def forward_rows(
     16-bit rows, whose x and s are never in the statistics dtype (a type, so that the branches
     below that use x or s directly are pruned when compiling: left in, they keep the widening
     loop from vectorizing). ``branch``: from :func:`.branch.prepare_branch` (None without one),
-    ``first`` the index of the first row in the call."""
-    n = buf.shape[0]
-    one = nf / nf
+    ``first`` the index of the first row in the call. ``buf``: three rows of scratch."""
+    if direct is not None and branch is None and has_residual:
+        _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf)
+        return
+    row_buf = buf[0]
     for i in range(x.shape[0]):
         # the row in the statistics dtype and its sum (of squares for RMSNorm): 16-bit rows are
-        # widened into buf, summed as they are; others are x or s itself (nothing copied: a store
-        # per element fewer), or buf = x + residual, summed after, so that every path (plain,
-        # pre-norm, post-norm) sums its row the same way
+        # widened into buf, summed as they are; others are x itself (nothing copied: a store per
+        # element fewer)
         if branch is not None:
-            row = buf
-            stream_through_branch(x[i], r[i], buf, gates, branch, first + i)
+            row = row_buf
+            stream_through_branch(x[i], r[i], row_buf, gates, branch, first + i)
             if write_s:
                 si = s[i]
-                for j in range(n):
-                    put(si, j, buf[j])
+                for j in range(row_buf.shape[0]):
+                    put(si, j, row_buf[j])
             total = dot(row, row) if rms else row_sum(row)
         elif direct is None:
-            row = buf
-            total = load_row(x[i], r[i], s[i], buf, has_residual, write_s, rms)
+            row = row_buf
+            total = load_row(x[i], r[i], s[i], row_buf, has_residual, write_s, rms)
         else:
-            if not has_residual:
-                row = x[i]
-            elif write_s:
-                row = s[i]
-                add_row(x[i], r[i], row)
-            else:
-                row = buf
-                add_row(x[i], r[i], row)
+            row = x[i]
             total = dot(row, row) if rms else row_sum(row)
-        k = one
-        if rms:
-            mu = c = nf - nf
-            var = total / nf
-        else:
-            mu, c, var = centred_stats(row, total, nf)
-        if not np.isfinite(var):  # overflow (bf16 beyond ~1e19): again on the row times k <= 1
-            k = row_scale(row, kbuf)
-            if k != one:
-                for j in range(n):
-                    buf[j] = row[j] * k
-                row = buf
-                mu, c, var = row_stats(row, nf, rms)
-        rs = one / np.sqrt(var + eps * k * k)  # rstd / k
-        yi = y[i]
-        for j in range(n):
-            put(yi, j, ((row[j] - mu) - c) * rs * load(w, j) + load(b, j))
+        row, mu, c, rs, k = _row_statistics(row, total, eps, nf, rms, buf[2], kbuf)
+        _output_row(row, mu, c, rs, w, b, y[i])
         if write_stats:
-            if not rms:
-                mean[i] = (mu + c) / k
-            rstd[i] = rs * k
+            _store_stats(mean, rstd, i, mu, c, rs, k, rms)
+
+
+@numba.njit
+def _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf):
+    """:func:`forward_rows` of float32/float64 rows with a residual, one row ahead: the loop
+    that writes row i's output also adds row i+1's stream, so that the memory reads of the next
+    row and the writes of this one run together (as an elementwise op's would), and only the
+    row's sums run from cache alone. Each value is computed as without the overlap (the same
+    loops, the same operations on the same values): the same bits. The stream goes to ``s``
+    when it is written, else to two alternating rows of ``buf``."""
+    m = x.shape[0]
+    if m == 0:
+        return
+    add_row(x[0], r[0], s[0] if write_s else buf[0])
+    for i in range(m):
+        row = s[i] if write_s else buf[i % 2]
+        total = dot(row, row) if rms else row_sum(row)
+        row, mu, c, rs, k = _row_statistics(row, total, eps, nf, rms, buf[2], kbuf)
+        if i + 1 < m:
+            _output_row_and_add(
+                row, mu, c, rs, w, b, y[i], x[i + 1], r[i + 1], s[i + 1] if write_s else buf[(i + 1) % 2]
+            )
+        else:
+            _output_row(row, mu, c, rs, w, b, y[i])
+        if write_stats:
+            _store_stats(mean, rstd, i, mu, c, rs, k, rms)
+
+
+@numba.njit(inline="always")
+def _row_statistics(row, total, eps, nf, rms, scaled, kbuf):
+    """``(row, mu, c, rs, k)``: the row's mean, its correction and ``rstd / k``. A row whose
+    variance overflows (bf16 beyond ~1e19) is done again on ``row * k`` (``k <= 1``, a power of
+    two), written to ``scaled``, which is then the row returned."""
+    one = nf / nf
+    k = one
+    if rms:
+        mu = c = nf - nf
+        var = total / nf
+    else:
+        mu, c, var = centred_stats(row, total, nf)
+    if not np.isfinite(var):
+        k = row_scale(row, kbuf)
+        if k != one:
+            for j in range(row.shape[0]):
+                scaled[j] = row[j] * k
+            row = scaled
+            mu, c, var = row_stats(row, nf, rms)
+    return row, mu, c, one / np.sqrt(var + eps * k * k), k
+
+
+@numba.njit(inline="always")
+def _output_row(row, mu, c, rs, w, b, yi):
+    for j in range(row.shape[0]):
+        put(yi, j, ((row[j] - mu) - c) * rs * load(w, j) + load(b, j))
+
+
+@numba.njit(inline="always")
+def _output_row_and_add(row, mu, c, rs, w, b, yi, xn, rn, dest):
+    """:func:`_output_row` of this row and ``add_row`` of the next into ``dest``, in one loop."""
+    for j in range(row.shape[0]):
+        put(yi, j, ((row[j] - mu) - c) * rs * load(w, j) + load(b, j))
+        dest[j] = xn[j] + rn[j]
+
+
+@numba.njit(inline="always")
+def _store_stats(mean, rstd, i, mu, c, rs, k, rms):
+    if not rms:
+        mean[i] = (mu + c) / k
+    rstd[i] = rs * k
 
 
 def stream_row(si, ri, sbuf):
