@@ -144,16 +144,23 @@ def _row_statistics(row, total, eps, nf, rms, scaled, kbuf):
 
 
 @numba.njit(inline="always")
+def _y_at(row, j, mu, c, rs, w, b):
+    """Element ``j`` of the output: ``(row - mean) * rstd * weight + bias``, the mean corrected
+    by ``c`` in a subtraction of its own (:func:`.numerics.centred_stats`)."""
+    return ((row[j] - mu) - c) * rs * load(w, j) + load(b, j)
+
+
+@numba.njit(inline="always")
 def _output_row(row, mu, c, rs, w, b, yi):
     for j in range(row.shape[0]):
-        put(yi, j, ((row[j] - mu) - c) * rs * load(w, j) + load(b, j))
+        put(yi, j, _y_at(row, j, mu, c, rs, w, b))
 
 
 @numba.njit(inline="always")
 def _output_row_and_add(row, mu, c, rs, w, b, yi, xn, rn, dest):
     """:func:`_output_row` of this row and ``add_row`` of the next into ``dest``, in one loop."""
     for j in range(row.shape[0]):
-        put(yi, j, ((row[j] - mu) - c) * rs * load(w, j) + load(b, j))
+        put(yi, j, _y_at(row, j, mu, c, rs, w, b))
         dest[j] = xn[j] + rn[j]
 
 
