@@ -65,6 +65,14 @@ CASES = list(
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("hidden,dtypes,wdtype,has_residual,rms,prenorm,p", CASES)
 def test_flash_attn_acceptance_rule(hidden, dtypes, wdtype, has_residual, rms, prenorm, p, parallel):
+    # the dropout seeds come from torch's global generator (flash-attn's API takes none): seeded
+    # here, and restored after, so that the masks do not depend on which tests ran before
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(hidden + p.__hash__() % 89)
+        _acceptance_rule(hidden, dtypes, wdtype, has_residual, rms, prenorm, p, parallel)
+
+
+def _acceptance_rule(hidden, dtypes, wdtype, has_residual, rms, prenorm, p, parallel):
     input_dtype, residual_dtype = dtypes
     g = torch.Generator().manual_seed(hidden + 7 * p.__hash__() % 97)
     mk = lambda *shape, dt=input_dtype: torch.randn(*shape, generator=g).to(dt).requires_grad_()  # noqa: E731
@@ -103,9 +111,12 @@ def test_flash_attn_acceptance_rule(hidden, dtypes, wdtype, has_residual, rms, p
             assert ref is None
             continue
         atol = ATOL[ours.dtype] * (4 if i >= len(ys) + 1 else 1)  # parameter gradients sum 15 rows
-        err = (ours.float() - ref.float()).abs().max().item()
         allowed = 2 * (low.float() - ref.float()).abs().max().item() + atol
-        assert err <= allowed, f"result {i} ({ours.dtype}): error {err:.3g} > {allowed:.3g}"
+        # plus one rounding to the result's dtype: a value within float32 noise of a midpoint
+        # rounds either way (eps * |ref| is at least its ulp)
+        error = (ours.float() - ref.float()).abs() - torch.finfo(ours.dtype).eps * ref.float().abs()
+        err = error.max().item()
+        assert err <= allowed, f"result {i} ({ours.dtype}): error {err:.3g} beyond one rounding > {allowed:.3g}"
 
 
 def test_results_come_in_flash_attn_order():
