@@ -158,10 +158,10 @@ def _output_row(row, mu, c, rs, w, b, yi):
 
 @numba.njit(inline="always")
 def _output_row_and_add(row, mu, c, rs, w, b, yi, xn, rn, dest):
-    """:func:`_output_row` of this row and ``add_row`` of the next into ``dest``, in one loop."""
+    """:func:`_output_row` of this row and the next row's stream into ``dest``, in one loop."""
     for j in range(row.shape[0]):
         put(yi, j, _y_at(row, j, mu, c, rs, w, b))
-        dest[j] = xn[j] + rn[j]
+        dest[j] = stream_at(xn, rn, j)
 
 
 @numba.njit(inline="always")
