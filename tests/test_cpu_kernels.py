@@ -245,6 +245,13 @@ def test_rows_with_a_residual_match_the_norm_of_their_sum_bit_for_bit(dtype, rms
                 assert y.isfinite().all() and torch.equal(y, plain[0]) and torch.equal(rstd, plain[3])
                 assert rms or torch.equal(mean, plain[2])
                 assert (s is None) != write_stream and (s is None or torch.equal(s, x + r))
+            with torch.no_grad():  # the public call, through "auto", takes the same rows
+                norm, add = (
+                    (addnorm.rms_norm, addnorm.add_rms_norm) if rms else (addnorm.layer_norm, addnorm.add_layer_norm)
+                )
+                extra = {} if rms else {"bias": b}
+                fused = add(x, r, n, w, eps=1e-5, backend="auto", **extra)
+                assert torch.equal(fused, norm(x + r, n, w, eps=1e-5, backend="auto", **extra))
     finally:
         torch.set_num_threads(before)
 
