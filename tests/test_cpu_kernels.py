@@ -369,3 +369,98 @@ def test_backward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
         "HAS_DSTREAM": True,
         "RMS": True,
     }
+
+
+def _recording_entries(monkeypatch) -> list[tuple[str, bool]]:
+    """``(direction, streamed)`` of each entry the CPU backend asks for from now on."""
+    asked = []
+
+    def record(direction, make):
+        def entry(*args):
+            asked.append((direction, bool(args[-1])))
+            return make(*args)
+
+        return entry
+
+    monkeypatch.setattr(cpu, "forward_entry", record("forward", cpu.entry.forward_entry))
+    monkeypatch.setattr(cpu, "backward_entry", record("backward", cpu.entry.backward_entry))
+    return asked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_non_temporal_stores_write_the_same_bits(monkeypatch, dtype, rms, threads):
+    """Large outputs go straight to memory (non-temporal stores): y, s, the statistics and every
+    gradient are the bits of the same call with plain stores, post- and pre-norm, with and without
+    the stream's gradient, rows one and two at a time (1024 and 2048 wide), odd row counts, a
+    row scaled for overflow; and the streamed kernels did run."""
+    settings = cpu.config.SETTINGS.updated(parallel_min_elements=1)
+    asked = _recording_entries(monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(5)
+    try:
+        for m, n in [(1, 1024), (37, 1024), (9, 2048)]:
+            x = (torch.randn(m, n, generator=g) * 3 + 1e3).to(dtype)
+            x[m // 2] = torch.linspace(-1, 1, n, dtype=dtype) * (torch.finfo(dtype).max / 2)
+            r, dy, dstream = (torch.randn(m, n, generator=g).to(dtype) for _ in range(3))
+            w, b = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+            for write_stream, with_dstream in [(False, False), (True, False), (True, True)]:
+                results = []
+                for streaming_min_bytes in (0, 1 << 62):
+                    monkeypatch.setattr(
+                        cpu.config, "SETTINGS", settings.updated(streaming_min_bytes=streaming_min_bytes)
+                    )
+                    y, s, mean, rstd = cpu.forward(
+                        x, r, w, b, eps=1e-5, rms=rms, residual_dtype=None, write_stream=write_stream
+                    )
+                    parts = (s,) if write_stream else (x, r)
+                    grads = cpu.backward(
+                        dy, dstream if with_dstream else None, parts, w, mean, rstd, rms=rms, has_bias=True
+                    )
+                    results.append((y, s, mean, rstd, *grads[:3]))
+                for streamed, plain in zip(*results):
+                    assert (streamed is None and plain is None) or torch.equal(streamed, plain)
+                assert results[0][0].isfinite().all()
+    finally:
+        torch.set_num_threads(before)
+    assert {("forward", True), ("forward", False), ("backward", True), ("backward", False)} == set(asked)
+
+
+def test_non_temporal_stores_only_where_they_fit(monkeypatch):
+    """Outputs are streamed only in calls of ``streaming_min_bytes`` and more, and only where
+    the stores' alignment holds (rows starting on 64 bytes, a multiple of 64 bytes long) and
+    their vector stores fill whole cache lines (float32, float64); a misaligned ``out=`` buffer
+    is still written right, with plain stores."""
+    monkeypatch.setattr(cpu.config, "SETTINGS", cpu.config.SETTINGS.updated(streaming_min_bytes=1 << 20))
+    big = 1 << 20
+    aligned = torch.empty(8, 1024)
+    assert aligned.data_ptr() % 64 == 0 and cpu.launch.streamed(aligned, big)
+    assert not cpu.launch.streamed(aligned, big - 1)
+    assert not cpu.launch.streamed(torch.empty(8, 1000), big)  # rows of 4000 bytes
+    assert not cpu.launch.streamed(torch.empty(8, 1024, dtype=torch.bfloat16), big)
+    misaligned = torch.empty(8 * 1024 + 4)[4:].view(8, 1024)  # 16 bytes past an aligned start
+    assert not cpu.launch.streamed(misaligned, big)
+
+    asked = _recording_entries(monkeypatch)
+    monkeypatch.setattr(cpu.config, "SETTINGS", cpu.config.SETTINGS.updated(streaming_min_bytes=0))
+    x, r = torch.randn(8, 1024), torch.randn(8, 1024)
+    with torch.no_grad():
+        y = addnorm.add_layer_norm(x, r, 1024, out=misaligned)
+        fresh = addnorm.add_layer_norm(x, r, 1024)  # an aligned output: streamed
+    assert y is misaligned and torch.equal(y, fresh)
+    torch.testing.assert_close(y, TF.layer_norm(x + r, (1024,)))
+    assert asked == [("forward", False), ("forward", True)]
+
+
+def test_last_level_cache_size_reads_linux_or_falls_back(monkeypatch, tmp_path):
+    """``streaming_min_bytes`` defaults to the largest cache Linux lists for cpu0, or 32 MiB."""
+    for level, size in [(1, "48K"), (2, "2048K"), (3, "16M")]:
+        (tmp_path / f"index{level}").mkdir()
+        (tmp_path / f"index{level}" / "size").write_text(size + "\n")
+    real_glob = cpu.config.glob.glob
+    monkeypatch.setattr(cpu.config.glob, "glob", lambda pattern: real_glob(str(tmp_path / "index*" / "size")))
+    assert cpu.config.last_level_cache_bytes() == 16 << 20
+    monkeypatch.setattr(cpu.config.glob, "glob", lambda pattern: [])
+    assert cpu.config.last_level_cache_bytes() == 32 << 20

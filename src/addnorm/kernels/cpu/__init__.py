@@ -37,7 +37,15 @@ from ... import reference
 from ...backend import Capabilities, Grads, check_s_parts
 from . import config
 from .entry import NO_BRANCH, backward_entry, float64_bits, forward_entry
-from .launch import branch_args, contiguous_rows, empty_output, kernel_param_dtype, param_row, run_on_threads
+from .launch import (
+    branch_args,
+    contiguous_rows,
+    empty_output,
+    kernel_param_dtype,
+    param_row,
+    run_on_threads,
+    streamed,
+)
 
 # Post-norm training saves x and residual, and backward recomputes s = x + residual as it reads
 # them (addnorm.ops.plan): the forward writes y alone, not s and y. Same bytes over forward +
@@ -134,7 +142,10 @@ def forward(
             write_stats,
             float64_bits(eps),
         )
-        run_on_threads(forward_entry(sd, y.dtype, pd, branch is not None), threads, args, branch_slots)
+        # y straight to memory when it is the output itself (not a float32 y cast afterwards)
+        moved = x.nbytes * (2 + (residual is not None) + write_s)
+        stream_y = direct and streamed(y, moved)
+        run_on_threads(forward_entry(sd, y.dtype, pd, branch is not None, stream_y), threads, args, branch_slots)
         del held
     if y.dtype is not y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
@@ -201,7 +212,10 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             dstream is not None,
             rms,
         )
-        entry = backward_entry(sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None)
+        # ds straight to memory, but not through a branch, whose loops read it back
+        moved = dy.nbytes + s.nbytes * (1 + (residual is not None)) + ds.nbytes * 2 + dst.nbytes * (dstream is not None)
+        stream_ds = branch is None and streamed(ds, moved)
+        entry = backward_entry(sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None, stream_ds)
         run_on_threads(entry, threads, args, branch_slots)
         del held
     if blocks > 1:  # the per-block partial rows, in a tree fixed by the number of blocks

@@ -20,9 +20,10 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .branch import prepare_branch
+from .floats import fence
 from .rows import backward_rows, backward_rows_branch, forward_rows, index_or_none
 
 
@@ -53,6 +54,18 @@ def _atomic_load(typingctx, counters, k):
 _NEXT_BLOCK, _BLOCKS_DONE = 0, 1  # the two counters, in this order (entry.COUNTERS)
 
 
+def _fence_if(streamed):
+    """A memory fence after non-temporal stores (``streamed`` True; nothing when None): they are
+    weakly ordered, and must reach memory before another thread is told the block is done."""
+
+
+@overload(_fence_if)
+def _fence_if_impl(streamed):
+    if isinstance(streamed, types.NoneType):
+        return lambda streamed: None
+    return lambda streamed: fence()
+
+
 @numba.njit
 def _claim_block(counters, block_rows, m):
     """``(block, lo, hi)``: the next unclaimed block of rows, or block -1 when none is left."""
@@ -74,10 +87,29 @@ def _wait_all_blocks(counters, block_rows, m):
 
 @numba.njit(nogil=True, error_model="numpy")
 def forward_blocks(
-    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd, counters, block_rows, direct, br
+    x,
+    r,
+    w,
+    b,
+    eps,
+    nf,
+    has_residual,
+    write_s,
+    write_stats,
+    rms,
+    y,
+    s,
+    mean,
+    rstd,
+    counters,
+    block_rows,
+    direct,
+    br,
+    streamed,
 ):
     """:func:`.rows.forward_rows` over the blocks this thread claims. ``br``: the branch's
-    arguments (``entry.read_branch``), or None."""
+    arguments (``entry.read_branch``), or None; ``streamed``: True to write ``y`` with
+    non-temporal stores, fenced before the block is counted done, else None."""
     m, n = x.shape
     buf = np.empty((3, n), rstd.dtype)  # the row (two, alternating, when pipelined) and a scaled row
     kbuf = np.empty(1, rstd.dtype)
@@ -106,7 +138,9 @@ def forward_blocks(
             branch,
             lo,
             gates,
+            streamed,
         )
+        _fence_if(streamed)
         _atomic_increment(counters, _BLOCKS_DONE)
         blk, lo, hi = _claim_block(counters, block_rows, m)
     _wait_all_blocks(counters, block_rows, m)
@@ -114,11 +148,12 @@ def forward_blocks(
 
 @numba.njit(nogil=True, error_model="numpy")
 def backward_blocks(
-    dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, counters, block_rows, br, dx, dls
+    dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, counters, block_rows, br, dx, dls, streamed
 ):
     """:func:`.rows.backward_rows` (or ``backward_rows_branch``) over the blocks this thread
     claims. ``dw``/``db`` (and ``dls``): one partial row per block (not per thread), so that the
-    sums do not depend on which thread ran which block."""
+    sums do not depend on which thread ran which block. ``streamed``: True to write ``ds`` with
+    non-temporal stores (without a branch, whose loops read ``ds`` back), else None."""
     m, n = s.shape
     sbuf = np.empty((2, n), rstd.dtype)
     kbuf = np.empty(1, rstd.dtype)
@@ -169,7 +204,9 @@ def backward_blocks(
                 db[blk],
                 sbuf,
                 kbuf,
+                streamed,
             )
+        _fence_if(streamed)
         _atomic_increment(counters, _BLOCKS_DONE)
         blk, lo, hi = _claim_block(counters, block_rows, m)
     _wait_all_blocks(counters, block_rows, m)

@@ -1,9 +1,10 @@
 """The CPU backend's settings, in one table: when a call uses threads, how rows are split into
-blocks, which fresh outputs ask for huge pages, which rows take the backward's paired gradient
-pass. Each setting changes speed alone, never a result's bits, except ``reduction_blocks`` and
-``reduction_min_rows``: they fix the order in which ``dweight``/``dbias`` are summed (a function
-of the shape alone, so still the same bits on any thread count; docs/reliability.md, "3.
-Determinism and the reduction contract").
+blocks, which fresh outputs ask for huge pages, which outputs are written with non-temporal
+stores, which rows take the backward's paired gradient pass. Each setting changes speed alone,
+never a result's bits, except ``reduction_blocks`` and ``reduction_min_rows``: they fix the
+order in which ``dweight``/``dbias`` are summed (a function of the shape alone, so still the
+same bits on any thread count; docs/reliability.md, "3. Determinism and the reduction
+contract").
 
 The launchers read :data:`SETTINGS` at each call, so a test or a benchmark may swap it
 (``config.SETTINGS = SETTINGS.updated(parallel_min_elements=1)``); ``pair_min_cols`` is read
@@ -13,7 +14,23 @@ when the kernels are compiled.
 from __future__ import annotations
 
 import dataclasses
+import glob
 from dataclasses import dataclass
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache Linux reports (``/sys/devices/system/cpu/cpu0/cache``), else 32 MiB."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text[:-1].isdigit() and text[-1] in units:
+            sizes.append(int(text[:-1]) * units[text[-1]])
+    return max(sizes, default=32 << 20)
 
 
 @dataclass(frozen=True)
@@ -34,6 +51,11 @@ class Settings:
     # faults when first written (`python benchmarks/fresh_outputs.py`; docs/benchmarks.md,
     # "Fresh outputs page-fault").
     huge_pages_min_bytes: int = 32 << 20
+    # A call that moves at least this many bytes (its inputs and outputs together) writes y, or
+    # ds, with non-temporal stores, which skip reading each cache line in before writing it: by
+    # the end of such a call the cache holds little of its output anyway. The last-level
+    # cache's size (docs/benchmarks.md, "Non-temporal stores").
+    streaming_min_bytes: int = dataclasses.field(default_factory=last_level_cache_bytes)
     # Rows at least this wide take the backward's second pass two rows at a time, which loads
     # and stores dweight/dbias once per pair; narrower rows one at a time, where the pair loop's
     # setup costs more than it saves (docs/benchmarks.md, "CPU backward: where the time goes").

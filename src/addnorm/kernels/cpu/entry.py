@@ -179,10 +179,11 @@ def _read_branch_impl(a, f, at, m, n, cd, branched):
     return read
 
 
-def _compile_forward(sd, yd, pd, branched):
+def _compile_forward(sd, yd, pd, branched, streamed):
     """The forward entry (ForwardSlot); ``sd``: the dtype of x, residual and s, ``yd`` that of
     y, ``pd`` that of weight and bias (numpy dtypes; 16-bit floats as uint16/int16, see
-    NUMPY_DTYPES); ``branched``: True, or None without a branch."""
+    NUMPY_DTYPES); ``branched``: True, or None without a branch; ``streamed``: True (y written
+    with non-temporal stores), or None."""
     cd = np.float64 if sd == np.float64 else np.float32
     direct = True if sd == cd else None  # see rows.forward_rows
     source_digest = SOURCE_DIGEST
@@ -213,15 +214,17 @@ def _compile_forward(sd, yd, pd, branched):
             a[ForwardSlot.BLOCK_ROWS],
             direct,
             read_branch(a, f, ForwardSlot.BRANCH, m, n, cd, branched),
+            streamed,
         )
 
     return _compile_entry(entry)
 
 
-def _compile_backward(sd, gd, td, pd, od, summed, branched):
+def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed):
     """The backward entry (BackwardSlot); ``sd``: the dtype of s and ds, ``gd`` of dy, ``td`` of
     dstream, ``pd`` of weight, ``od`` of dweight and dbias; ``summed``: the stream is recomputed
-    as x + residual; ``branched``: True (the stream recomputed through the branch), or None.
+    as x + residual; ``branched``: True (the stream recomputed through the branch), or None;
+    ``streamed``: True (ds written with non-temporal stores; not with a branch), or None.
 
     dweight and dbias: with one block (one thread), ``n`` values of ``od`` (or address 0: not
     wanted), summed here and rounded once; with several, one partial row per block in the
@@ -259,6 +262,7 @@ def _compile_backward(sd, gd, td, pd, od, summed, branched):
             br,
             carray(_pointer(a[BackwardSlot.DX]), (rows_dx, n), sd),
             carray(_pointer(a[BackwardSlot.DLAYER_SCALE]), (blocks if br is not None else 0, n), cd),
+            streamed,
         )
         if single:
             for at, sums in ((BackwardSlot.DWEIGHT, dw[0]), (BackwardSlot.DBIAS, db[0])):
@@ -270,18 +274,18 @@ def _compile_backward(sd, gd, td, pd, od, summed, branched):
     return _compile_entry(entry)
 
 
-# compiled entries, made on first use: (stream, y, parameter dtypes, branched) and (s, dy,
-# dstream, weight, weight gradient dtypes, summed, branched)
+# compiled entries, made on first use: (stream, y, parameter dtypes, branched, streamed) and
+# (s, dy, dstream, weight, weight gradient dtypes, summed, branched, streamed)
 FORWARD_ENTRIES: dict[tuple, object] = {}
 BACKWARD_ENTRIES: dict[tuple, object] = {}
 
 
-def forward_entry(sd: torch.dtype, yd: torch.dtype, pd: torch.dtype, branched: bool = False):
-    key = (sd, yd, pd, branched)
+def forward_entry(sd: torch.dtype, yd: torch.dtype, pd: torch.dtype, branched: bool = False, streamed: bool = False):
+    key = (sd, yd, pd, branched, streamed)
     entry = FORWARD_ENTRIES.get(key)
     if entry is None:
         dtypes = (NUMPY_DTYPES[d] for d in (sd, yd, pd))
-        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, True if branched else None)
+        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, True if branched else None, True if streamed else None)
     return entry
 
 
@@ -293,12 +297,14 @@ def backward_entry(
     od: torch.dtype,
     summed: bool,
     branched: bool = False,
+    streamed: bool = False,
 ):
-    key = (sd, gd, td, pd, od, summed, branched)
+    key = (sd, gd, td, pd, od, summed, branched, streamed)
     entry = BACKWARD_ENTRIES.get(key)
     if entry is None:
         dtypes = (NUMPY_DTYPES[d] for d in (sd, gd, td, pd, od))
-        entry = BACKWARD_ENTRIES[key] = _compile_backward(*dtypes, summed, True if branched else None)
+        flags = (True if branched else None, True if streamed else None)
+        entry = BACKWARD_ENTRIES[key] = _compile_backward(*dtypes, summed, *flags)
     return entry
 
 

@@ -8,14 +8,20 @@ row's type when compiling, so each row loop compiles to straight-line code that 
 
 The conversions are LLVM instructions (``bitcast``, and ``fpext``/``fptrunc`` for float16),
 written as numba intrinsics: numba cannot reinterpret the bits of a scalar itself.
+
+An output row wrapped in :class:`Streamed` is written with non-temporal stores (straight to
+memory: see its docstring); :func:`put` takes either.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 
@@ -60,60 +66,115 @@ def bf16_bits(v):
     return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
+class Streamed(NamedTuple):
+    """An output row that :func:`put` writes with non-temporal stores: straight to memory, where
+    a plain store first reads in the cache line it writes (for a row computed from two inputs, a
+    third more traffic). For large outputs, which would leave the cache before they are read
+    again. The row must start on 64 bytes and span a multiple of 64 bytes: the launcher checks
+    (``kernels.cpu.streamed``); the stores are marked 64-byte aligned, which holds for each
+    vector store of a loop over such a row (see :func:`_store_nontemporal`)."""
+
+    row: object
+
+
+@intrinsic
+def _store_nontemporal(typingctx, a, j, element):
+    """``a[j] = element`` (of a's dtype), marked non-temporal and 64-byte aligned. LLVM's
+    vectorizer turns a loop of these into aligned non-temporal vector stores (``vmovntps``); a
+    store of the element's own alignment it would leave scalar. The claim holds for every vector
+    store of a row that starts on 64 bytes and spans a multiple of 64 bytes; a scalar store
+    left over (the tail of a vectorized loop) is a non-temporal store of any alignment on x86
+    (``movnti``)."""
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]], boundscheck=False)
+        store = builder.store(args[2], ptr, align=64)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return types.void(a, j, a.dtype), codegen
+
+
+@intrinsic
+def fence(typingctx):
+    """A full memory fence: non-temporal stores are weakly ordered, and are made visible to
+    other threads before a block of rows is counted done."""
+
+    def codegen(context, builder, sig, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 def load(a, j):
     """Element ``a[j]`` of a row widened to float32 (kept float64 for float64 rows)."""
 
 
 def put(a, j, v):
-    """Write ``v`` to ``a[j]`` rounded to nearest-even in ``a``'s dtype; return that rounded
-    value widened back (what a load of ``a[j]`` now gives)."""
+    """Write ``v`` to ``a[j]`` rounded to nearest-even in ``a``'s dtype (a :class:`Streamed` row
+    with a non-temporal store); return that rounded value widened back (what a load of ``a[j]``
+    now gives)."""
 
 
 def round_to(a, v):
     """``v`` rounded to the dtype of ``a`` and widened back (what :func:`put` would return)."""
 
 
+def _element(a, v):
+    """``v`` as ``a`` stores it: rounded to nearest-even in a's dtype, 16-bit floats as their bit
+    patterns."""
+
+
+def _widened(a, e):
+    """An element of ``a`` (as stored) widened to float32 (float64 for float64 rows)."""
+
+
+@overload(_element)
+def _element_impl(a, v):
+    if a.dtype == types.uint16:
+        return lambda a, v: bf16_bits(v)
+    if a.dtype == types.int16:
+        return lambda a, v: half_from_f32(np.float32(v))
+    if a.dtype == types.float32:
+        return lambda a, v: np.float32(v)
+    return lambda a, v: np.float64(v)
+
+
+@overload(_widened)
+def _widened_impl(a, e):
+    if a.dtype == types.uint16:
+        return lambda a, e: f32_from_bits(np.uint32(e) << np.uint32(16))
+    if a.dtype == types.int16:
+        return lambda a, e: f32_from_half(e)
+    return lambda a, e: e
+
+
 @overload(load)
 def _load_impl(a, j):
-    if a.dtype == types.uint16:
-        return lambda a, j: f32_from_bits(np.uint32(a[j]) << np.uint32(16))
-    if a.dtype == types.int16:
-        return lambda a, j: f32_from_half(a[j])
-    return lambda a, j: a[j]
+    return lambda a, j: _widened(a, a[j])
 
 
 @overload(put)
 def _put_impl(a, j, v):
-    if a.dtype == types.uint16:
+    if isinstance(a, types.BaseNamedTuple) and a.instance_class is Streamed:
 
-        def put_bf16(a, j, v):
-            bits = bf16_bits(v)
-            a[j] = bits
-            return f32_from_bits(np.uint32(bits) << np.uint32(16))
+        def put_streamed(a, j, v):
+            e = _element(a.row, v)
+            _store_nontemporal(a.row, j, e)
+            return _widened(a.row, e)
 
-        return put_bf16
-    if a.dtype == types.int16:
+        return put_streamed
 
-        def put_half(a, j, v):
-            bits = half_from_f32(np.float32(v))
-            a[j] = bits
-            return f32_from_half(bits)
+    def put_plain(a, j, v):
+        e = _element(a, v)
+        a[j] = e
+        return _widened(a, e)
 
-        return put_half
-
-    def put_float(a, j, v):
-        a[j] = v
-        return a[j]
-
-    return put_float
+    return put_plain
 
 
 @overload(round_to)
 def _round_to_impl(a, v):
-    if a.dtype == types.uint16:
-        return lambda a, v: f32_from_bits(np.uint32(bf16_bits(v)) << np.uint32(16))
-    if a.dtype == types.int16:
-        return lambda a, v: f32_from_half(half_from_f32(np.float32(v)))
-    if a.dtype == types.float32:
-        return lambda a, v: np.float32(v)
-    return lambda a, v: np.float64(v)
+    return lambda a, v: _widened(a, _element(a, v))

@@ -111,6 +111,20 @@ def empty_output(like: Tensor, dtype: torch.dtype) -> Tensor:
     return t
 
 
+def streamed(out: Tensor, moved_bytes: int) -> bool:
+    """Whether a kernel writes ``out`` with non-temporal stores (:class:`.floats.Streamed`): when
+    the call moves at least ``streaming_min_bytes`` (:mod:`.config`), ``out``'s rows start on 64
+    bytes and span a multiple of 64 bytes, as the stores' alignment requires, and its elements
+    are float32 or float64, whose vector stores fill whole cache lines (16-bit rows were slower
+    with them: docs/benchmarks.md, "Non-temporal stores")."""
+    return (
+        moved_bytes >= config.SETTINGS.streaming_min_bytes
+        and out.element_size() >= 4
+        and out.data_ptr() % 64 == 0
+        and out.shape[-1] * out.element_size() % 64 == 0
+    )
+
+
 def contiguous_rows(t: Tensor) -> Tensor:
     """``t`` with its rows contiguous (``t`` itself when they are)."""
     return t if t.is_contiguous() else t.contiguous()

@@ -15,6 +15,9 @@ multiply-add each) rather than stored by the first: fewer stores (docs/benchmark
 threads, compile time, warm start": row cost in cache). For post-norm the stream ``s`` is itself
 recomputed from ``x`` and ``residual`` (:func:`stream_row`), bit for bit the forward's.
 
+Large outputs (``y``, and ``ds`` without a branch) are written with non-temporal stores when the
+launcher asks (``streamed``, :class:`.floats.Streamed`): the same values, straight to memory.
+
 Choices that depend on a dtype or on an argument being None are made by type when compiling
 (``@overload``, or a None argument), so that each case gets its own loops and each loop
 vectorizes; a runtime test inside a row loop would keep it from vectorizing.
@@ -29,7 +32,7 @@ from numba.extending import overload
 
 from . import config
 from .branch import stream_through_branch
-from .floats import load, put, round_to
+from .floats import Streamed, load, put, round_to
 from .numerics import SUM_MATH, add_row, centred_stats, dot, load_row, row_scale, row_stats, row_sum
 
 PAIR_MIN_COLS = config.SETTINGS.pair_min_cols  # a constant of the compiled kernels
@@ -61,14 +64,16 @@ def forward_rows(
     branch,
     first,
     gates,
+    streamed,
 ):
     """``y`` (and ``s``, ``mean``, ``rstd``) of the rows ``x`` (plus ``r``). ``direct``: None for
     16-bit rows, whose x and s are never in the statistics dtype (a type, so that the branches
     below that use x or s directly are pruned when compiling: left in, they keep the widening
     loop from vectorizing). ``branch``: from :func:`.branch.prepare_branch` (None without one),
-    ``first`` the index of the first row in the call. ``buf``: three rows of scratch."""
+    ``first`` the index of the first row in the call. ``buf``: three rows of scratch.
+    ``streamed``: True to write ``y`` with non-temporal stores, else None."""
     if direct is not None and branch is None and has_residual:
-        _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf)
+        _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed)
         return
     row_buf = buf[0]
     for i in range(x.shape[0]):
@@ -90,13 +95,13 @@ def forward_rows(
             row = x[i]
             total = dot(row, row) if rms else row_sum(row)
         row, mu, c, rs, k = _row_statistics(row, total, eps, nf, rms, buf[2], kbuf)
-        _output_row(row, mu, c, rs, w, b, y[i])
+        _output_row(row, mu, c, rs, w, b, output_row(y, i, streamed))
         if write_stats:
             _store_stats(mean, rstd, i, mu, c, rs, k, rms)
 
 
 @numba.njit
-def _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf):
+def _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed):
     """:func:`forward_rows` of float32/float64 rows with a residual, one row ahead: the loop
     that writes row i's output also adds row i+1's stream, so that the memory reads of the next
     row and the writes of this one run together (as an elementwise op's would), and only the
@@ -113,10 +118,19 @@ def _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s
         row, mu, c, rs, k = _row_statistics(row, total, eps, nf, rms, buf[2], kbuf)
         if i + 1 < m:
             _output_row_and_add(
-                row, mu, c, rs, w, b, y[i], x[i + 1], r[i + 1], s[i + 1] if write_s else buf[(i + 1) % 2]
+                row,
+                mu,
+                c,
+                rs,
+                w,
+                b,
+                output_row(y, i, streamed),
+                x[i + 1],
+                r[i + 1],
+                s[i + 1] if write_s else buf[(i + 1) % 2],
             )
         else:
-            _output_row(row, mu, c, rs, w, b, y[i])
+            _output_row(row, mu, c, rs, w, b, output_row(y, i, streamed))
         if write_stats:
             _store_stats(mean, rstd, i, mu, c, rs, k, rms)
 
@@ -191,6 +205,12 @@ def index_or_none(a, index):
     """``a[index]``, or None when ``a`` is None."""
 
 
+def output_row(a, i, streamed):
+    """Row ``i`` of the output ``a`` as :func:`.floats.put` takes it: ``a[i]``, or
+    ``Streamed(a[i])`` (non-temporal stores) when ``streamed`` is not None. Made once per row,
+    outside the loop over its elements (inside, the loop would not vectorize)."""
+
+
 def _plus_dstream(v, dsti, j):
     """``v + dsti[j]`` (the gradient of the returned stream, pre-norm), or ``v`` when ``dsti`` is
     None."""
@@ -221,6 +241,13 @@ def _index_or_none_impl(a, index):
     if isinstance(a, types.NoneType):
         return lambda a, index: None
     return lambda a, index: a[index]
+
+
+@overload(output_row)
+def _output_row_impl(a, i, streamed):
+    if isinstance(streamed, types.NoneType):
+        return lambda a, i, streamed: a[i]
+    return lambda a, i, streamed: Streamed(a[i])
 
 
 @overload(_plus_dstream)
@@ -300,12 +327,12 @@ def _gradient_pair(rows, w, dw, db):
 
 
 @numba.njit
-def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf):
+def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed):
     """``ds`` of the rows and their share of ``dweight`` (``dw``) and ``dbias`` (``db``): two
     passes over each row while it sits in cache; rows of PAIR_MIN_COLS or more take their
     second pass two at a time (:func:`_gradient_pair`), the same bits. ``r``: None (``s`` is
     the stream), or the residual, ``s`` then being ``x`` (see :func:`stream_row`). ``sbuf``: two
-    rows of scratch."""
+    rows of scratch. ``streamed``: True to write ``ds`` with non-temporal stores, else None."""
     m = s.shape[0]
     paired = m - m % 2 if w.shape[0] >= PAIR_MIN_COLS else 0
     for i in range(0, paired, 2):
@@ -315,20 +342,23 @@ def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
         cj = _row_coefs(sj, rj, dyj, w, mean, rstd, i + 1, nf, rms, sbuf[1], kbuf)
         if has_dstream:
             rows = (
-                (si, ri, dyi, dstream[i], ci, rstd[i], ds[i]),
-                (sj, rj, dyj, dstream[i + 1], cj, rstd[i + 1], ds[i + 1]),
+                (si, ri, dyi, dstream[i], ci, rstd[i], output_row(ds, i, streamed)),
+                (sj, rj, dyj, dstream[i + 1], cj, rstd[i + 1], output_row(ds, i + 1, streamed)),
             )
             _gradient_pair(rows, w, dw, db)
         else:
-            rows = ((si, ri, dyi, None, ci, rstd[i], ds[i]), (sj, rj, dyj, None, cj, rstd[i + 1], ds[i + 1]))
+            rows = (
+                (si, ri, dyi, None, ci, rstd[i], output_row(ds, i, streamed)),
+                (sj, rj, dyj, None, cj, rstd[i + 1], output_row(ds, i + 1, streamed)),
+            )
             _gradient_pair(rows, w, dw, db)
     for i in range(paired, m):
         (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf[0]), dy[i]
         coefs = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf[0], kbuf)
         if has_dstream:
-            gradient_pass(si, ri, dyi, w, dstream[i], coefs, rstd[i], ds[i], dw, db)
+            gradient_pass(si, ri, dyi, w, dstream[i], coefs, rstd[i], output_row(ds, i, streamed), dw, db)
         else:
-            gradient_pass(si, ri, dyi, w, None, coefs, rstd[i], ds[i], dw, db)
+            gradient_pass(si, ri, dyi, w, None, coefs, rstd[i], output_row(ds, i, streamed), dw, db)
 
 
 @numba.njit

@@ -1,0 +1,48 @@
+"""``benchmarks/cpu_streaming.py``: its two sides are the streamed and the plain kernels, it
+leaves the backend's settings as it found them, and the script runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from addnorm.kernels import cpu
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_streaming.py"
+spec = importlib.util.spec_from_file_location("cpu_streaming", SCRIPT)
+streaming = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(streaming)
+
+
+def test_each_side_runs_the_stores_it_names(monkeypatch):
+    asked = []
+    real = cpu.entry.forward_entry, cpu.entry.backward_entry
+    monkeypatch.setattr(cpu, "forward_entry", lambda *a: asked.append(("fwd", a[-1])) or real[0](*a))
+    monkeypatch.setattr(cpu, "backward_entry", lambda *a: asked.append(("bwd", a[-1])) or real[1](*a))
+    settings = cpu.config.SETTINGS
+    calls = streaming.calls(4, 1024, streaming.torch.float32, rms=False)
+    asked.clear()  # (the forward that made the statistics)
+    for (direction, stores), run in calls.items():
+        run()
+        assert asked.pop() == (direction, stores == "streamed")
+        assert cpu.config.SETTINGS is settings
+
+
+def test_the_script_runs_and_reports_each_shape():
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "8x1024", "--rounds", "1"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3 and "add_layer_norm" in lines[1] and "add_rms_norm" in lines[2]
+    assert all(line.count("x)") == 2 for line in lines[1:])
+
+
+@pytest.mark.parametrize("bad", [["8by1024"], ["--dtype", "bfloat16"]])
+def test_bad_arguments_are_refused_without_a_traceback(bad):
+    done = subprocess.run([sys.executable, str(SCRIPT), *bad], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "error:" in done.stderr
