@@ -3,8 +3,9 @@
     python benchmarks/cpu_streaming.py [ROWSxCOLS ...] [--dtype float32] [--rounds 21]
         (default: 4096x768 4096x1024 2048x4096)
 
-add+LayerNorm and add+RMSNorm, post-norm: the forward (writing ``y``) and the backward (writing
-``ds``, the stream recomputed from ``x`` and ``residual``), ``addnorm.kernels.cpu`` called
+add+LayerNorm and add+RMSNorm: the post-norm forward (writing ``y``), the pre-norm forward
+(``y`` and ``s``) and the post-norm backward (writing ``ds``, the stream recomputed from ``x``
+and ``residual``), ``addnorm.kernels.cpu`` called
 directly, the same call with ``streaming_min_bytes`` at 0 (every output streamed where it fits:
 ``kernels/cpu/launch.streamed``) and out of reach (plain stores). Timed interleaved by addnorm's
 harness (``addnorm.tools.bench.measure``) on torch's thread count: median ms per call, and how
@@ -41,13 +42,14 @@ def calls(m: int, n: int, dtype: torch.dtype, rms: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     x, r, dy = (torch.randn(m, n, generator=g).to(dtype) for _ in range(3))
     w, b = torch.randn(n, generator=g).to(dtype), None if rms else torch.randn(n, generator=g).to(dtype)
-    kw = {"eps": 1e-5, "rms": rms, "residual_dtype": None, "write_stream": False}
-    _, _, mean, rstd = cpu.forward(x, r, w, b, **kw)
-    fwd = lambda: cpu.forward(x, r, w, b, **kw)  # noqa: E731
+    kw = {"eps": 1e-5, "rms": rms, "residual_dtype": None}
+    _, _, mean, rstd = cpu.forward(x, r, w, b, **kw, write_stream=False)
+    fwd = lambda: cpu.forward(x, r, w, b, **kw, write_stream=False)  # noqa: E731
+    pre = lambda: cpu.forward(x, r, w, b, **kw, write_stream=True)  # noqa: E731
     bwd = lambda: cpu.backward(dy, None, (x, r), w, mean, rstd, rms=rms, has_bias=not rms, param_dtype=dtype)  # noqa: E731
     return {
         (direction, stores): with_stores(stores, fn)
-        for direction, fn in (("fwd", fwd), ("bwd", bwd))
+        for direction, fn in (("fwd", fwd), ("fwd pre-norm", pre), ("bwd", bwd))
         for stores in STORES
     }
 
@@ -68,7 +70,7 @@ def main() -> None:
         for rms in (False, True):
             t = measure(calls(m, n, dtype, rms), args.rounds, "cpu")
             cells = []
-            for direction in ("fwd", "bwd"):
+            for direction in ("fwd", "fwd pre-norm", "bwd"):
                 streamed, plain = t[(direction, "streamed")][0], t[(direction, "plain")][0]
                 cells.append(f"{direction} {streamed * 1e3:7.3f} vs {plain * 1e3:7.3f} ({plain / streamed:.2f}x)")
             print(f"{'add_rms_norm' if rms else 'add_layer_norm':<15s}{m:>5d}x{n:<5d} " + "   ".join(cells), flush=True)
