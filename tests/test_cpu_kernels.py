@@ -464,3 +464,35 @@ def test_last_level_cache_size_reads_linux_or_falls_back(monkeypatch, tmp_path):
     assert cpu.config.last_level_cache_bytes() == 16 << 20
     monkeypatch.setattr(cpu.config.glob, "glob", lambda pattern: [])
     assert cpu.config.last_level_cache_bytes() == 32 << 20
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_non_temporal_stores_through_the_branch_write_the_same_bits(monkeypatch, threads):
+    """Through the sublayer branch (dropout, layer scale, rowscale) ``y`` and ``dx`` are streamed
+    (``ds`` is read back for ``dx``, and keeps plain stores): every output and gradient is the
+    bits of plain stores, pre- and post-norm."""
+    settings = cpu.config.SETTINGS.updated(parallel_min_elements=1)
+    asked = _recording_entries(monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(6)
+    m, n = 37, 1024
+    x, r, dy = (torch.randn(m, n, generator=g) for _ in range(3))
+    w, b, layer_scale = (torch.randn(n, generator=g) for _ in range(3))
+    branch = backends.Branch(0.25, torch.tensor(1234), layer_scale, torch.rand(m, generator=g))
+    try:
+        for write_stream in (False, True):
+            results = []
+            for streaming_min_bytes in (0, 1 << 62):
+                monkeypatch.setattr(cpu.config, "SETTINGS", settings.updated(streaming_min_bytes=streaming_min_bytes))
+                y, s, mean, rstd = cpu.forward(
+                    x, r, w, b, eps=1e-5, rms=False, residual_dtype=None, write_stream=write_stream, branch=branch
+                )
+                grads = cpu.backward(dy, s, (x, r), w, mean, rstd, rms=False, has_bias=True, branch=branch)
+                results.append((y, s, mean, rstd, *grads))
+            for streamed, plain in zip(*results):
+                assert (streamed is None and plain is None) or torch.equal(streamed, plain)
+            assert results[0][7] is not None and not torch.equal(results[0][7], results[0][4])  # dx is not ds
+    finally:
+        torch.set_num_threads(before)
+    assert {("forward", True), ("forward", False), ("backward", True), ("backward", False)} == set(asked)

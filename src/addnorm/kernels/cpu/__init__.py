@@ -212,10 +212,11 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             dstream is not None,
             rms,
         )
-        # ds straight to memory, but not through a branch, whose loops read it back
-        moved = dy.nbytes + s.nbytes * (1 + (residual is not None)) + ds.nbytes * 2 + dst.nbytes * (dstream is not None)
-        stream_ds = branch is None and streamed(ds, moved)
-        entry = backward_entry(sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None, stream_ds)
+        # ds straight to memory; through a branch, whose loops read ds back, dx. The bytes the
+        # call moves: dy, s, ds, and residual, dstream and dx where there are
+        tensors = 3 + (residual is not None) + (dstream is not None) + (dx is not None)
+        stream = streamed(ds if dx is None else dx, tensors * ds.nbytes)
+        entry = backward_entry(sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None, stream)
         run_on_threads(entry, threads, args, branch_slots)
         del held
     if blocks > 1:  # the per-block partial rows, in a tree fixed by the number of blocks

@@ -152,8 +152,8 @@ def backward_blocks(
 ):
     """:func:`.rows.backward_rows` (or ``backward_rows_branch``) over the blocks this thread
     claims. ``dw``/``db`` (and ``dls``): one partial row per block (not per thread), so that the
-    sums do not depend on which thread ran which block. ``streamed``: True to write ``ds`` with
-    non-temporal stores (without a branch, whose loops read ``ds`` back), else None."""
+    sums do not depend on which thread ran which block. ``streamed``: True to write ``ds`` (with a
+    branch, whose loops read ``ds`` back, ``dx``) with non-temporal stores, else None."""
     m, n = s.shape
     sbuf = np.empty((2, n), rstd.dtype)
     kbuf = np.empty(1, rstd.dtype)
@@ -186,6 +186,7 @@ def backward_blocks(
                 gates,
                 dx[lo:hi],
                 dls[blk],
+                streamed,
             )
         else:
             backward_rows(

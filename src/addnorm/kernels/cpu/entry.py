@@ -224,7 +224,7 @@ def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed):
     """The backward entry (BackwardSlot); ``sd``: the dtype of s and ds, ``gd`` of dy, ``td`` of
     dstream, ``pd`` of weight, ``od`` of dweight and dbias; ``summed``: the stream is recomputed
     as x + residual; ``branched``: True (the stream recomputed through the branch), or None;
-    ``streamed``: True (ds written with non-temporal stores; not with a branch), or None.
+    ``streamed``: True (ds, or dx with a branch, written with non-temporal stores), or None.
 
     dweight and dbias: with one block (one thread), ``n`` values of ``od`` (or address 0: not
     wanted), summed here and rounded once; with several, one partial row per block in the

@@ -15,8 +15,9 @@ multiply-add each) rather than stored by the first: fewer stores (docs/benchmark
 threads, compile time, warm start": row cost in cache). For post-norm the stream ``s`` is itself
 recomputed from ``x`` and ``residual`` (:func:`stream_row`), bit for bit the forward's.
 
-Large outputs (``y``, and ``ds`` without a branch) are written with non-temporal stores when the
-launcher asks (``streamed``, :class:`.floats.Streamed`): the same values, straight to memory.
+Large outputs that are not read back (``y``; ``ds``, or ``dx`` through a branch) are written
+with non-temporal stores when the launcher asks (``streamed``, :class:`.floats.Streamed`): the
+same values, straight to memory.
 
 Choices that depend on a dtype or on an argument being None are made by type when compiling
 (``@overload``, or a None argument), so that each case gets its own loops and each loop
@@ -363,16 +364,37 @@ def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
 
 @numba.njit
 def backward_rows_branch(
-    dy, dstream, x, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, branch, first, gates, dx, dls
+    dy,
+    dstream,
+    x,
+    r,
+    w,
+    mean,
+    rstd,
+    nf,
+    has_dstream,
+    rms,
+    ds,
+    dw,
+    db,
+    sbuf,
+    kbuf,
+    branch,
+    first,
+    gates,
+    dx,
+    dls,
+    streamed,
 ):
     """:func:`backward_rows` through the branch: the stream and its gates recomputed into
     ``sbuf``/``gates`` (:func:`.branch.stream_through_branch`), then besides ``ds`` (the
     residual's gradient) ``dx`` and the row's share of ``dlayer_scale`` (``dls``), as
-    :func:`addnorm.reference.branch_backward`."""
+    :func:`addnorm.reference.branch_backward`. ``streamed``: True to write ``dx`` with
+    non-temporal stores (``ds`` is read back, and keeps plain ones), else None."""
     rowscale, layer_scaled = branch[5], branch[7]
     gate, factor = gates[0], gates[1]
     for i in range(x.shape[0]):
-        xi, dyi, dsi, dxi = x[i], dy[i], ds[i], dx[i]
+        xi, dyi, dsi, dxi = x[i], dy[i], ds[i], output_row(dx, i, streamed)
         stream_through_branch(xi, r[i], sbuf, gates, branch, first + i)
         coefs = _row_coefs(sbuf, None, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
         rsc = rowscale[first + i]
