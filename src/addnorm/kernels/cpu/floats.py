@@ -71,7 +71,7 @@ class Streamed(NamedTuple):
     a plain store first reads in the cache line it writes (for a row computed from two inputs, a
     third more traffic). For large outputs, which would leave the cache before they are read
     again. The row must start on 64 bytes and span a multiple of 64 bytes: the launcher checks
-    (``kernels.cpu.streamed``); the stores are marked 64-byte aligned, which holds for each
+    (:func:`.launch.streamed`); the stores are marked 64-byte aligned, which holds for each
     vector store of a loop over such a row (see :func:`_store_nontemporal`)."""
 
     row: object
