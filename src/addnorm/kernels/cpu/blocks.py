@@ -87,26 +87,9 @@ def _wait_all_blocks(counters, block_rows, m):
 
 @numba.njit(nogil=True, error_model="numpy")
 def forward_blocks(
-    x,
-    r,
-    w,
-    b,
-    eps,
-    nf,
-    has_residual,
-    write_s,
-    write_stats,
-    rms,
-    y,
-    s,
-    mean,
-    rstd,
-    counters,
-    block_rows,
-    direct,
-    br,
-    streamed,
-):
+    x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd,
+    counters, block_rows, direct, br, streamed,
+):  # fmt: skip
     """:func:`.rows.forward_rows` over the blocks this thread claims. ``br``: the branch's
     arguments (``entry.read_branch``), or None; ``streamed``: True to write ``y`` with
     non-temporal stores, fenced before the block is counted done, else None."""
