@@ -71,20 +71,23 @@ class Streamed(NamedTuple):
     a plain store first reads in the cache line it writes (for a row computed from two inputs, a
     third more traffic). For large outputs, which would leave the cache before they are read
     again. The row must start on 64 bytes and span a multiple of 64 bytes: the launcher checks
-    (:func:`.launch.streamed`); the stores are marked 64-byte aligned, which holds for each
-    vector store of a loop over such a row (see :func:`_store_nontemporal`)."""
+    (:func:`.launch.streamed`), so that each vector store of a loop over the row is aligned to
+    its own width (see :func:`_store_nontemporal`)."""
 
     row: object
 
 
 @intrinsic
 def _store_nontemporal(typingctx, a, j, element):
-    """``a[j] = element`` (of a's dtype), marked non-temporal and 64-byte aligned. LLVM's
-    vectorizer turns a loop of these into aligned non-temporal vector stores (``vmovntps``); a
-    store of the element's own alignment it would leave scalar. The claim holds for every vector
-    store of a row that starts on 64 bytes and spans a multiple of 64 bytes; a scalar store
-    left over (the tail of a vectorized loop) is a non-temporal store of any alignment on x86
-    (``movnti``)."""
+    """``a[j] = element`` (of a's dtype), marked non-temporal and claiming 64-byte alignment.
+    LLVM's loop vectorizer makes a non-temporal store a vector store only when the store claims
+    the vector's alignment (else it leaves the loop scalar); it never peels a loop for
+    alignment, so on a row that starts on 64 bytes each vector store (64 bytes, or a narrower
+    one in the loop's vectorized epilogue) falls at a multiple of its own width, which is what
+    the aligned instructions (``vmovntps``) need. The claim overstates the alignment of the
+    scalar stores a vectorized loop leaves at its tail (none on a row of 64-byte multiples
+    whose length divides by the vector widths): those are non-temporal stores of any alignment
+    on x86 (``movnti``), and LLVM's x86 code does not use the claim for them."""
 
     def codegen(context, builder, sig, args):
         ary = context.make_array(sig.args[0])(context, builder, args[0])

@@ -113,13 +113,14 @@ def empty_output(like: Tensor, dtype: torch.dtype) -> Tensor:
 
 def streamed(out: Tensor, moved_bytes: int) -> bool:
     """Whether a kernel writes ``out`` with non-temporal stores (:class:`.floats.Streamed`): when
-    the call moves at least ``streaming_min_bytes`` (:mod:`.config`), ``out``'s rows start on 64
-    bytes and span a multiple of 64 bytes, as the stores' alignment requires, and its elements
+    the call moves at least ``streaming_min_bytes`` (:mod:`.config`), ``out``'s rows are contiguous,
+    start on 64 bytes and span a multiple of 64 bytes, as the stores' alignment requires, and its elements
     are float32 or float64, whose vector stores fill whole cache lines (16-bit rows were slower
     with them: docs/benchmarks.md, "Non-temporal stores")."""
     return (
         moved_bytes >= config.SETTINGS.streaming_min_bytes
         and out.element_size() >= 4
+        and out.is_contiguous()
         and out.data_ptr() % 64 == 0
         and out.shape[-1] * out.element_size() % 64 == 0
     )
