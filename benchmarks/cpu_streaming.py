@@ -31,12 +31,8 @@ OPS = {"add_layer_norm": (False, 0.0), "add_rms_norm": (True, 0.0), "add_layer_n
 
 def with_stores(stores: str, fn):
     def run():
-        old = cpu.config.SETTINGS
-        cpu.config.SETTINGS = old.updated(streaming_min_bytes=STORES[stores])
-        try:
+        with cpu.config.using(streaming_min_bytes=STORES[stores]):
             fn()
-        finally:
-            cpu.config.SETTINGS = old
 
     return run
 

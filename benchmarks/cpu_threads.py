@@ -20,12 +20,8 @@ from addnorm.tools.bench import measure, parse_shapes
 
 def threaded(min_elements: int, fn):
     def run():
-        old = cpu.config.SETTINGS
-        cpu.config.SETTINGS = old.updated(parallel_min_elements=min_elements)
-        try:
+        with cpu.config.using(parallel_min_elements=min_elements):
             fn()
-        finally:
-            cpu.config.SETTINGS = old
 
     return run
 

@@ -7,15 +7,19 @@ same bits on any thread count; docs/reliability.md, "3. Determinism and the redu
 contract").
 
 The launchers read :data:`SETTINGS` at each call, so a test or a benchmark may swap it
-(``config.SETTINGS = SETTINGS.updated(parallel_min_elements=1)``); ``pair_min_cols`` is read
-when the kernels are compiled.
+(``config.SETTINGS = SETTINGS.updated(parallel_min_elements=1)``, or for a ``with`` block
+:func:`using`); ``pair_min_cols`` is read when the kernels are compiled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # as /sys writes cache sizes
 
 
 def last_level_cache_bytes() -> int:
@@ -27,9 +31,8 @@ def last_level_cache_bytes() -> int:
                 text = f.read().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if text[:-1].isdigit() and text[-1] in units:
-            sizes.append(int(text[:-1]) * units[text[-1]])
+        if text[:-1].isdigit() and text[-1] in _SIZE_UNITS:
+            sizes.append(int(text[:-1]) * _SIZE_UNITS[text[-1]])
     return max(sizes, default=32 << 20)
 
 
@@ -66,3 +69,15 @@ class Settings:
 
 
 SETTINGS = Settings()
+
+
+@contextlib.contextmanager
+def using(**changes) -> Iterator[Settings]:
+    """:data:`SETTINGS` with ``changes`` inside a ``with`` block, restored after it."""
+    global SETTINGS
+    old = SETTINGS
+    SETTINGS = old.updated(**changes)
+    try:
+        yield SETTINGS
+    finally:
+        SETTINGS = old
