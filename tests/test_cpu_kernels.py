@@ -519,3 +519,29 @@ def test_streamed_rows_compile_to_non_temporal_vector_stores(tmp_path):
     assert done.returncode == 0, done.stderr
     counts = [int(v) for v in done.stdout.split()]
     assert len(counts) == 3 and all(c > 0 for c in counts), counts
+
+
+def test_auto_streams_a_training_step_above_the_default_threshold(monkeypatch):
+    """Through ``backend="auto"`` with the default settings, a float32 training step whose
+    forward moves more than ``streaming_min_bytes`` (the machine's last-level cache: 4096x1024 or
+    more rows) streams its outputs, forward and backward, and gives the bits of plain stores."""
+    n = 1024
+    m = max(4096, cpu.config.SETTINGS.streaming_min_bytes // (3 * n * 4) + 1)  # x, residual, y
+    g = torch.Generator().manual_seed(7)
+    x, r, dy = (torch.randn(m, n, generator=g) for _ in range(3))
+    w, b = torch.randn(n, generator=g), torch.randn(n, generator=g)
+
+    def step():
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        y = addnorm.add_layer_norm(leaves[0], leaves[1], n, leaves[2], leaves[3], backend="auto")
+        y.backward(dy)
+        return (y.detach(), *(t.grad for t in leaves))
+
+    asked = _recording_entries(monkeypatch)
+    streamed = step()
+    assert asked == [("forward", True), ("backward", True)]
+    with cpu.config.using(streaming_min_bytes=1 << 62):
+        plain = step()
+    assert asked[2:] == [("forward", False), ("backward", False)]
+    for a, c in zip(streamed, plain):
+        assert torch.equal(a, c)
