@@ -303,9 +303,11 @@ def test_forward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
     m, n = 3, 8
     x, r, w, b = torch.randn(m, n), torch.randn(m, n), torch.randn(n), torch.randn(n)
     ls, seed = torch.randn(n), torch.tensor(1234, dtype=torch.int64)
+    w1, b1 = torch.randn(n), torch.randn(n)
     branch = backends.Branch(0.25, seed, ls, None)
-    (y, s, mean, rstd), args, br = _packed(
-        monkeypatch, lambda: cpu.forward(x, r, w, b, eps=0.5, rms=False, residual_dtype=None, branch=branch)
+    (y, s, mean, rstd, y1), args, br = _packed(
+        monkeypatch,
+        lambda: cpu.forward(x, r, w, b, eps=0.5, rms=False, residual_dtype=None, branch=branch, second=(w1, b1)),
     )
     assert len(args) == ForwardSlot.BRANCH - COUNTERS and len(br) == len(BranchSlot)
     assert {slot.name: args[slot - COUNTERS] for slot in ForwardSlot if slot < ForwardSlot.BRANCH} == {
@@ -325,6 +327,9 @@ def test_forward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
         "RMS": False,
         "WRITE_STATS": True,
         "EPS": _float64_bits(0.5),
+        "WEIGHT1": w1.data_ptr(),
+        "BIAS1": b1.data_ptr(),
+        "Y1": y1.data_ptr(),
     }
     packed = {slot.name: br[slot] for slot in BranchSlot}
     assert packed.pop("ROWSCALE") not in (0, ls.data_ptr())  # a row of ones made for the call
@@ -339,14 +344,16 @@ def test_forward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
 
 def test_backward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
     """As the forward's test, for BackwardSlot: post-norm (the stream recomputed from x and the
-    residual), with a stream gradient, RMSNorm, no branch."""
+    residual), with a stream gradient, RMSNorm, no branch, a second norm."""
     from addnorm.kernels.cpu.entry import COUNTERS, NO_BRANCH, BackwardSlot
 
     m, n = 3, 8
     x, r, w, dy, dstream = torch.randn(m, n), torch.randn(m, n), torch.randn(n), torch.randn(m, n), torch.randn(m, n)
     rstd = torch.rand(m) + 1
+    dy1, w1 = torch.randn(m, n), torch.randn(n)
     grads, args, br = _packed(
-        monkeypatch, lambda: cpu.backward(dy, dstream, (x, r), w, None, rstd, rms=True, has_bias=True)
+        monkeypatch,
+        lambda: cpu.backward(dy, dstream, (x, r), w, None, rstd, rms=True, has_bias=True, second=(dy1, w1, True)),
     )
     assert len(args) == BackwardSlot.BRANCH - COUNTERS and br == NO_BRANCH
     assert {slot.name: args[slot - COUNTERS] for slot in BackwardSlot if slot < BackwardSlot.BRANCH} == {
@@ -368,6 +375,10 @@ def test_backward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
         "BLOCKS": 1,
         "HAS_DSTREAM": True,
         "RMS": True,
+        "DY1": dy1.data_ptr(),
+        "WEIGHT1": w1.data_ptr(),
+        "DWEIGHT1": grads.dweight1.data_ptr(),
+        "DBIAS1": grads.dbias1.data_ptr(),
     }
 
 
@@ -376,9 +387,9 @@ def _recording_entries(monkeypatch) -> list[tuple[str, bool]]:
     asked = []
 
     def record(direction, make):
-        def entry(*args):
-            asked.append((direction, bool(args[-1])))
-            return make(*args)
+        def entry(*args, **kwargs):
+            asked.append((direction, bool(kwargs["streamed"])))
+            return make(*args, **kwargs)
 
         return entry
 
@@ -509,9 +520,9 @@ def test_streamed_rows_compile_to_non_temporal_vector_stores(tmp_path):
         "import re, torch\n"
         "from addnorm.kernels.cpu import entry\n"
         "f32 = torch.float32\n"
-        "for e in (entry.forward_entry(f32, f32, f32, False, True),"
-        " entry.backward_entry(f32, f32, f32, f32, f32, True, False, True),"
-        " entry.backward_entry(f32, f32, f32, f32, f32, True, True, True)):\n"
+        "for e in (entry.forward_entry(f32, f32, f32, False, streamed=True),"
+        " entry.backward_entry(f32, f32, f32, f32, f32, True, False, streamed=True),"
+        " entry.backward_entry(f32, f32, f32, f32, f32, True, True, streamed=True)):\n"
         "    print(len(re.findall(r'store <\\d+ x float>[^\\n]*!nontemporal', e.inspect_llvm())))\n"
     )
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}

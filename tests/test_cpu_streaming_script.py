@@ -21,8 +21,8 @@ spec.loader.exec_module(streaming)
 def test_each_side_runs_the_stores_it_names(monkeypatch):
     asked = []
     real = cpu.entry.forward_entry, cpu.entry.backward_entry
-    monkeypatch.setattr(cpu, "forward_entry", lambda *a: asked.append(("fwd", a[-1])) or real[0](*a))
-    monkeypatch.setattr(cpu, "backward_entry", lambda *a: asked.append(("bwd", a[-1])) or real[1](*a))
+    monkeypatch.setattr(cpu, "forward_entry", lambda *a, **k: asked.append(("fwd", k["streamed"])) or real[0](*a, **k))
+    monkeypatch.setattr(cpu, "backward_entry", lambda *a, **k: asked.append(("bwd", k["streamed"])) or real[1](*a, **k))
     settings = cpu.config.SETTINGS
     calls = streaming.calls(4, 1024, streaming.torch.float32, rms=False, dropout_p=0.1)
     asked.clear()  # (the forward that made the statistics)

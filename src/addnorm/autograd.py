@@ -121,8 +121,10 @@ def _saved(a: OpArgs, s: Tensor | None, plan: SavePlan) -> tuple[Tensor, ...]:
     return (a.x, a.residual) if plan.save_inputs else (a.x if a.residual is None else s,)
 
 
-def train_forward(a: OpArgs) -> tuple[SavePlan, backends.Branch | None, tuple]:
-    """``(plan, branch, (y, s, mean, rstd))``: the forward of a training call, as the plan says."""
+def train_forward(a: OpArgs, second: tuple | None = None, write_stats: bool = True) -> tuple:
+    """``(plan, branch, (y, s, mean, rstd))``: the forward of a training call, as the plan says.
+    ``second``: ``(weight1, bias1)`` of a second norm of the same stream (parallel blocks, on a
+    backend with ``Capabilities.second_norm``), whose ``y1`` then comes fifth."""
     impl = backends.resolve(a.backend, a.x)
     branch = make_branch(a.dropout_p, a.seed, a.layer_scale, a.rowscale)
     plan = save_plan(impl, a, branch)
@@ -135,7 +137,9 @@ def train_forward(a: OpArgs) -> tuple[SavePlan, backends.Branch | None, tuple]:
         rms=a.rms,
         residual_dtype=a.residual_dtype,
         write_stream=plan.write_stream,
+        write_stats=write_stats,
         branch=branch,
+        **({} if second is None else {"second": second}),
     )
     return plan, branch, outputs
 
@@ -397,6 +401,69 @@ def _op_backward(ctx, dy, dstream, _dmean, _drstd):
 
 
 forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- a second norm
+
+
+class EagerSecondNorm(torch.autograd.Function):
+    """:class:`EagerAddNorm` with a second norm of the same stream (parallel blocks): outputs
+    ``y``, ``y1`` (and ``s`` when written); one backward pass over the rows sums ``g = dy * weight
+    + dy1 * weight1`` and gives ``dweight1``/``dbias1`` besides the rest. A second derivative
+    differentiates the two norms' backward formulas, added (both are linear in their incoming
+    gradients)."""
+
+    @staticmethod
+    def forward(ctx, a, x, weight, bias, weight1, bias1, residual=None, layer_scale=None):
+        plan, _, (y, s, mean, rstd, y1) = train_forward(a, (weight1, bias1))
+        ctx.save_for_backward(a.weight, mean, rstd, a.seed, a.layer_scale, a.rowscale, weight1, *_saved(a, s, plan))
+        ctx.meta, ctx.bias1_dtype = _meta(a, plan.write_stream), None if bias1 is None else bias1.dtype
+        ctx.set_materialize_grads(False)
+        if not plan.write_stream:
+            return y, y1
+        return y, y1, s
+
+    @staticmethod
+    def backward(ctx, dy, dy1, dstream=None):
+        weight, mean, rstd, seed, layer_scale, rowscale, weight1, *s_parts = ctx.saved_tensors
+        s_parts, bias1_dtype = tuple(s_parts), ctx.bias1_dtype
+        x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_output, dropout_p = ctx.meta
+        branch = make_branch(dropout_p, seed, layer_scale, rowscale)
+        like = s_parts[0]
+        dy = torch.zeros_like(like, dtype=x_dtype) if dy is None else dy
+        dy1 = torch.zeros_like(like, dtype=x_dtype) if dy1 is None else dy1
+        dstream = dstream if stream_output else None
+        has_bias, has_bias1 = bias_dtype is not None, bias1_dtype is not None
+        if torch.is_grad_enabled():  # create_graph=True: the two norms' differentiable backwards
+            g = torch_kernels.differentiable_backward(dy, dstream, s_parts, weight, eps, rms, has_bias, branch)
+            g1 = torch_kernels.differentiable_backward(dy1, None, s_parts, weight1, eps, rms, has_bias1, branch)
+            plus = lambda u, v: None if u is None else u + v  # noqa: E731
+            g = g._replace(ds=g.ds + g1.ds, dx=plus(g.dx, g1.dx), dlayer_scale=plus(g.dlayer_scale, g1.dlayer_scale))
+            g = g._replace(dweight1=g1.dweight, dbias1=g1.dbias)
+        else:
+            params = [t for t in (weight, weight1) if t is not None]
+            dtypes = (
+                {t.dtype for t in params}
+                | ({bias_dtype} if has_bias else set())
+                | ({bias1_dtype} if has_bias1 else set())
+            )
+            param_dtype = dtypes.pop() if len(dtypes) == 1 else None
+            impl = backends.resolve(backend, like)
+            g = impl.backward(
+                dy, dstream, s_parts, weight, mean, rstd, rms=rms, has_bias=has_bias, branch=branch,
+                param_dtype=param_dtype, second=(dy1, weight1, has_bias1),
+            )  # fmt: skip
+        ds = g.ds
+        return (
+            None,
+            _to(ds if branch is None else g.dx, x_dtype),
+            None if weight is None else _to(g.dweight, weight.dtype),
+            _to(g.dbias, bias_dtype) if has_bias else None,
+            _to(g.dweight1, weight1.dtype),
+            _to(g.dbias1, bias1_dtype) if has_bias1 else None,
+            None if residual_dtype is None else _to(ds, residual_dtype),
+            _to(g.dlayer_scale, layer_scale.dtype) if layer_scale is not None else None,
+        )
 
 
 # --------------------------------------------------------------------------- a second sublayer output

@@ -50,10 +50,15 @@ class Capabilities:
     ``recomputes_stream``: post-norm training is cheaper when the forward writes ``y`` alone
     and the backward recomputes ``s = x + residual`` from the saved inputs (see
     ``addnorm.autograd.save_plan``); else the forward writes ``s`` and it is saved.
+    ``second_norm``: ``forward`` and ``backward`` take ``second=``, a second norm of the same
+    stream (parallel blocks, :func:`addnorm.kernels.cpu.forward` and ``backward``): ``y1`` from
+    the forward's statistics, ``dweight1``/``dbias1`` from the same passes; without it, parallel
+    blocks run as two calls.
     """
 
     device_types: tuple[str, ...] | None
     recomputes_stream: bool = False
+    second_norm: bool = False
 
 
 class Branch(NamedTuple):
@@ -84,6 +89,8 @@ class Grads(NamedTuple):
     dbias: Tensor | None
     dx: Tensor | None = None
     dlayer_scale: Tensor | None = None
+    dweight1: Tensor | None = None  # with a second norm (``Capabilities.second_norm``), as dweight
+    dbias1: Tensor | None = None
 
 
 class Backend(Protocol):

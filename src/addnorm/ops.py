@@ -38,7 +38,17 @@ from torch.autograd import forward_ad
 
 from . import backend as backends
 from . import reference
-from .autograd import OpArgs, _to, dropped_add, eager_apply, forward_op, make_branch, op_args
+from .autograd import (
+    EagerSecondNorm,
+    OpArgs,
+    _to,
+    dropped_add,
+    eager_apply,
+    forward_op,
+    make_branch,
+    op_args,
+    train_forward,
+)
 from .checks import (
     PLAIN,
     check_backend,
@@ -370,6 +380,13 @@ def _parallel(
         residual = dropped_add(base, x1, n, p, seed1, sd)
         residual_dtype = sd
         masks = (_dropout_mask(x1, n, p, seed1),)
+    if weight1 is not None and _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer):
+        y, y1, s, mask = _second_norm(
+            x, residual, norm_shape, weight, bias, weight1, bias1, eps_checked, rms, prenorm, residual_dtype, backend,
+            sublayer,
+        )  # fmt: skip
+        out_tuple = (y, y1, s) if prenorm else (y, y1)
+        return out_tuple + ((mask, *masks) if sublayer.return_dropout_mask else ())
     want_stream = prenorm or weight1 is not None
     result = add_norm(
         x, residual, norm_shape, weight, bias, eps_checked, rms=rms, prenorm=want_stream,
@@ -392,6 +409,53 @@ def _parallel(
     if sublayer.return_dropout_mask:
         out_tuple += (*mask, *masks)
     return out_tuple if len(out_tuple) > 1 else out_tuple[0]
+
+
+def _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer) -> bool:
+    """Whether parallel blocks' two norms run as one call: plain tensors in eager mode (the
+    training and inference routes), on a backend with ``Capabilities.second_norm``."""
+    tensors = (x, residual, weight, bias, weight1, bias1, sublayer.layer_scale, sublayer.rowscale)
+    if any(t is not None and type(t) not in PLAIN for t in tensors):
+        return False
+    if _is_compiling() or _is_exporting() or _tracing_state() is not None:
+        return False
+    if _functorch_level() is not None or forward_ad._current_level >= 0:
+        return False
+    return backends.resolve(backend, x).CAPABILITIES.second_norm
+
+
+def _second_norm(x, residual, shape, weight, bias, weight1, bias1, eps, rms, prenorm, residual_dtype, backend, sub):
+    """``(y, y1, s, mask)`` of parallel blocks in one call (:func:`_fuses_second_norm`): the
+    stream ``s = residual + rowscale * layer_scale * dropout(x)`` normalized once, ``y`` with
+    ``weight``/``bias`` and ``y1`` with ``weight1``/``bias1`` written by the same loop; ``mask``
+    the keep mask of ``x``. Without a residual, the stream starts here (:func:`_stream_starts_here`)."""
+    weight, p, seed = _sublayer(x, residual, shape, weight, sub)
+    if sub.zero_centered_weight:
+        weight1 = weight1.to(reference.stats_dtype(weight1.dtype)) + 1
+    layer_scale, rowscale = sub.layer_scale, sub.rowscale
+    if residual is None and ((residual_dtype or x.dtype) != x.dtype or _has_branch(sub)):
+        residual = torch.zeros_like(x, dtype=residual_dtype or x.dtype)
+    if residual is not None and _has_branch(sub):  # a branch sums in residual's dtype
+        residual = _to(residual, reference.stream_dtype(x, residual, residual_dtype))
+    n = math.prod(shape)
+    lead = x.shape[: x.dim() - len(shape)]
+    flat = lambda t: None if t is None else t.reshape(*t.shape[: t.dim() - len(shape)], n)  # noqa: E731
+    xf, rf, wf, bf, w1f, b1f, lsf = map(flat, (x, residual, weight, bias, weight1, bias1, layer_scale))
+    a = op_args((xf, rf, wf, bf, eps, rms, residual_dtype, backend, prenorm, p, seed, lsf, rowscale))
+    params = (xf, wf, bf, w1f, b1f, rf, lsf)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params):
+        outputs = eager_apply_second(a, *params)
+        y, y1, s = outputs if len(outputs) == 3 else (*outputs, None)
+    else:
+        _, _, (y, s, _, _, y1) = train_forward(a, (w1f, b1f), write_stats=False)
+    if s is None:
+        s = xf if rf is None else None
+    unflat = lambda t: t.view(*lead, *shape)  # noqa: E731
+    mask = _dropout_mask(x, n, p, seed) if sub.return_dropout_mask else None
+    return unflat(y), unflat(y1), None if s is None else unflat(s), mask
+
+
+eager_apply_second = torch._C._FunctionBase.__dict__["apply"].__get__(None, EagerSecondNorm)
 
 
 # --------------------------------------------------------------------------- nested, onnx

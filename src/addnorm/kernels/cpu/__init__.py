@@ -51,7 +51,11 @@ from .launch import (
 # them (addnorm.ops.plan): the forward writes y alone, not s and y. Same bytes over forward +
 # backward, one fresh output fewer, and fresh outputs are what cost most here (see
 # docs/benchmarks.md, "Fresh outputs page-fault").
-CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True)
+CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True, second_norm=True)
+
+
+_NO_SECOND = (0, 0, 0)  # the forward's WEIGHT1, BIAS1, Y1 slots without a second norm
+_NO_SECOND_GRAD = (0, 0, 0, 0)  # the backward's DY1, WEIGHT1, DWEIGHT1, DBIAS1 slots
 
 
 def unavailable_reason(x: Tensor | None) -> str | None:
@@ -93,9 +97,12 @@ def forward(
     out=None,
     residual_out=None,
     branch=None,
+    second=None,
 ):
     """:func:`addnorm.reference.forward` in one pass over the rows; ``y`` and ``s`` are written
-    straight into ``out``/``residual_out`` when given."""
+    straight into ``out``/``residual_out`` when given. ``second``: ``(weight1, bias1)`` of a second
+    norm of the same stream (parallel blocks), whose output ``y1`` is written by the same loop
+    and returned fifth."""
     n = x.shape[-1]
     y_dtype = sd = x.dtype
     if residual is not None:
@@ -119,11 +126,17 @@ def forward(
     if write_stats:
         mean = None if rms else torch.empty(m, dtype=cd)
         rstd = torch.empty(m, dtype=cd)
+    y1, second_args = None, _NO_SECOND
+    if second is not None:
+        y1 = empty_output(x, y.dtype)
     if m:
         threads, block_rows = (1, m) if m * n < config.SETTINGS.parallel_min_elements else thread_plan(m)
-        pd = cd if sd is cd else kernel_param_dtype(sd, cd, weight, bias)
+        pd = cd if sd is cd else kernel_param_dtype(sd, cd, weight, bias, *(second or ()))
         w, b = param_row(weight, n, pd, 1.0), param_row(bias, n, pd, 0.0)  # held: the kernel reads them
         branch_slots, held = branch_args(branch, m, n, cd) if branch is not None else (NO_BRANCH, ())
+        if second is not None:
+            w1, b1 = param_row(second[0], n, pd, 1.0), param_row(second[1], n, pd, 0.0)
+            second_args = (w1.data_ptr(), b1.data_ptr(), y1.data_ptr())  # w1, b1 held: the kernel reads them
         args = (  # in entry.ForwardSlot order
             x.data_ptr(),
             x.data_ptr() if residual is None else residual.data_ptr(),
@@ -141,20 +154,27 @@ def forward(
             rms,
             write_stats,
             float64_bits(eps),
+            *second_args,
         )
         # y straight to memory when it is the output itself (not a float32 y cast afterwards)
-        moved = x.nbytes * (2 + (residual is not None) + write_s)
-        stream_y = direct and streamed(y, moved)
-        run_on_threads(forward_entry(sd, y.dtype, pd, branch is not None, stream_y), threads, args, branch_slots)
+        moved = x.nbytes * (2 + (residual is not None) + write_s + (y1 is not None))
+        stream_y = direct and streamed(y, moved) and (y1 is None or streamed(y1, moved))
+        entry = forward_entry(sd, y.dtype, pd, branch is not None, streamed=stream_y, second=y1 is not None)
+        run_on_threads(entry, threads, args, branch_slots)
         del held
     if y.dtype is not y_dtype:
         y = out.copy_(y) if out is not None else y.to(y_dtype)
-    return y, s, mean, rstd
+    if second is None:
+        return y, s, mean, rstd
+    return y, s, mean, rstd, y1 if y1.dtype is y_dtype else y1.to(y_dtype)
 
 
-def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=None, param_dtype=None):
+def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=None, param_dtype=None, second=None):
     """:func:`addnorm.reference.backward` in two passes over each row; from ``s_parts = (x,
-    residual)`` the stream is recomputed as it is read (through the branch, when given)."""
+    residual)`` the stream is recomputed as it is read (through the branch, when given).
+    ``second``: ``(dy1, weight1, has_bias1)`` of a second norm of the same stream (parallel
+    blocks): ``g = dy * weight + dy1 * weight1`` in the same passes, and ``dweight1``/``dbias1``
+    in the returned :class:`Grads`."""
     check_s_parts(s_parts, branch)
     s, residual = s_parts if len(s_parts) == 2 else (s_parts[0], None)
     sd = s_parts[-1].dtype  # the stream dtype (with a branch, residual's)
@@ -166,6 +186,10 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
         dy = dy.to(cd)
     if dstream is not None and dstream.dtype is not sd:
         dstream = dstream.to(cd)
+    dy1 = weight1 = None
+    if second is not None:
+        dy1, weight1, has_bias1 = second
+        dy1 = contiguous_rows(dy1 if dy1.dtype is dy.dtype else dy1.to(dy.dtype))
     s, dy = contiguous_rows(s), contiguous_rows(dy)
     if residual is not None:
         residual = contiguous_rows(residual)
@@ -187,10 +211,19 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
     else:
         dw, db = alloc((blocks, n), dtype=cd), alloc((blocks, n), dtype=cd)
     dls = alloc((blocks, n) if blocks > 1 else n, dtype=cd) if branch is not None else None
+    dw1 = db1 = None
+    if second is not None:  # as dw and db; without bias1, dbias1's partial rows are summed, then dropped
+        shape, dtype = ((blocks, n), cd) if blocks > 1 else (n, od)
+        dw1 = alloc(shape, dtype=dtype)
+        db1 = alloc(shape, dtype=dtype) if has_bias1 or blocks > 1 else None
+    second_args = _NO_SECOND_GRAD
     if m:
         dst = s if dstream is None else contiguous_rows(dstream)
-        pd = cd if sd is cd else kernel_param_dtype(sd, cd, weight)
+        pd = cd if sd is cd else kernel_param_dtype(sd, cd, weight, weight1)
         w = param_row(weight, n, pd, 1.0)  # held: the kernel reads it
+        if second is not None:
+            w1 = param_row(weight1, n, pd, 1.0)  # held: the kernel reads it
+            second_args = (dy1.data_ptr(), w1.data_ptr(), dw1.data_ptr(), 0 if db1 is None else db1.data_ptr())
         branch_slots, held = branch_args(branch, m, n, cd) if branch is not None else (NO_BRANCH, ())
         args = (  # in entry.BackwardSlot order
             dy.data_ptr(),
@@ -211,20 +244,26 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             blocks,
             dstream is not None,
             rms,
+            *second_args,
         )
         # ds straight to memory; through a branch, whose loops read ds back, dx. The bytes the
         # call moves: dy, s, ds, and residual, dstream and dx where there are
-        tensors = 3 + (residual is not None) + (dstream is not None) + (dx is not None)
+        tensors = 3 + (residual is not None) + (dstream is not None) + (dx is not None) + (dy1 is not None)
         stream = streamed(ds if dx is None else dx, tensors * ds.nbytes)
-        entry = backward_entry(sd, dy.dtype, dst.dtype, pd, od, residual is not None, branch is not None, stream)
+        summed, branched = residual is not None, branch is not None
+        entry = backward_entry(
+            sd, dy.dtype, dst.dtype, pd, od, summed, branched, streamed=stream, second=dy1 is not None
+        )
         run_on_threads(entry, threads, args, branch_slots)
         del held
     if blocks > 1:  # the per-block partial rows, in a tree fixed by the number of blocks
         dw = reference.sum_partials(dw) if weight is not None else None
         db = reference.sum_partials(db) if has_bias else None
         dls = None if dls is None else reference.sum_partials(dls)
+        if second is not None:
+            dw1, db1 = reference.sum_partials(dw1), reference.sum_partials(db1) if has_bias1 else None
     if param_dtype is not None:
-        dw, db = (g if g is None or g.dtype is param_dtype else g.to(param_dtype) for g in (dw, db))
+        dw, db, dw1, db1 = (g if g is None or g.dtype is param_dtype else g.to(param_dtype) for g in (dw, db, dw1, db1))
     if branch is None or branch.layer_scale is None:
         dls = None
-    return Grads(ds, dw, db, dx, dls)
+    return Grads(ds, dw, db, dx, dls, dw1, db1)

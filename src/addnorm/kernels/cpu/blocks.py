@@ -66,6 +66,35 @@ def _fence_if_impl(streamed):
     return lambda streamed: fence()
 
 
+def _second_block(second, lo, hi):
+    """The forward's second norm ``(weight1, bias1, y1)`` on rows ``lo:hi``, or None."""
+
+
+@overload(_second_block)
+def _second_block_impl(second, lo, hi):
+    if isinstance(second, types.NoneType):
+        return lambda second, lo, hi: None
+    return lambda second, lo, hi: (second[0], second[1], second[2][lo:hi])
+
+
+def _second_grad_block(second, blk, lo, hi):
+    """The backward's second norm ``(dy1, weight1, dweight1, dbias1)`` on rows ``lo:hi``, with
+    block ``blk``'s partial rows of ``dweight1``/``dbias1`` zeroed; or None."""
+
+
+@overload(_second_grad_block)
+def _second_grad_block_impl(second, blk, lo, hi):
+    if isinstance(second, types.NoneType):
+        return lambda second, blk, lo, hi: None
+
+    def block(second, blk, lo, hi):
+        second[2][blk][:] = 0
+        second[3][blk][:] = 0
+        return (second[0][lo:hi], second[1], second[2][blk], second[3][blk])
+
+    return block
+
+
 @numba.njit
 def _claim_block(counters, block_rows, m):
     """``(block, lo, hi)``: the next unclaimed block of rows, or block -1 when none is left."""
@@ -88,11 +117,12 @@ def _wait_all_blocks(counters, block_rows, m):
 @numba.njit(nogil=True, error_model="numpy")
 def forward_blocks(
     x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd,
-    counters, block_rows, direct, br, streamed,
+    counters, block_rows, direct, br, streamed, second,
 ):  # fmt: skip
     """:func:`.rows.forward_rows` over the blocks this thread claims. ``br``: the branch's
-    arguments (``entry.read_branch``), or None; ``streamed``: True to write ``y`` with
-    non-temporal stores, fenced before the block is counted done, else None."""
+    arguments (``entry.read_branch``), or None; ``streamed``: True to write ``y`` (and ``y1``)
+    with non-temporal stores, fenced before the block is counted done, else None; ``second``:
+    ``(weight1, bias1, y1)`` of a second norm, or None."""
     m, n = x.shape
     buf = np.empty((3, n), rstd.dtype)  # the row (two, alternating, when pipelined) and a scaled row
     kbuf = np.empty(1, rstd.dtype)
@@ -122,6 +152,7 @@ def forward_blocks(
             lo,
             gates,
             streamed,
+            _second_block(second, lo, hi),
         )
         _fence_if(streamed)
         _atomic_increment(counters, _BLOCKS_DONE)
@@ -131,12 +162,15 @@ def forward_blocks(
 
 @numba.njit(nogil=True, error_model="numpy")
 def backward_blocks(
-    dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, counters, block_rows, br, dx, dls, streamed
-):
+    dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, counters, block_rows, br, dx, dls, streamed,
+    second,
+):  # fmt: skip
     """:func:`.rows.backward_rows` (or ``backward_rows_branch``) over the blocks this thread
     claims. ``dw``/``db`` (and ``dls``): one partial row per block (not per thread), so that the
     sums do not depend on which thread ran which block. ``streamed``: True to write ``ds`` (with a
-    branch, whose loops read ``ds`` back, ``dx``) with non-temporal stores, else None."""
+    branch, whose loops read ``ds`` back, ``dx``) with non-temporal stores, else None. ``second``:
+    ``(dy1, weight1, dweight1, dbias1)`` of a second norm (partial rows per block, as ``dw``), or
+    None."""
     m, n = s.shape
     sbuf = np.empty((2, n), rstd.dtype)
     kbuf = np.empty(1, rstd.dtype)
@@ -146,6 +180,7 @@ def backward_blocks(
     while blk >= 0:
         dw[blk][:] = 0  # (scratch from torch.empty: zeros would cost a call each)
         db[blk][:] = 0
+        sec = _second_grad_block(second, blk, lo, hi)
         if br is not None:  # an argument: the other branch is pruned when compiling
             dls[blk][:] = 0
             backward_rows_branch(
@@ -170,6 +205,7 @@ def backward_blocks(
                 dx[lo:hi],
                 dls[blk],
                 streamed,
+                sec,
             )
         else:
             backward_rows(
@@ -189,6 +225,7 @@ def backward_blocks(
                 sbuf,
                 kbuf,
                 streamed,
+                sec,
             )
         _fence_if(streamed)
         _atomic_increment(counters, _BLOCKS_DONE)

@@ -59,6 +59,9 @@ class ForwardSlot(IntEnum):
     RMS = auto()
     WRITE_STATS = auto()
     EPS = auto()  # float64 bits
+    WEIGHT1 = auto()  # the second norm (parallel blocks): 0 without one
+    BIAS1 = auto()  # (weight1's address again without bias1: never read then)
+    Y1 = auto()
     BRANCH = auto()  # the first of the branch's slots (BranchSlot)
 
 
@@ -81,6 +84,10 @@ class BackwardSlot(IntEnum):
     BLOCKS = auto()
     HAS_DSTREAM = auto()
     RMS = auto()
+    DY1 = auto()  # the second norm (parallel blocks): 0 without one
+    WEIGHT1 = auto()
+    DWEIGHT1 = auto()  # as DWEIGHT
+    DBIAS1 = auto()  # as DWEIGHT
     BRANCH = auto()  # the first of the branch's slots (BranchSlot)
 
 
@@ -179,11 +186,81 @@ def _read_branch_impl(a, f, at, m, n, cd, branched):
     return read
 
 
-def _compile_forward(sd, yd, pd, branched, streamed):
+def read_second(a, m, n, pd, yd, second):
+    """The forward's second norm ``(weight1, bias1, y1)`` from its slots, or None (a constant:
+    pruned when compiling)."""
+
+
+@overload(read_second)
+def _read_second_impl(a, m, n, pd, yd, second):
+    if isinstance(second, types.NoneType):
+        return lambda a, m, n, pd, yd, second: None
+
+    def read(a, m, n, pd, yd, second):
+        return (
+            carray(_pointer(a[ForwardSlot.WEIGHT1]), n, pd),
+            carray(_pointer(a[ForwardSlot.BIAS1]), n, pd),
+            carray(_pointer(a[ForwardSlot.Y1]), (m, n), yd),
+        )
+
+    return read
+
+
+def read_second_grad(a, m, n, gd, pd, cd, second):
+    """The backward's second norm ``(dy1, weight1, dweight1, dbias1)`` from its slots (the
+    gradients' partial rows, or one row each of scratch with one block), or None."""
+
+
+@overload(read_second_grad)
+def _read_second_grad_impl(a, m, n, gd, pd, cd, second):
+    if isinstance(second, types.NoneType):
+        return lambda a, m, n, gd, pd, cd, second: None
+
+    def read(a, m, n, gd, pd, cd, second):
+        blocks = a[BackwardSlot.BLOCKS]
+        single = blocks == 1
+        return (
+            carray(_pointer(a[BackwardSlot.DY1]), (m, n), gd),
+            carray(_pointer(a[BackwardSlot.WEIGHT1]), n, pd),
+            np.empty((1, n), cd) if single else carray(_pointer(a[BackwardSlot.DWEIGHT1]), (blocks, n), cd),
+            np.empty((1, n), cd) if single else carray(_pointer(a[BackwardSlot.DBIAS1]), (blocks, n), cd),
+        )
+
+    return read
+
+
+def write_second_sums(a, n, od, sec):
+    """With one block: the second norm's ``dweight1``/``dbias1`` rounded to ``od`` into their
+    slots (where wanted); nothing without a second norm."""
+
+
+@overload(write_second_sums)
+def _write_second_sums_impl(a, n, od, sec):
+    if isinstance(sec, types.NoneType):
+        return lambda a, n, od, sec: None
+
+    def write(a, n, od, sec):
+        _write_sums(a, n, od, ((BackwardSlot.DWEIGHT1, sec[2][0]), (BackwardSlot.DBIAS1, sec[3][0])))
+
+    return write
+
+
+@numba.njit
+def _write_sums(a, n, od, pairs):
+    """Each ``(slot, sums)`` of ``pairs`` rounded to ``od`` into the slot's address, unless 0."""
+    for at, sums in pairs:
+        if a[at] != 0:
+            out = carray(_pointer(a[at]), n, od)
+            for j in range(n):
+                put(out, j, sums[j])
+
+
+def _compile_forward(sd, yd, pd, branched, streamed, second):
     """The forward entry (ForwardSlot); ``sd``: the dtype of x, residual and s, ``yd`` that of
     y, ``pd`` that of weight and bias (numpy dtypes; 16-bit floats as uint16/int16, see
     NUMPY_DTYPES); ``branched``: True, or None without a branch; ``streamed``: True (y written
-    with non-temporal stores), or None."""
+    with non-temporal stores), or None; ``second``: True (a second norm: ``weight1``, ``bias1``,
+    ``y1``), or None."""
     cd = np.float64 if sd == np.float64 else np.float32
     direct = True if sd == cd else None  # see rows.forward_rows
     source_digest = SOURCE_DIGEST
@@ -215,16 +292,18 @@ def _compile_forward(sd, yd, pd, branched, streamed):
             direct,
             read_branch(a, f, ForwardSlot.BRANCH, m, n, cd, branched),
             streamed,
+            read_second(a, m, n, pd, yd, second),
         )
 
     return _compile_entry(entry)
 
 
-def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed):
+def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed, second):
     """The backward entry (BackwardSlot); ``sd``: the dtype of s and ds, ``gd`` of dy, ``td`` of
     dstream, ``pd`` of weight, ``od`` of dweight and dbias; ``summed``: the stream is recomputed
     as x + residual; ``branched``: True (the stream recomputed through the branch), or None;
-    ``streamed``: True (ds, or dx with a branch, written with non-temporal stores), or None.
+    ``streamed``: True (ds, or dx with a branch, written with non-temporal stores), or None;
+    ``second``: True (a second norm: ``dy1``, ``weight1``, ``dweight1``, ``dbias1``), or None.
 
     dweight and dbias: with one block (one thread), ``n`` values of ``od`` (or address 0: not
     wanted), summed here and rounded once; with several, one partial row per block in the
@@ -243,6 +322,7 @@ def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed):
         single = blocks == 1
         dw = np.empty((1, n), cd) if single else carray(_pointer(a[BackwardSlot.DWEIGHT]), (blocks, n), cd)
         db = np.empty((1, n), cd) if single else carray(_pointer(a[BackwardSlot.DBIAS]), (blocks, n), cd)
+        sec = read_second_grad(a, m, n, gd, pd, cd, second)
         backward_blocks(
             carray(_pointer(a[BackwardSlot.DY]), (m, n), gd),
             carray(_pointer(a[BackwardSlot.DSTREAM]), (m, n), td),
@@ -263,29 +343,39 @@ def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed):
             carray(_pointer(a[BackwardSlot.DX]), (rows_dx, n), sd),
             carray(_pointer(a[BackwardSlot.DLAYER_SCALE]), (blocks if br is not None else 0, n), cd),
             streamed,
+            sec,
         )
         if single:
-            for at, sums in ((BackwardSlot.DWEIGHT, dw[0]), (BackwardSlot.DBIAS, db[0])):
-                if a[at] != 0:
-                    out = carray(_pointer(a[at]), n, od)
-                    for j in range(n):
-                        put(out, j, sums[j])
+            _write_sums(a, n, od, ((BackwardSlot.DWEIGHT, dw[0]), (BackwardSlot.DBIAS, db[0])))
+            write_second_sums(a, n, od, sec)
 
     return _compile_entry(entry)
 
 
-# compiled entries, made on first use: (stream, y, parameter dtypes, branched, streamed) and
-# (s, dy, dstream, weight, weight gradient dtypes, summed, branched, streamed)
+# compiled entries, made on first use: (stream, y, parameter dtypes, branched, streamed, second)
+# and (s, dy, dstream, weight, weight gradient dtypes, summed, branched, streamed, second)
 FORWARD_ENTRIES: dict[tuple, object] = {}
 BACKWARD_ENTRIES: dict[tuple, object] = {}
 
 
-def forward_entry(sd: torch.dtype, yd: torch.dtype, pd: torch.dtype, branched: bool = False, streamed: bool = False):
-    key = (sd, yd, pd, branched, streamed)
+def _flag(value: bool) -> bool | None:
+    """A compile-time flag: True, or None (a type, so that the code it guards is pruned)."""
+    return True if value else None
+
+
+def forward_entry(
+    sd: torch.dtype,
+    yd: torch.dtype,
+    pd: torch.dtype,
+    branched: bool = False,
+    streamed: bool = False,
+    second: bool = False,
+):
+    key = (sd, yd, pd, branched, streamed, second)
     entry = FORWARD_ENTRIES.get(key)
     if entry is None:
         dtypes = (NUMPY_DTYPES[d] for d in (sd, yd, pd))
-        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, True if branched else None, True if streamed else None)
+        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, _flag(branched), _flag(streamed), _flag(second))
     return entry
 
 
@@ -298,12 +388,13 @@ def backward_entry(
     summed: bool,
     branched: bool = False,
     streamed: bool = False,
+    second: bool = False,
 ):
-    key = (sd, gd, td, pd, od, summed, branched, streamed)
+    key = (sd, gd, td, pd, od, summed, branched, streamed, second)
     entry = BACKWARD_ENTRIES.get(key)
     if entry is None:
         dtypes = (NUMPY_DTYPES[d] for d in (sd, gd, td, pd, od))
-        flags = (True if branched else None, True if streamed else None)
+        flags = (_flag(branched), _flag(streamed), _flag(second))
         entry = BACKWARD_ENTRIES[key] = _compile_backward(*dtypes, summed, *flags)
     return entry
 

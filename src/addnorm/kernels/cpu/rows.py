@@ -15,6 +15,11 @@ multiply-add each) rather than stored by the first: fewer stores (docs/benchmark
 threads, compile time, warm start": row cost in cache). For post-norm the stream ``s`` is itself
 recomputed from ``x`` and ``residual`` (:func:`stream_row`), bit for bit the forward's.
 
+A second norm of the same rows (parallel blocks: ``weight1``, ``bias1``) costs no pass of its
+own: the loop that writes ``y`` writes ``y1`` from the same statistics, and the backward's
+passes take ``g = dy * weight + dy1 * weight1`` and add the row's share of ``dweight1`` and
+``dbias1`` (:func:`second_row`, :func:`second_grad_row`: None without one, pruned when compiling).
+
 Large outputs that are not read back (``y``; ``ds``, or ``dx`` through a branch) are written
 with non-temporal stores when the launcher asks (``streamed``, :class:`.floats.Streamed`): the
 same values, straight to memory.
@@ -66,15 +71,20 @@ def forward_rows(
     first,
     gates,
     streamed,
+    second,
 ):
     """``y`` (and ``s``, ``mean``, ``rstd``) of the rows ``x`` (plus ``r``). ``direct``: None for
     16-bit rows, whose x and s are never in the statistics dtype (a type, so that the branches
     below that use x or s directly are pruned when compiling: left in, they keep the widening
     loop from vectorizing). ``branch``: from :func:`.branch.prepare_branch` (None without one),
     ``first`` the index of the first row in the call. ``buf``: three rows of scratch.
-    ``streamed``: True to write ``y`` with non-temporal stores, else None."""
+    ``streamed``: True to write ``y`` with non-temporal stores, else None. ``second``: the
+    second norm of the same rows, ``(weight1, bias1, y1)`` (parallel blocks: ``y1`` from the same
+    statistics, in the same loop as ``y``), or None."""
     if direct is not None and branch is None and has_residual:
-        _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed)
+        _forward_rows_pipelined(
+            x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second
+        )
         return
     row_buf = buf[0]
     for i in range(x.shape[0]):
@@ -96,13 +106,15 @@ def forward_rows(
             row = x[i]
             total = dot(row, row) if rms else row_sum(row)
         row, mu, c, rs, k = _row_statistics(row, total, eps, nf, rms, buf[2], kbuf)
-        _output_row(row, mu, c, rs, w, b, output_row(y, i, streamed))
+        _output_row(row, mu, c, rs, w, b, output_row(y, i, streamed), second_row(second, i, streamed))
         if write_stats:
             _store_stats(mean, rstd, i, mu, c, rs, k, rms)
 
 
 @numba.njit
-def _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed):
+def _forward_rows_pipelined(
+    x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second
+):
     """:func:`forward_rows` of float32/float64 rows with a residual, one row ahead: the loop
     that writes row i's output also adds row i+1's stream, so that the memory reads of the next
     row and the writes of this one run together (as an elementwise op's would), and only the
@@ -126,12 +138,13 @@ def _forward_rows_pipelined(x, r, w, b, eps, nf, write_s, write_stats, rms, y, s
                 w,
                 b,
                 output_row(y, i, streamed),
+                second_row(second, i, streamed),
                 x[i + 1],
                 r[i + 1],
                 s[i + 1] if write_s else buf[(i + 1) % 2],
             )
         else:
-            _output_row(row, mu, c, rs, w, b, output_row(y, i, streamed))
+            _output_row(row, mu, c, rs, w, b, output_row(y, i, streamed), second_row(second, i, streamed))
         if write_stats:
             _store_stats(mean, rstd, i, mu, c, rs, k, rms)
 
@@ -166,16 +179,18 @@ def _y_at(row, j, mu, c, rs, w, b):
 
 
 @numba.njit(inline="always")
-def _output_row(row, mu, c, rs, w, b, yi):
+def _output_row(row, mu, c, rs, w, b, yi, second_i):
     for j in range(row.shape[0]):
         put(yi, j, _y_at(row, j, mu, c, rs, w, b))
+        _put_second(row, j, mu, c, rs, second_i)
 
 
 @numba.njit(inline="always")
-def _output_row_and_add(row, mu, c, rs, w, b, yi, xn, rn, dest):
+def _output_row_and_add(row, mu, c, rs, w, b, yi, second_i, xn, rn, dest):
     """:func:`_output_row` of this row and the next row's stream into ``dest``, in one loop."""
     for j in range(row.shape[0]):
         put(yi, j, _y_at(row, j, mu, c, rs, w, b))
+        _put_second(row, j, mu, c, rs, second_i)
         dest[j] = stream_at(xn, rn, j)
 
 
@@ -210,6 +225,34 @@ def output_row(a, i, streamed):
     """Row ``i`` of the output ``a`` as :func:`.floats.put` takes it: ``a[i]``, or
     ``Streamed(a[i])`` (non-temporal stores) when ``streamed`` is not None. Made once per row,
     outside the loop over its elements (inside, the loop would not vectorize)."""
+
+
+def second_row(second, i, streamed):
+    """Row ``i`` of the second norm's output: ``(weight1, bias1, y1 row)`` (the row as
+    :func:`output_row` makes it), or None without a second norm."""
+
+
+def _put_second(row, j, mu, c, rs, second_i):
+    """Element ``j`` of the second norm's output (``weight1``, ``bias1`` on the same ``xhat``), or
+    nothing when ``second_i`` is None."""
+
+
+def second_grad_row(second, i):
+    """``(dy1 row, weight1, dweight1, dbias1)`` of row ``i`` for the backward (``second`` the
+    whole ``(dy1, weight1, dweight1, dbias1)``), or None without a second norm."""
+
+
+def _g_at(dyi, w, sec, j):
+    """Element ``j`` of ``g = dy * weight``, plus ``dy1 * weight1`` with a second norm: the
+    gradient that reaches ``xhat`` from both outputs."""
+
+
+def _second_params(sec, xh, j):
+    """Row's share of ``dweight1``/``dbias1`` at ``j`` (nothing without a second norm)."""
+
+
+def _second_params_pair(sec_i, sec_j, xi, xj, j):
+    """:func:`_second_params` of two rows, each row's term added in row order."""
 
 
 def _plus_dstream(v, dsti, j):
@@ -251,6 +294,65 @@ def _output_row_impl(a, i, streamed):
     return lambda a, i, streamed: Streamed(a[i])
 
 
+@overload(second_row)
+def _second_row_impl(second, i, streamed):
+    if isinstance(second, types.NoneType):
+        return lambda second, i, streamed: None
+    return lambda second, i, streamed: (second[0], second[1], output_row(second[2], i, streamed))
+
+
+@overload(_put_second)
+def _put_second_impl(row, j, mu, c, rs, second_i):
+    if isinstance(second_i, types.NoneType):
+        return lambda row, j, mu, c, rs, second_i: None
+
+    def write(row, j, mu, c, rs, second_i):
+        w1, b1, y1i = second_i
+        put(y1i, j, _y_at(row, j, mu, c, rs, w1, b1))
+
+    return write
+
+
+@overload(second_grad_row)
+def _second_grad_row_impl(second, i):
+    if isinstance(second, types.NoneType):
+        return lambda second, i: None
+    return lambda second, i: (second[0][i], second[1], second[2], second[3])
+
+
+@overload(_g_at)
+def _g_at_impl(dyi, w, sec, j):
+    if isinstance(sec, types.NoneType):
+        return lambda dyi, w, sec, j: load(dyi, j) * load(w, j)
+    return lambda dyi, w, sec, j: load(dyi, j) * load(w, j) + load(sec[0], j) * load(sec[1], j)
+
+
+@overload(_second_params)
+def _second_params_impl(sec, xh, j):
+    if isinstance(sec, types.NoneType):
+        return lambda sec, xh, j: None
+
+    def add(sec, xh, j):
+        d1 = load(sec[0], j)
+        sec[2][j] += d1 * xh
+        sec[3][j] += d1
+
+    return add
+
+
+@overload(_second_params_pair)
+def _second_params_pair_impl(sec_i, sec_j, xi, xj, j):
+    if isinstance(sec_i, types.NoneType):
+        return lambda sec_i, sec_j, xi, xj, j: None
+
+    def add(sec_i, sec_j, xi, xj, j):
+        di, dj = load(sec_i[0], j), load(sec_j[0], j)
+        sec_i[2][j] = (sec_i[2][j] + di * xi) + dj * xj
+        sec_i[3][j] = (sec_i[3][j] + di) + dj
+
+    return add
+
+
 @overload(_plus_dstream)
 def _plus_dstream_impl(v, dsti, j):
     if isinstance(dsti, types.NoneType):
@@ -259,12 +361,13 @@ def _plus_dstream_impl(v, dsti, j):
 
 
 @numba.njit(fastmath=SUM_MATH)
-def _backward_sums(si, ri, dyi, w, k, mu, rs_k):
-    """The row sums of ``d = s * k - mu``, of ``g = dy * weight`` and of ``g * d * rs_k``."""
+def _backward_sums(si, ri, dyi, w, sec, k, mu, rs_k):
+    """The row sums of ``d = s * k - mu``, of ``g = dy * weight`` (:func:`_g_at`) and of
+    ``g * d * rs_k``."""
     sum_d = sum_g = sum_gx = mu - mu
     for j in range(w.shape[0]):
         d = stream_at(si, ri, j) * k - mu
-        gj = load(dyi, j) * load(w, j)
+        gj = _g_at(dyi, w, sec, j)
         sum_d += d
         sum_g += gj
         sum_gx += gj * (d * rs_k)
@@ -272,7 +375,7 @@ def _backward_sums(si, ri, dyi, w, k, mu, rs_k):
 
 
 @numba.njit
-def _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf):
+def _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, sbuf, kbuf):
     """``(k, mu, c, rs_k, mean(g * xhat), mean(g))`` of row ``i``, ``xhat = (s * k - mu - c) *
     rs_k``: ``mu`` the saved mean and ``c`` its correction, the mean of ``s * k - mu`` (the saved
     mean is rounded: see :func:`addnorm.reference.backward_rows`), both scaled by the row scale
@@ -288,78 +391,82 @@ def _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf):
         k = row_scale(sbuf, kbuf)
     mu = zero if rms else mean[i] * k
     rs_k = rs / k
-    sum_d, sum_g, sum_gx = _backward_sums(si, ri, dyi, w, k, mu, rs_k)
+    sum_d, sum_g, sum_gx = _backward_sums(si, ri, dyi, w, sec, k, mu, rs_k)
     c = zero if rms else sum_d / nf
     return k, mu, c, rs_k, (sum_gx - c * rs_k * sum_g) / nf, (zero if rms else sum_g / nf)
 
 
 @numba.njit(inline="always")  # into each caller: as a call of its own, one case vectorized worse
-def gradient_pass(si, ri, dyi, w, dsti, coefs, rs, dsi, dw, db):
+def gradient_pass(si, ri, dyi, w, sec, dsti, coefs, rs, dsi, dw, db):
     """The backward's second pass over a row: ``ds`` (plus ``dsti``, the gradient of the returned
-    stream, when not None) and the row's share of ``dweight`` and ``dbias``, from the row's
-    ``coefs`` (:func:`_row_coefs`). ``dsti`` None or not is a type: each case compiles to one
-    vectorized loop."""
+    stream, when not None) and the row's share of ``dweight`` and ``dbias`` (and of the second
+    norm's, ``sec``: :func:`second_grad_row`), from the row's ``coefs`` (:func:`_row_coefs`).
+    ``dsti`` and ``sec`` None or not are types: each case compiles to one vectorized loop."""
     k, mu, c, rs_k, mgx, mg = coefs
     for j in range(w.shape[0]):
         dj = load(dyi, j)
         xh = ((stream_at(si, ri, j) * k - mu) - c) * rs_k
         dw[j] += dj * xh
         db[j] += dj
-        put(dsi, j, _plus_dstream((dj * load(w, j) - xh * mgx - mg) * rs, dsti, j))
+        _second_params(sec, xh, j)
+        put(dsi, j, _plus_dstream((_g_at(dyi, w, sec, j) - xh * mgx - mg) * rs, dsti, j))
 
 
 @numba.njit(inline="always")
 def _gradient_pair(rows, w, dw, db):
     """:func:`gradient_pass` of two rows in one pass: ``dweight``/``dbias`` loaded and stored
     once per pair, each row's term added in row order as two passes would (the same bits).
-    ``rows``: per row ``(si, ri, dyi, dsti, coefs, rs, dsi)``."""
-    si, ri, dyi, dsti, (k, mu, c, rs_k, mgx, mg), rs, dsi = rows[0]
-    sj, rj, dyj, dstj, (k2, mu2, c2, rs_k2, mgx2, mg2), rs2, dsj = rows[1]
+    ``rows``: per row ``(si, ri, dyi, sec, dsti, coefs, rs, dsi)``."""
+    si, ri, dyi, seci, dsti, (k, mu, c, rs_k, mgx, mg), rs, dsi = rows[0]
+    sj, rj, dyj, secj, dstj, (k2, mu2, c2, rs_k2, mgx2, mg2), rs2, dsj = rows[1]
     for j in range(w.shape[0]):
-        wj = load(w, j)
         di = load(dyi, j)
         xi = ((stream_at(si, ri, j) * k - mu) - c) * rs_k
         dj = load(dyj, j)
         xj = ((stream_at(sj, rj, j) * k2 - mu2) - c2) * rs_k2
         dw[j] = (dw[j] + di * xi) + dj * xj
         db[j] = (db[j] + di) + dj
-        put(dsi, j, _plus_dstream((di * wj - xi * mgx - mg) * rs, dsti, j))
-        put(dsj, j, _plus_dstream((dj * wj - xj * mgx2 - mg2) * rs2, dstj, j))
+        _second_params_pair(seci, secj, xi, xj, j)
+        put(dsi, j, _plus_dstream((_g_at(dyi, w, seci, j) - xi * mgx - mg) * rs, dsti, j))
+        put(dsj, j, _plus_dstream((_g_at(dyj, w, secj, j) - xj * mgx2 - mg2) * rs2, dstj, j))
 
 
 @numba.njit
-def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed):
+def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed, second):
     """``ds`` of the rows and their share of ``dweight`` (``dw``) and ``dbias`` (``db``): two
     passes over each row while it sits in cache; rows of PAIR_MIN_COLS or more take their
     second pass two at a time (:func:`_gradient_pair`), the same bits. ``r``: None (``s`` is
     the stream), or the residual, ``s`` then being ``x`` (see :func:`stream_row`). ``sbuf``: two
-    rows of scratch. ``streamed``: True to write ``ds`` with non-temporal stores, else None."""
+    rows of scratch. ``streamed``: True to write ``ds`` with non-temporal stores, else None.
+    ``second``: ``(dy1, weight1, dweight1, dbias1)`` of a second norm of the same rows, or None."""
     m = s.shape[0]
     paired = m - m % 2 if w.shape[0] >= PAIR_MIN_COLS else 0
     for i in range(0, paired, 2):
         (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf[0]), dy[i]
         (sj, rj), dyj = stream_row(s[i + 1], index_or_none(r, i + 1), sbuf[1]), dy[i + 1]
-        ci = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf[0], kbuf)
-        cj = _row_coefs(sj, rj, dyj, w, mean, rstd, i + 1, nf, rms, sbuf[1], kbuf)
+        seci, secj = second_grad_row(second, i), second_grad_row(second, i + 1)
+        ci = _row_coefs(si, ri, dyi, w, seci, mean, rstd, i, nf, rms, sbuf[0], kbuf)
+        cj = _row_coefs(sj, rj, dyj, w, secj, mean, rstd, i + 1, nf, rms, sbuf[1], kbuf)
         if has_dstream:
             rows = (
-                (si, ri, dyi, dstream[i], ci, rstd[i], output_row(ds, i, streamed)),
-                (sj, rj, dyj, dstream[i + 1], cj, rstd[i + 1], output_row(ds, i + 1, streamed)),
+                (si, ri, dyi, seci, dstream[i], ci, rstd[i], output_row(ds, i, streamed)),
+                (sj, rj, dyj, secj, dstream[i + 1], cj, rstd[i + 1], output_row(ds, i + 1, streamed)),
             )
             _gradient_pair(rows, w, dw, db)
         else:
             rows = (
-                (si, ri, dyi, None, ci, rstd[i], output_row(ds, i, streamed)),
-                (sj, rj, dyj, None, cj, rstd[i + 1], output_row(ds, i + 1, streamed)),
+                (si, ri, dyi, seci, None, ci, rstd[i], output_row(ds, i, streamed)),
+                (sj, rj, dyj, secj, None, cj, rstd[i + 1], output_row(ds, i + 1, streamed)),
             )
             _gradient_pair(rows, w, dw, db)
     for i in range(paired, m):
         (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf[0]), dy[i]
-        coefs = _row_coefs(si, ri, dyi, w, mean, rstd, i, nf, rms, sbuf[0], kbuf)
+        sec = second_grad_row(second, i)
+        coefs = _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, sbuf[0], kbuf)
         if has_dstream:
-            gradient_pass(si, ri, dyi, w, dstream[i], coefs, rstd[i], output_row(ds, i, streamed), dw, db)
+            gradient_pass(si, ri, dyi, w, sec, dstream[i], coefs, rstd[i], output_row(ds, i, streamed), dw, db)
         else:
-            gradient_pass(si, ri, dyi, w, None, coefs, rstd[i], output_row(ds, i, streamed), dw, db)
+            gradient_pass(si, ri, dyi, w, sec, None, coefs, rstd[i], output_row(ds, i, streamed), dw, db)
 
 
 @numba.njit
@@ -385,6 +492,7 @@ def backward_rows_branch(
     dx,
     dls,
     streamed,
+    second,
 ):
     """:func:`backward_rows` through the branch: the stream and its gates recomputed into
     ``sbuf``/``gates`` (:func:`.branch.stream_through_branch`), then besides ``ds`` (the
@@ -396,14 +504,15 @@ def backward_rows_branch(
     for i in range(x.shape[0]):
         xi, dyi, dsi, dxi = x[i], dy[i], ds[i], output_row(dx, i, streamed)
         stream_through_branch(xi, r[i], sbuf, gates, branch, first + i)
-        coefs = _row_coefs(sbuf, None, dyi, w, mean, rstd, i, nf, rms, sbuf, kbuf)
+        sec = second_grad_row(second, i)
+        coefs = _row_coefs(sbuf, None, dyi, w, sec, mean, rstd, i, nf, rms, sbuf, kbuf)
         rsc = rowscale[first + i]
         # short loops over the row, so that each vectorizes: ds (and dweight, dbias) as without
         # a branch, then dx and dlayer_scale from ds as stored (as autograd reads it)
         if has_dstream:
-            gradient_pass(sbuf, None, dyi, w, dstream[i], coefs, rstd[i], dsi, dw, db)
+            gradient_pass(sbuf, None, dyi, w, sec, dstream[i], coefs, rstd[i], dsi, dw, db)
         else:
-            gradient_pass(sbuf, None, dyi, w, None, coefs, rstd[i], dsi, dw, db)
+            gradient_pass(sbuf, None, dyi, w, sec, None, coefs, rstd[i], dsi, dw, db)
         for j in range(w.shape[0]):
             put(dxi, j, load(dsi, j) * factor[j] * rsc)
         if layer_scaled:  # (a row of ones stands in for a missing layer scale: no gradient to take)
