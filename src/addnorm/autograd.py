@@ -478,7 +478,9 @@ class DroppedAdd(torch.autograd.Function):
 
     @staticmethod
     def forward(residual, x1, n, p, seed, sd):
-        branch = backends.Branch(p, seed, None, None)
+        # without dropout and with residual in sd, one add in sd: the same bits as the branch's
+        # sum in the statistics dtype rounded once, at the cost of torch's add alone
+        branch = backends.Branch(p, seed, None, None) if p > 0 or residual.dtype != sd else None
         return reference.stream(x1.reshape(-1, n), residual.reshape(-1, n), sd, branch).view(x1.shape)
 
     @staticmethod
