@@ -309,3 +309,25 @@ def test_second_norm_gradients_are_the_same_bits_on_any_thread_count_and_store(m
         first, *others = [tensors for p, tensors in results if p is prenorm]
         for tensors in others:
             assert all(torch.equal(a, b) for a, b in zip(first, tensors))
+
+
+@pytest.mark.parametrize("used", ["y", "y1", "s"])
+def test_one_call_takes_gradients_of_whichever_outputs_are_used(backend, used):
+    """Outputs left out of the loss have no gradient (None reaches the backward): the rest is
+    torch's in float64, through the one call (cpu, "auto") as through two calls."""
+    x, r, dy, w, b, w1, b1 = _tensors(9, 64, torch.float64, seed=8)
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b, w1, b1)]
+    y, y1, s = addnorm.add_layer_norm(
+        leaves[0], leaves[1], 64, *leaves[2:4], weight1=leaves[4], bias1=leaves[5], prenorm=True, backend=backend
+    )
+    out = {"y": y, "y1": y1, "s": s}[used]
+    grads = torch.autograd.grad((out * dy).sum(), leaves, allow_unused=True)
+    x_, r_, w_, b_, w1_, b1_ = (t.clone().requires_grad_() for t in (x, r, w, b, w1, b1))
+    s_ = r_ + x_
+    want = {"y": F.layer_norm(s_, (64,), w_, b_), "y1": F.layer_norm(s_, (64,), w1_, b1_), "s": s_}[used]
+    expected = torch.autograd.grad((want * dy).sum(), (x_, r_, w_, b_, w1_, b1_), allow_unused=True)
+    for ours, theirs in zip(grads, expected):
+        if theirs is None:  # a parameter the used output does not depend on
+            assert ours is None or not ours.any()
+        else:
+            torch.testing.assert_close(ours, theirs)
