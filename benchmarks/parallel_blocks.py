@@ -1,7 +1,7 @@
 """Parallel blocks on the CPU: both norms in one call, against two calls and against torch eager.
 
-    python benchmarks/parallel_blocks.py [ROWSxCOLS ...] [--dtype float32|bfloat16] [--rounds 15]
-        (default: 4096x1024 2048x4096)
+    python benchmarks/parallel_blocks.py [ROWSxCOLS ...] [--dtype float32|bfloat16] [--dropout-p P]
+        [--rounds 15]   (default: 4096x1024 2048x4096, no dropout)
 
 A parallel block (GPT-J, GPT-NeoX, Falcon, PaLM) adds two sublayer outputs to the stream and
 normalizes it twice: ``y, y1, s = add_layer_norm(x, residual, n, weight, bias, x1=x1,
@@ -13,6 +13,9 @@ weight1=weight1, bias1=bias1, prenorm=True)``. Timed side by side in one process
 - ``two calls``: the same op with the capability switched off: the norm of ``s``, then a
   second norm of ``s`` (what a backend without it runs);
 - ``torch eager``: ``s = residual + x1 + x``, then ``F.layer_norm`` twice.
+
+``--dropout-p``: each sublayer output dropped with its own mask (``F.dropout`` of each for torch
+eager).
 
 Passes: the forward under ``no_grad`` (inference) and a training forward with its backward.
 Prints median ms per call and how much faster the one call is. Run with
@@ -36,12 +39,13 @@ F = torch.nn.functional
 IMPLS = ("one call", "two calls", "torch eager")
 
 
-def block(impl: str, n: int):
-    """``(x, residual, x1, weight, bias, weight1, bias1) -> (y, y1, s)`` of ``impl``."""
+def block(impl: str, n: int, p: float = 0.0):
+    """``(x, residual, x1, weight, bias, weight1, bias1) -> (y, y1, s)`` of ``impl``, each
+    sublayer output dropped with probability ``p``."""
     if impl == "torch eager":
 
         def run(x, r, x1, w, b, w1, b1):
-            s = r + x1 + x
+            s = r + F.dropout(x1, p) + F.dropout(x, p) if p else r + x1 + x
             return F.layer_norm(s, (n,), w, b), F.layer_norm(s, (n,), w1, b1), s
 
         return run
@@ -51,14 +55,16 @@ def block(impl: str, n: int):
     def run(x, r, x1, w, b, w1, b1):
         saved, cpu.CAPABILITIES = cpu.CAPABILITIES, capabilities
         try:
-            return addnorm.add_layer_norm(x, r, n, w, b, x1=x1, weight1=w1, bias1=b1, prenorm=True, backend="cpu")
+            return addnorm.add_layer_norm(
+                x, r, n, w, b, x1=x1, weight1=w1, bias1=b1, prenorm=True, dropout_p=p, backend="cpu"
+            )
         finally:
             cpu.CAPABILITIES = saved
 
     return run
 
 
-def calls(m: int, n: int, dtype: torch.dtype) -> dict:
+def calls(m: int, n: int, dtype: torch.dtype, p: float = 0.0) -> dict:
     """``(pass, impl) -> callable`` for every pass and implementation, on one set of tensors."""
     g = torch.Generator().manual_seed(0)
     x, r, x1, dy, dy1, ds = (torch.randn(m, n, generator=g).to(dtype) for _ in range(6))
@@ -66,7 +72,7 @@ def calls(m: int, n: int, dtype: torch.dtype) -> dict:
     leaves = [t.clone().requires_grad_() for t in (x, r, x1, w, b, w1, b1)]
     runs = {}
     for impl in IMPLS:
-        fn = block(impl, n)
+        fn = block(impl, n, p)
 
         def fwd(fn=fn):
             with torch.no_grad():
@@ -83,8 +89,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("shapes", nargs="*", metavar="ROWSxCOLS", help="default: 4096x1024 2048x4096")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="default float32")
+    p.add_argument("--dropout-p", type=float, default=0.0, help="dropout of x and x1 (default 0)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved samples per call (default 15)")
     args = p.parse_args()
+    if not 0 <= args.dropout_p < 1:
+        p.error("--dropout-p must be in [0, 1)")
     dtype = getattr(torch, args.dtype)
     try:
         shapes = parse_shapes(",".join(args.shapes or ["4096x1024", "2048x4096"]))
@@ -92,9 +101,10 @@ def main() -> None:
         p.error(str(err).replace("--shapes: ", ""))
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
-    print(f"{args.dtype}, {torch.get_num_threads()} threads; median ms per call (one call's speed-up)")
+    dropout = f", dropout_p={args.dropout_p}" if args.dropout_p else ""
+    print(f"{args.dtype}{dropout}, {torch.get_num_threads()} threads; median ms per call (one call's speed-up)")
     for m, n in shapes:
-        t = measure(calls(m, n, dtype), args.rounds, "cpu")
+        t = measure(calls(m, n, dtype, args.dropout_p), args.rounds, "cpu")
         for pass_ in ("fwd", "fwd+bwd"):
             one = t[(pass_, "one call")][0]
             cells = [f"one call {one * 1e3:7.3f}"]

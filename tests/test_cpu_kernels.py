@@ -556,3 +556,18 @@ def test_auto_streams_a_training_step_above_the_default_threshold(monkeypatch):
     assert asked[2:] == [("forward", False), ("backward", False)]
     for a, c in zip(streamed, plain):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("p", [0.0, 1e-9, 0.1, 0.5, 0.999, 1.0])
+def test_keep_mask_is_the_reference_hash_bit_for_bit(p):
+    """The masks of x1's dropout and of return_dropout_mask come from the kernels' hash on CPU
+    tensors: every bit as :func:`addnorm.reference.keep_mask`, over seeds that fill both 32-bit
+    halves, one row and one column, widths across the vector lanes, and p = 1 (nothing kept)."""
+    for seed in (0, 1, 0x9E3779B97F4A7C15 >> 2, 2**62 - 1):
+        for m, n in [(1, 1), (3, 17), (65, 1000)]:
+            seed_t = torch.tensor(seed, dtype=torch.int64)
+            ours = cpu.keep_mask(seed_t, m, n, p)
+            assert ours.dtype == torch.bool and ours.shape == (m, n)
+            assert torch.equal(ours, addnorm.reference.keep_mask(seed_t, torch.arange(m), n, p))
+    if p == 1.0:
+        assert not ours.any()

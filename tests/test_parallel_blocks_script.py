@@ -37,9 +37,10 @@ def test_each_side_computes_the_block_and_runs_the_calls_it_names(monkeypatch):
             torch.testing.assert_close(ours, theirs)
 
 
-def test_the_script_runs_and_reports_each_pass():
+@pytest.mark.parametrize("dropout", [[], ["--dropout-p", "0.1"]])
+def test_the_script_runs_and_reports_each_pass(dropout):
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "8x256", "--rounds", "1"], capture_output=True, text=True, timeout=300
+        [sys.executable, str(SCRIPT), "8x256", "--rounds", "1", *dropout], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -47,7 +48,7 @@ def test_the_script_runs_and_reports_each_pass():
     assert all(line.count("x)") == 2 for line in lines[1:])
 
 
-@pytest.mark.parametrize("bad", [["8by1024"], ["--dtype", "float16"], ["--rounds", "0"]])
+@pytest.mark.parametrize("bad", [["8by1024"], ["--dtype", "float16"], ["--rounds", "0"], ["--dropout-p", "1"]])
 def test_bad_arguments_are_refused_without_a_traceback(bad):
     done = subprocess.run([sys.executable, str(SCRIPT), *bad], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "error:" in done.stderr

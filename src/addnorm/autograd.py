@@ -481,7 +481,8 @@ class DroppedAdd(torch.autograd.Function):
         # without dropout and with residual in sd, one add in sd: the same bits as the branch's
         # sum in the statistics dtype rounded once, at the cost of torch's add alone
         branch = backends.Branch(p, seed, None, None) if p > 0 or residual.dtype != sd else None
-        return reference.stream(x1.reshape(-1, n), residual.reshape(-1, n), sd, branch).view(x1.shape)
+        keep = keep_mask_of(x1, n, p, seed) if p > 0 else None
+        return reference.stream(x1.reshape(-1, n), residual.reshape(-1, n), sd, branch, keep=keep).view(x1.shape)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -506,8 +507,21 @@ def _dropped(t: Tensor, n: int, p: float, seed: Tensor | None) -> Tensor:
         return t
     cd = reference.stats_dtype(t.dtype)
     rows = torch.arange(t.numel() // n, device=t.device)
-    terms = reference.branch_terms(t.reshape(-1, n).to(cd), backends.Branch(p, seed, None, None), rows)
-    return terms["t"].view(t.shape)
+    branch, keep = backends.Branch(p, seed, None, None), keep_mask_of(t, n, p, seed)
+    return reference.branch_terms(t.reshape(-1, n).to(cd), branch, rows, keep)["t"].view(t.shape)
+
+
+def keep_mask_of(t: Tensor, n: int, p: float, seed: Tensor) -> Tensor:
+    """:func:`addnorm.reference.keep_mask` of ``t``'s rows of ``n`` features, ``(rows, n)``: for a
+    plain CPU tensor in eager mode by the cpu backend's hash (the same bits, one compiled loop
+    instead of a dozen int64 torch ops over the whole tensor), else by the reference's ops."""
+    rows = t.numel() // n if n else 0
+    plain = type(t) is Tensor and t.is_cpu and type(seed) is Tensor
+    if plain and not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
+        from .kernels import cpu  # (numba: imported on the first such call)
+
+        return cpu.keep_mask(seed, rows, n, p)
+    return reference.keep_mask(seed, torch.arange(rows, device=t.device), n, p)
 
 
 def dropped_add(residual: Tensor, x1: Tensor, n: int, p: float, seed: Tensor | None, sd: torch.dtype) -> Tensor:

@@ -45,6 +45,7 @@ from .autograd import (
     dropped_add,
     eager_apply,
     forward_op,
+    keep_mask_of,
     make_branch,
     op_args,
     train_forward,
@@ -319,8 +320,7 @@ def _dropout_mask(x: Tensor, n: int, dropout_p: float, seed: Tensor | None) -> T
     without dropout)."""
     if dropout_p == 0:
         return torch.ones(x.shape, dtype=torch.bool, device=x.device)
-    rows = torch.arange(x.numel() // n if n else 0, device=x.device)
-    return reference.keep_mask(seed, rows, n, dropout_p).view(x.shape)
+    return keep_mask_of(x, n, dropout_p, seed).view(x.shape)
 
 
 # --------------------------------------------------------------------------- first and parallel blocks
@@ -379,7 +379,8 @@ def _parallel(
         base = torch.zeros_like(x1, dtype=sd) if residual is None else residual.to(sd)
         residual = dropped_add(base, x1, n, p, seed1, sd)
         residual_dtype = sd
-        masks = (_dropout_mask(x1, n, p, seed1),)
+        if sublayer.return_dropout_mask:  # (the mask is a pass over x1 of its own: only when returned)
+            masks = (_dropout_mask(x1, n, p, seed1),)
     if weight1 is not None and _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer):
         y, y1, s, mask = _second_norm(
             x, residual, norm_shape, weight, bias, weight1, bias1, eps_checked, rms, prenorm, residual_dtype, backend,

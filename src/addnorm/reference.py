@@ -83,10 +83,12 @@ def stream(
     residual_dtype: torch.dtype | None,
     branch: Branch | None = None,
     first_row: int = 0,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """``s = x + residual`` in :func:`stream_dtype` (``x`` itself without a residual); with a
     ``branch``, ``s = residual + branch_term(x)`` summed in the statistics dtype, then rounded
-    (``first_row``: the index of ``x``'s first row in the call, for the dropout mask)."""
+    (``first_row``: the index of ``x``'s first row in the call, for the dropout mask; ``keep``:
+    that mask when already made, see :func:`branch_terms`)."""
     if residual is None:
         return x
     sd = stream_dtype(x, residual, residual_dtype)
@@ -94,7 +96,7 @@ def stream(
         return x.to(sd) + residual.to(sd)
     cd = stats_dtype(sd)  # x is rounded to the stream dtype first, as without a branch
     rows = torch.arange(first_row, first_row + x.numel() // max(x.shape[-1], 1), device=x.device)
-    return (residual.to(cd) + branch_terms(x.to(sd).to(cd), branch, rows.view(x.shape[:-1]))["t"]).to(sd)
+    return (residual.to(cd) + branch_terms(x.to(sd).to(cd), branch, rows.view(x.shape[:-1]), keep)["t"]).to(sd)
 
 
 # --------------------------------------------------------------------------- the sublayer branch
@@ -154,9 +156,10 @@ def keep_mask(seed: Tensor, rows: Tensor, n: int, p: float) -> Tensor:
     return mask_hash(seed, rows, n) >= keep_threshold(p)
 
 
-def branch_terms(x: Tensor, branch: Branch, rows: Tensor) -> dict[str, Tensor | None]:
+def branch_terms(x: Tensor, branch: Branch, rows: Tensor, keep: Tensor | None = None) -> dict[str, Tensor | None]:
     """``t = rowscale * layer_scale * dropout(x)`` for ``x`` in the statistics dtype, whose rows
-    have the indices ``rows``, in this order of operations (every backend keeps it)::
+    have the indices ``rows`` (``keep``: their :func:`keep_mask` when the caller has made it
+    already), in this order of operations (every backend keeps it)::
 
         gate   = keep ? 1 / (1 - p) : 0              (1 when p = 0)
         factor = gate * layer_scale                  (per element; the layer scale when given)
@@ -164,10 +167,11 @@ def branch_terms(x: Tensor, branch: Branch, rows: Tensor) -> dict[str, Tensor | 
 
     As torch's dropout, a dropped element is multiplied by 0, so a NaN or inf in ``x`` still
     shows as NaN. Returns ``keep`` (None when ``p = 0``), ``gate`` and ``t``."""
-    keep = None
     factor = gate = torch.ones((), dtype=x.dtype, device=x.device)
-    if branch.p > 0:
-        keep = keep_mask(branch.seed, rows, x.shape[-1], branch.p)
+    if branch.p <= 0:
+        keep = None
+    else:
+        keep = keep_mask(branch.seed, rows, x.shape[-1], branch.p) if keep is None else keep.view(x.shape)
         gate = torch.where(keep, torch.tensor(dropout_scale(branch.p), dtype=x.dtype, device=x.device), 0)
         factor = gate
     if branch.layer_scale is not None:

@@ -36,6 +36,7 @@ from torch import Tensor
 from ... import reference
 from ...backend import Capabilities, Grads, check_s_parts
 from . import config
+from .branch import keep_rows
 from .entry import NO_BRANCH, backward_entry, float64_bits, forward_entry
 from .launch import (
     branch_args,
@@ -60,6 +61,17 @@ _NO_SECOND_GRAD = (0, 0, 0, 0)  # the backward's DY1, WEIGHT1, DWEIGHT1, DBIAS1 
 
 def unavailable_reason(x: Tensor | None) -> str | None:
     return None  # numba is a dependency of addnorm; the device is checked against CAPABILITIES
+
+
+def keep_mask(seed: Tensor, rows: int, n: int, p: float) -> Tensor:
+    """:func:`addnorm.reference.keep_mask` of rows ``0..rows-1`` (bool, ``(rows, n)``), the same
+    bits from the kernels' hash: one compiled loop instead of a dozen int64 torch ops."""
+    threshold = reference.keep_threshold(p)
+    if threshold >= 1 << 32:  # p = 1: nothing kept
+        return torch.zeros((rows, n), dtype=torch.bool)
+    out = torch.empty((rows, n), dtype=torch.bool)
+    keep_rows(int(seed), threshold, out.numpy())
+    return out
 
 
 def thread_plan(rows: int) -> tuple[int, int]:

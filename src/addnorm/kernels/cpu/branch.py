@@ -63,15 +63,36 @@ def _prepare_branch_impl(args, n):
 
     def prepare(args, n):
         seed, threshold, scale, layer_scale, rowscale, layer_scaled = args
-        k0, k1 = np.uint64(seed) & _M32, (np.uint64(seed) >> _U32) & _M32
-        k0, k1, k0g = np.uint32(k0), np.uint32(k1), np.uint32(k0 ^ _GOLDEN)
-        cols = np.empty(n, np.uint32)
-        for j in range(n):
-            cols[j] = _fmix32_add(_fmix32_xor(np.uint32(j), k1), k0g)
+        k0, k1, cols = _keys(seed, n)
         # p = 1 (threshold 2**32) has scale 0: the gate is 0 whatever the 32-bit comparison says
         return k0, k1, np.uint32(min(threshold, 0xFFFFFFFF)), scale, layer_scale, rowscale, cols, layer_scaled
 
     return prepare
+
+
+@numba.njit
+def _keys(seed, n):
+    """``(k0, k1, column keys)`` of :func:`addnorm.reference.mask_hash` for the int64 ``seed``."""
+    k0, k1 = np.uint64(seed) & _M32, (np.uint64(seed) >> _U32) & _M32
+    k0, k1, k0g = np.uint32(k0), np.uint32(k1), np.uint32(k0 ^ _GOLDEN)
+    cols = np.empty(n, np.uint32)
+    for j in range(n):
+        cols[j] = _fmix32_add(_fmix32_xor(np.uint32(j), k1), k0g)
+    return k0, k1, cols
+
+
+@numba.njit(nogil=True)
+def keep_rows(seed, threshold, out):
+    """``out`` (bool, rows x columns) = :func:`addnorm.reference.keep_mask` of rows ``0..`` for
+    ``threshold < 2**32``: the kernels' hash, one vectorized loop per row."""
+    m, n = out.shape
+    k0, k1, cols = _keys(seed, n)
+    t = np.uint32(threshold)
+    for i in range(m):
+        a = _fmix32_add(_fmix32_xor(np.uint32(i), k0), k1)
+        row = out[i]
+        for j in range(n):
+            row[j] = _fmix32_add(a, cols[j]) >= t
 
 
 @numba.njit
