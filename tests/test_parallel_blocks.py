@@ -91,7 +91,7 @@ def test_without_a_residual_gradcheck(backend, kind):
         g = torch.Generator().manual_seed(2)
         return _call(kind, x, None, w, b, prenorm=True, dropout_p=0.25, layer_scale=ls, generator=g, backend=backend)
 
-    assert torch.autograd.gradcheck(f, leaves)
+    assert torch.autograd.gradcheck(f, leaves, fast_mode=interpreted(backend))
 
 
 # --------------------------------------------------------------------------- parallel blocks
@@ -147,7 +147,7 @@ def test_parallel_block_gradcheck_and_gradgradcheck(backend, kind):
         )
 
     inputs = (x, r, x1, w, b, w1, b1)
-    assert torch.autograd.gradcheck(f, inputs)
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=interpreted(backend))
     if not interpreted(backend):  # a second derivative differentiates the torch formulas on every
         # backend (kernels/torch.differentiable_backward): the interpreter would only repeat it slowly
         assert torch.autograd.gradgradcheck(f, inputs)
