@@ -119,6 +119,42 @@ def test_a_dropout_mask_of_its_own_fails_the_check(registered):
         check_backend("own_mask", dtypes=(torch.float32,))
 
 
+def _two_norms(drop_dy1: bool = False) -> types.ModuleType:
+    """The reference formulas with ``Capabilities.second_norm``: the second norm as a second call
+    (``drop_dy1``: its gradient left out of ``ds``, as a broken fused backward would)."""
+
+    def forward(x, residual, weight, bias, *, second=None, **kw):
+        y, s, mean, rstd = formulas.forward(x, residual, weight, bias, **kw)
+        if second is None:
+            return y, s, mean, rstd
+        stream = s if s is not None else x
+        y1 = formulas.forward(stream, None, *second, **{**kw, "write_stream": False})[0]
+        return y, s, mean, rstd, y1
+
+    def backward(dy, dstream, s_parts, weight, mean, rstd, *, second=None, **kw):
+        grads = formulas.backward(dy, dstream, s_parts, weight, mean, rstd, **kw)
+        if second is None:
+            return grads
+        dy1, weight1, has_bias1 = second
+        other = formulas.backward(dy1, None, s_parts, weight1, mean, rstd, **{**kw, "has_bias": has_bias1})
+        ds = grads.ds if drop_dy1 else grads.ds + other.ds
+        return grads._replace(ds=ds, dweight1=other.dweight, dbias1=other.dbias)
+
+    module = _variant("two_norms", forward=forward, backward=backward)
+    module.CAPABILITIES = backends.Capabilities(device_types=None, second_norm=True)
+    return module
+
+
+def test_the_check_covers_a_declared_second_norm(registered):
+    """A backend declaring ``second_norm`` is checked on it: two norm calls pass, a backward
+    that leaves dy1's term out of ds fails."""
+    registered("two_norms", _two_norms())
+    check_backend("two_norms", dtypes=(torch.float32,))
+    registered("drops_dy1", _two_norms(drop_dy1=True))
+    with pytest.raises(AssertionError, match=r"second norm: torch.float32 layer: backward ds"):
+        check_backend("drops_dy1", dtypes=(torch.float32,))
+
+
 def test_register_refuses_what_it_cannot_use(registered):
     with pytest.raises(TypeError, match=r"backend 'half' \(half\) does not implement backward"):
         registered("half", _variant("half", backward=None))

@@ -10,7 +10,9 @@ Writing a backend, the checklist:
 
 1. ``CAPABILITIES = Capabilities(device_types=("xpu",))``: the device types it runs on, and
    ``recomputes_stream=True`` if its post-norm backward recomputes ``s = x + residual`` from the
-   saved inputs (then its forward need not write ``s``: :func:`addnorm.autograd.save_plan`).
+   saved inputs (then its forward need not write ``s``: :func:`addnorm.autograd.save_plan`);
+   ``second_norm=True`` if ``forward``/``backward`` take ``second=``, a second norm of the same
+   stream (parallel blocks; :class:`Capabilities`, checked by the conformance check).
 2. ``unavailable_reason(x)``: ``None`` if it can run (on ``x``, when given), else why not (a
    missing dependency, another device); ``addnorm info`` prints it.
 3. ``forward(x, residual, weight, bias, *, eps, rms, residual_dtype, write_stream, write_stats,

@@ -8,8 +8,9 @@ A backend written against :mod:`addnorm.backend`'s checklist runs it on its own 
 
 It calls the backend's ``forward`` and ``backward`` directly and compares them with an
 independent float64 oracle (torch's own ops and autograd), on the rows that break naive code;
-it checks batch invariance, the dropout keep mask bit for bit, zero rows and bad input, and
-raises ``AssertionError`` saying what failed. The package's own backends pass it in the test
+it checks batch invariance, the dropout keep mask bit for bit, zero rows and bad input, and a
+backend declaring ``Capabilities.second_norm`` its second norm (parallel blocks) against the
+same oracle; it raises ``AssertionError`` saying what failed. The package's own backends pass it in the test
 suite (``tests/test_backend_contract.py``).
 """
 
@@ -236,6 +237,37 @@ def _dropout_bits(f, impl, device, g):
     f.same_bits(s, reference.stream(xr, r, None, branch), "branch: s is reference.stream's, bit for bit")
 
 
+def _second_norm(f, impl, dtype, device, g):
+    """A backend with ``Capabilities.second_norm``: ``y1`` is the norm of the same stream with
+    ``weight1``/``bias1``, and the backward with ``second=`` gives the gradients of both norms
+    (``ds`` their sum: each is linear in its incoming gradient)."""
+    m, n = 160, 1024  # above the CPU kernels' threading threshold: several blocks
+    for rms in (False, True):
+        x, r, w, b = _inputs("offset", m, n, dtype, g, device, residual=True)
+        w1, b1 = _param(n, dtype, g, device, shift=0.5), _param(n, dtype, g, device)
+        b, b1 = (None, None) if rms else (b, b1)
+        dy, dy1 = (torch.randn(m, n, generator=g).to(dtype).to(device) for _ in range(2))
+        case = f"second norm: {dtype} {'rms' if rms else 'layer'}"
+        y, s, mean, rstd, y1 = impl.forward(x, r, w, b, eps=1e-5, rms=rms, residual_dtype=None, second=(w1, b1))
+        oy, _, _, (gs, gw, gb) = _oracle(s, w, b, dy, None, 1e-5, rms)
+        oy1, _, _, (gs1, gw1, gb1) = _oracle(s, w1, b1, dy1, None, 1e-5, rms)
+        f.close(y, oy, f"{case}: forward y", dtype)
+        f.close(y1, oy1, f"{case}: forward y1", dtype)
+        f.same_bits(s, reference.stream(x, r, None), f"{case}: forward s = x + residual")
+        grads = impl.backward(
+            dy, None, (s,), w, mean, rstd, rms=rms, has_bias=b is not None, second=(dy1, w1, b1 is not None)
+        )
+        cd, rows_scale = reference.stats_dtype(dtype), math.sqrt(m)
+        f.close(grads.ds, gs + gs1, f"{case}: backward ds", dtype)
+        for got, want, what in (
+            (grads.dweight, gw, "dweight"),
+            (grads.dbias, gb, "dbias"),
+            (grads.dweight1, gw1, "dweight1"),
+            (grads.dbias1, gb1, "dbias1"),
+        ):
+            f.close(got, want, f"{case}: backward {what}", cd, scale=rows_scale)
+
+
 def _zero_rows_and_buffers(f, impl, device):
     n = 16
     x, w, b = torch.empty(0, n, device=device), torch.ones(n, device=device), torch.zeros(n, device=device)
@@ -296,6 +328,8 @@ def check_backend(
                         (case, partial(_forward_backward, f, impl, dtype, kind, m, n, rms, residual, device, g))
                     )
         steps.append((f"{dtype} batch invariance", partial(_batch_invariance, f, impl, dtype, device, g)))
+        if impl.CAPABILITIES.second_norm and dtype in (torch.float32, torch.bfloat16):  # direct and 16-bit rows
+            steps.append((f"{dtype} second norm", partial(_second_norm, f, impl, dtype, device, g)))
     steps.append(("dropout", partial(_dropout_bits, f, impl, device, g)))
     steps.append(("zero rows and buffers", partial(_zero_rows_and_buffers, f, impl, device)))
     steps.append(("bad input", partial(_bad_input, f, impl, device)))
