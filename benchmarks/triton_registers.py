@@ -56,7 +56,14 @@ def branch_sig(branch: bool, cd: torch.dtype) -> dict:
     return dict(zip(("SEED", "SCALE", "LS", "RSC", "threshold"), kinds, strict=True))
 
 
-def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool, branch: bool = False) -> str:
+def second_sig(second: bool, names: tuple[str, ...], kinds: tuple[str, ...]) -> dict:
+    """A second norm's arguments (parallel blocks): ``kinds``, or None constants."""
+    return dict(zip(names, kinds if second else ("constexpr",) * len(names), strict=True))
+
+
+def forward(
+    n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool, branch: bool = False, second: bool = False
+) -> str:
     cd = torch.float64 if stream == torch.float64 else torch.float32
     block_m, block_n, warps, chunked = config.plan("forward", n, torch.device("cuda"), dtype.itemsize)
     sig = {
@@ -74,6 +81,7 @@ def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool, branch: 
         "sr": "i64",
         "eps": "fp32",
         **branch_sig(branch, cd),
+        **second_sig(second, ("W1", "B1", "Y1"), (PTR[dtype], "constexpr" if rms else PTR[dtype], PTR[dtype])),
     }
     const = {
         "HAS_RESIDUAL": True,
@@ -82,15 +90,17 @@ def forward(n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool, branch: 
         "IS_RMS": rms,
         "CHUNKED": chunked,
         "BRANCH": branch,
+        "SECOND": second,
+        "HAS_BIAS1": second and not rms,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
     return resources(forward_kernels._forward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
 
 
-def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str:
+def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False, second: bool = False) -> str:
     cd = torch.float64 if dtype == torch.float64 else torch.float32
-    kind = "branch_backward" if branch else "backward"
+    kind = "branch_backward" if branch or second else "backward"
     block_m, block_n, warps, chunked = config.plan(kind, n, torch.device("cuda"), dtype.itemsize)
     coef = PTR[cd] if chunked else "constexpr"
     sig = {
@@ -118,7 +128,14 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str
         "sr": "i64",
         "R": PTR[dtype] if branch else "constexpr",
         **branch_sig(branch, cd),
+        **second_sig(
+            second,
+            ("DY1", "W1", "DW1", "DB1", "sdy1"),
+            (PTR[dtype], PTR[dtype], PTR[cd], "constexpr" if rms else PTR[cd], "i64"),
+        ),
     }
+    if not second:
+        sig["sdy1"] = "i64"  # (a stride: always an argument)
     const = {
         "HAS_DSTREAM": True,
         "HAS_WEIGHT": True,
@@ -127,14 +144,16 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False) -> str
         "CHUNKED": chunked,
         "BRANCH": branch,
         "LAYER_SCALED": branch,  # the branch with a layer scale: the most registers
+        "SECOND": second,
+        "HAS_BIAS1": second and not rms,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
     out = resources(backward_kernels._backward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
     if chunked:
         keys = ("DY", "S", "R", "W", "MEAN", "RSTD", "K", "CORR", "C1", "C2", "M", "N", "sdy", "ss", "sr")
-        keys += ("SEED", "SCALE", "LS", "RSC", "threshold")
-        cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BRANCH", "BLOCK_M", "BLOCK_N")}
+        keys += ("SEED", "SCALE", "LS", "RSC", "threshold", "DY1", "W1", "sdy1")
+        cconst = {k: const[k] for k in ("HAS_WEIGHT", "IS_RMS", "BRANCH", "SECOND", "BLOCK_M", "BLOCK_N")}
         out += "  coef: " + resources(
             backward_kernels._coef_kernel,
             {**{k: sig[k] for k in keys}, **dict.fromkeys(cconst, "constexpr")},
@@ -156,6 +175,8 @@ def main(widths: list[int]) -> None:
             print(f"  {str(dtype)[6:]:8s} bwd rms_norm        {backward(n, dtype, True)}")
             print(f"  {str(dtype)[6:]:8s} fwd add_ln+dropout  {forward(n, dtype, stream, False, branch=True)}")
             print(f"  {str(dtype)[6:]:8s} bwd add_ln+dropout  {backward(n, dtype, False, branch=True)}")
+            print(f"  {str(dtype)[6:]:8s} fwd parallel block  {forward(n, dtype, stream, False, second=True)}")
+            print(f"  {str(dtype)[6:]:8s} bwd parallel block  {backward(n, dtype, False, second=True)}")
 
 
 if __name__ == "__main__":

@@ -329,13 +329,45 @@ def test_cpu_tensors_need_the_interpreter():
 def test_kernels_compile_for_sm90():
     """The interpreter runs the kernels as Python and accepts code that Triton's compiler rejects
     (a loop-carried variable that changes type, say): compile them for an H100 (sm_90; no GPU
-    needed) at a width that takes the fused forward and backward and, with the sublayer branch,
-    the chunked backward and its coefficient kernel; and at one that takes every chunked path
+    needed) at a width that takes the fused forward and backward and, with the sublayer branch
+    or a second norm, the chunked backward and its coefficient kernel; and at one that takes every chunked path
     (the forward's third variance pass included)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_registers.py"
     out = subprocess.run([sys.executable, str(script), "8192", "20000"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert sum("regs=" in line for line in lines) == 24, out.stdout
-    # the chunked backward (with its coefficient kernel): the branch's at 8192, every one at 20000
-    assert sum("bwd" in line and "coef:" in line for line in lines) == 2 + 6, out.stdout
+    assert sum("regs=" in line for line in lines) == 32, out.stdout
+    # the chunked backward (with its coefficient kernel): the branch's and the parallel block's at
+    # 8192, every one at 20000
+    assert sum("bwd" in line and "coef:" in line for line in lines) == 4 + 8, out.stdout
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_chunked_second_norm_matches_torch(chunked, rms):
+    """Parallel blocks' second norm on the chunked path (forward, coefficient and backward
+    kernels): y, y1 and every gradient against torch's ops in float64."""
+    m, n = 5, 600
+    x, r, dy, dy1, ds = (rows_of(m, n, torch.float32, seed=i) for i in range(5))
+    w, b, w1, b1 = (rows_of(1, n, torch.float32, seed=9 + i)[0] * 0.5 + 1 for i in range(4))
+    b, b1 = (None, None) if rms else (b, b1)
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in (x, r, w, b, w1, b1)]
+    fn = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
+    args = (leaves[0], leaves[1], n, leaves[2]) if rms else (leaves[0], leaves[1], n, leaves[2], leaves[3])
+    extra = {} if rms else {"bias1": leaves[5]}
+    y, y1, s = fn(*args, weight1=leaves[4], prenorm=True, eps=1e-5, backend="triton", **extra)
+    present = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad((y * dy).sum() + (y1 * dy1).sum() + (s * ds).sum(), present)
+    wanted = [t.double().requires_grad_() if t is not None else None for t in (x, r, w, b, w1, b1)]
+    s64 = wanted[0] + wanted[1]
+    norm = (
+        (lambda v, w_, b_: TF.rms_norm(v, (n,), w_, eps=1e-5))
+        if rms
+        else (lambda v, w_, b_: TF.layer_norm(v, (n,), w_, b_))
+    )
+    y64, y164 = norm(s64, wanted[2], wanted[3]), norm(s64, wanted[4], wanted[5])
+    loss = (y64 * dy.double()).sum() + (y164 * dy1.double()).sum() + (s64 * ds.double()).sum()
+    want = torch.autograd.grad(loss, [t for t in wanted if t is not None])
+    for ours, oracle in zip((y, y1), (y64, y164)):
+        assert_matches_oracle(ours.detach(), oracle.detach())
+    for ours, oracle in zip(grads, want):
+        assert_matches_oracle(ours, oracle, scale=m)

@@ -39,7 +39,7 @@ def _interpreted() -> bool:
 
 
 # CUDA tensors; CPU tensors only through Triton's interpreter (how CI runs these kernels)
-CAPABILITIES = Capabilities(device_types=("cuda", "cpu"))
+CAPABILITIES = Capabilities(device_types=("cuda", "cpu"), second_norm=True)
 
 
 def unavailable_reason(x: Tensor | None) -> str | None:

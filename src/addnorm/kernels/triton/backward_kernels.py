@@ -66,13 +66,31 @@ def _saved_stats(MEAN, RSTD, rows, row_ok, k, IS_RMS: tl.constexpr):
 
 
 @triton.jit
-def _grad_terms(s, dy, k, mask, mean_k, W, cols, N, CD: tl.constexpr, HAS_WEIGHT: tl.constexpr, IS_RMS: tl.constexpr):
+def _grad_terms(
+    s,
+    dy,
+    k,
+    mask,
+    mean_k,
+    W,
+    cols,
+    N,
+    dy1,
+    W1,
+    CD: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    IS_RMS: tl.constexpr,
+    SECOND: tl.constexpr,
+):
     """``(d, g = dy * weight)`` of one tile: ``d`` of :func:`_centre` with the forward's row scale
-    ``k`` and saved mean, from which ``xhat`` cannot overflow. ``dy`` (so ``g``) is loaded as zero
+    ``k`` and saved mean, from which ``xhat`` cannot overflow; with ``SECOND`` (a second norm of
+    the same stream) ``g = dy * weight + dy1 * weight1``. ``dy`` (so ``g``) is loaded as zero
     outside the tile's mask, so products with ``g`` vanish there."""
     g = dy
     if HAS_WEIGHT:
         g = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(CD)[None, :]
+    if SECOND:
+        g = g + dy1 * tl.load(W1 + cols, mask=cols < N, other=0.0).to(CD)[None, :]
     return _centre(s * k[:, None], mask, mean_k, IS_RMS), g
 
 
@@ -109,9 +127,13 @@ def _coef_kernel(
     LS,
     RSC,
     threshold,
+    DY1,
+    W1,
+    sdy1,
     HAS_WEIGHT: tl.constexpr,
     IS_RMS: tl.constexpr,
     BRANCH: tl.constexpr,
+    SECOND: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -141,7 +163,10 @@ def _coef_kernel(
         else:
             s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         dy = _load_dy(DY, rows, cols, mask, sdy, CD)
-        d, g = _grad_terms(s, dy, k, mask, mean_k, W, cols, N, CD, HAS_WEIGHT, IS_RMS)
+        dy1 = dy
+        if SECOND:
+            dy1 = _load_dy(DY1, rows, cols, mask, sdy1, CD)
+        d, g = _grad_terms(s, dy, k, mask, mean_k, W, cols, N, dy1, W1, CD, HAS_WEIGHT, IS_RMS, SECOND)
         if not IS_RMS:
             corr += tl.sum(d, axis=1)
         c1 += tl.sum(g * (d * rstd_k[:, None]), axis=1)  # g * xhat before the correction
@@ -185,6 +210,11 @@ def _backward_kernel(
     LS,
     RSC,
     threshold,
+    DY1,
+    W1,
+    DW1,
+    DB1,
+    sdy1,
     HAS_DSTREAM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -192,6 +222,8 @@ def _backward_kernel(
     CHUNKED: tl.constexpr,
     BRANCH: tl.constexpr,
     LAYER_SCALED: tl.constexpr,
+    SECOND: tl.constexpr,
+    HAS_BIAS1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -201,6 +233,8 @@ def _backward_kernel(
 
     Grid ``(programs, column chunks)``; without ``CHUNKED`` one chunk holds the whole row and
     the row scale and coefficients are computed here, else they come from :func:`_coef_kernel`.
+    With ``SECOND`` (a second norm of the same stream) ``g`` takes ``dy1 * weight1`` too, and
+    the partial sums of dweight1/dbias1 are written as dweight/dbias's.
     """
     CD: tl.constexpr = RSTD.dtype.element_ty
     pid = tl.program_id(0)
@@ -208,6 +242,8 @@ def _backward_kernel(
     dw = tl.zeros([BLOCK_N], dtype=CD)
     db = tl.zeros([BLOCK_N], dtype=CD)
     dls = tl.zeros([BLOCK_N], dtype=CD)
+    dw1 = tl.zeros([BLOCK_N], dtype=CD)
+    db1 = tl.zeros([BLOCK_N], dtype=CD)
     first = pid.to(tl.int64) * rows_per_program
     for offset in range(0, rows_per_program, BLOCK_M):
         rows = first + offset + tl.arange(0, BLOCK_M)
@@ -219,12 +255,15 @@ def _backward_kernel(
         else:
             s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         dy = _load_dy(DY, rows, cols, mask, sdy, CD)
+        dy1 = dy
+        if SECOND:
+            dy1 = _load_dy(DY1, rows, cols, mask, sdy1, CD)
         if CHUNKED:
             k = tl.load(K + rows, mask=row_ok, other=1.0)
         else:
             k = _row_scale(tl.max(tl.abs(s), axis=1))
         mean_k, rstd, rstd_k = _saved_stats(MEAN, RSTD, rows, row_ok, k, IS_RMS)
-        d, g = _grad_terms(s, dy, k, mask, mean_k, W, cols, N, CD, HAS_WEIGHT, IS_RMS)
+        d, g = _grad_terms(s, dy, k, mask, mean_k, W, cols, N, dy1, W1, CD, HAS_WEIGHT, IS_RMS, SECOND)
         if CHUNKED:
             corr = tl.load(CORR + rows, mask=row_ok, other=0.0)
             c1 = tl.load(C1 + rows, mask=row_ok, other=0.0)
@@ -254,6 +293,9 @@ def _backward_kernel(
             dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
             db += tl.sum(dy, axis=0)
+        if SECOND:
+            dw1 += tl.sum(dy1 * xhat, axis=0)
+            db1 += tl.sum(dy1, axis=0)
     partial = pid.to(tl.int64) * N + cols
     if HAS_WEIGHT:
         tl.store(DW + partial, dw, mask=cols < N)
@@ -261,6 +303,10 @@ def _backward_kernel(
         tl.store(DB + partial, db, mask=cols < N)
     if LAYER_SCALED:
         tl.store(DLS + partial, dls, mask=cols < N)
+    if SECOND:
+        tl.store(DW1 + partial, dw1, mask=cols < N)
+        if HAS_BIAS1:
+            tl.store(DB1 + partial, db1, mask=cols < N)
 
 
 @triton.jit
@@ -303,13 +349,16 @@ def backward(
     has_bias: bool,
     branch=None,
     param_dtype: torch.dtype | None = None,
+    second=None,
 ) -> Grads:
     """:func:`addnorm.kernels.torch.backward`, fused, with deterministic dweight/dbias (summed in the
     statistics dtype, then converted to ``param_dtype`` when given). (From
     ``s_parts = (x, residual)`` without a branch the stream is summed first: on a GPU writing
     ``s`` in the forward costs what reading ``x`` and ``residual`` again would, so
     ``recomputes_stream`` is off and autograd never asks for this. With a branch the kernels
-    recompute the stream, the mask included, as they read ``x`` and ``residual``.)"""
+    recompute the stream, the mask included, as they read ``x`` and ``residual``.)
+    ``second``: ``(dy1, weight1, has_bias1)`` of a second norm of the same stream (parallel
+    blocks): ``g = dy * weight + dy1 * weight1``, and ``dweight1``/``dbias1`` in the result."""
     check_s_parts(s_parts, branch)
     residual = None
     if branch is not None:
@@ -319,25 +368,38 @@ def backward(
         s = s_parts[0] if len(s_parts) == 1 else s_parts[0] + s_parts[1]
     shape, n = s.shape, s.shape[-1]
     rows = [None if t is None else _rows(t.reshape(-1, n)) for t in (dy, dstream, s, residual)]
+    if second is not None:
+        second = (_rows(second[0].reshape(-1, n)), _rows(second[1]), second[2])
     with _device(s):
-        g = _backward(*rows, _rows(weight), mean, rstd, rms, has_bias, branch)
+        g = _backward(*rows, _rows(weight), mean, rstd, rms, has_bias, branch, second)
         if param_dtype is not None:
-            g = g._replace(
-                **{k: getattr(g, k).to(param_dtype) for k in ("dweight", "dbias") if getattr(g, k) is not None}
-            )
+            params = ("dweight", "dbias", "dweight1", "dbias1")
+            g = g._replace(**{k: getattr(g, k).to(param_dtype) for k in params if getattr(g, k) is not None})
     return g._replace(ds=g.ds.view(shape), dx=None if g.dx is None else g.dx.view(shape))
 
 
-def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branch) -> Grads:
+def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branch, second) -> Grads:
     m, n = s.shape
     cd = rstd.dtype
     ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
     dx = torch.empty((m, n), dtype=s.dtype, device=s.device) if branch is not None else None
     layer_scaled = branch is not None and branch.layer_scale is not None
+    dy1, weight1, has_bias1 = second if second is not None else (None, None, False)
     if m == 0:
         zeros = lambda present: torch.zeros((n,), dtype=cd, device=s.device) if present else None  # noqa: E731
-        return Grads(ds, zeros(weight is not None), zeros(has_bias), dx, zeros(layer_scaled))
-    kind = "backward" if branch is None else "branch_backward"
+        return Grads(
+            ds,
+            zeros(weight is not None),
+            zeros(has_bias),
+            dx,
+            zeros(layer_scaled),
+            zeros(dy1 is not None),
+            zeros(has_bias1),
+        )
+    second_args = (dy1, weight1, 0 if dy1 is None else dy1.stride(0))
+    # a branch or a second norm keeps more tiles live per row: the launch kind with more warps
+    # per row (fewer registers per thread; `python benchmarks/triton_registers.py`)
+    kind = "backward" if branch is None and dy1 is None else "branch_backward"
     block_m, block_n, num_warps, chunked = config.plan(kind, n, s.device, s.element_size())
     branch_args = _branch_args(branch, m, n, cd, s.device)
     sr = residual.stride(0) if residual is not None else 0
@@ -361,9 +423,11 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
             s.stride(0),
             sr,
             *branch_args,
+            *second_args,
             HAS_WEIGHT=weight is not None,
             IS_RMS=rms,
             BRANCH=branch is not None,
+            SECOND=dy1 is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
@@ -373,6 +437,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
     programs = triton.cdiv(m, rows_per_program)
     partials = lambda present: torch.empty((programs, n), dtype=cd, device=s.device) if present else None  # noqa: E731
     dw, db, dls = partials(weight is not None), partials(has_bias), partials(layer_scaled)
+    dw1, db1 = partials(dy1 is not None), partials(has_bias1)
     _backward_kernel[(programs, triton.cdiv(n, block_n))](
         dy,
         dstream,
@@ -398,6 +463,11 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         s.stride(0),
         sr,
         *branch_args,
+        dy1,
+        weight1,
+        dw1,
+        db1,
+        second_args[2],
         HAS_DSTREAM=dstream is not None,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=has_bias,
@@ -405,9 +475,11 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         CHUNKED=chunked,
         BRANCH=branch is not None,
         LAYER_SCALED=layer_scaled,
+        SECOND=dy1 is not None,
+        HAS_BIAS1=has_bias1,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
     )
     total = lambda p: None if p is None else _sum_partials(p)  # noqa: E731
-    return Grads(ds, total(dw), total(db), dx, total(dls))
+    return Grads(ds, total(dw), total(db), dx, total(dls), total(dw1), total(db1))

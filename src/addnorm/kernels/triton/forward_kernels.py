@@ -152,15 +152,22 @@ def _forward_kernel(
     LS,
     RSC,
     threshold,
+    W1,
+    B1,
+    Y1,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_RMS: tl.constexpr,
     CHUNKED: tl.constexpr,
     BRANCH: tl.constexpr,
+    SECOND: tl.constexpr,
+    HAS_BIAS1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    """``y`` (``s``, the statistics) of a tile of rows; with ``SECOND`` also ``y1`` from the same
+    ``xhat`` with ``W1``/``B1`` (a second norm of the same stream: parallel blocks)."""
     CD: tl.constexpr = RSTD.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -234,6 +241,9 @@ def _forward_kernel(
     if not CHUNKED:
         xhat = _xhat(_centre(sk, mask, mean_k, IS_RMS), corr, rstd_k, IS_RMS)
         _store_y(xhat, w, b, Y, rows, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
+        if SECOND:
+            w1, b1 = _load_param(W1, cols, N, CD, True), _load_param(B1, cols, N, CD, HAS_BIAS1)
+            _store_y(xhat, w1, b1, Y1, rows, cols, mask, N, True, HAS_BIAS1)
     else:
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
@@ -248,6 +258,9 @@ def _forward_kernel(
             b = _load_param(B, ccols, N, CD, HAS_BIAS)
             xhat = _xhat(_centre(sk, mask, mean_k, IS_RMS), corr, rstd_k, IS_RMS)
             _store_y(xhat, w, b, Y, rows, ccols, mask, N, HAS_WEIGHT, HAS_BIAS)
+            if SECOND:
+                w1, b1 = _load_param(W1, ccols, N, CD, True), _load_param(B1, ccols, N, CD, HAS_BIAS1)
+                _store_y(xhat, w1, b1, Y1, rows, ccols, mask, N, True, HAS_BIAS1)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -267,8 +280,11 @@ def forward(
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
     branch=None,
-) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-    """:func:`addnorm.kernels.torch.forward`, fused: one read of the inputs, one write of the outputs."""
+    second=None,
+) -> tuple:
+    """:func:`addnorm.kernels.torch.forward`, fused: one read of the inputs, one write of the
+    outputs. ``second``: ``(weight1, bias1)`` of a second norm of the same stream (parallel
+    blocks), whose ``y1`` the same kernel writes and which is returned fifth."""
     shape, n = x.shape, x.shape[-1]
     y_dtype = x.dtype
     sd = reference.stream_dtype(x, residual, residual_dtype)
@@ -284,8 +300,10 @@ def forward(
         s = residual_out if residual_out is not None else torch.empty(shape, dtype=sd, device=x.device)
     mean = None if rms else torch.empty((m,), dtype=cd, device=x.device)
     rstd = torch.empty((m,), dtype=cd, device=x.device)
+    y1 = None if second is None else torch.empty(shape, dtype=y_dtype, device=x.device)
+    outputs = (y, s, mean, rstd) if second is None else (y, s, mean, rstd, y1)
     if m == 0:
-        return y, s, mean, rstd
+        return outputs
     block_m, block_n, num_warps, chunked = config.plan("forward", n, x.device, x.element_size())
     with _device(x):
         _forward_kernel[(triton.cdiv(m, block_m),)](
@@ -303,14 +321,17 @@ def forward(
             residual.stride(0) if residual is not None else 0,
             eps,
             *_branch_args(branch, m, n, cd, x.device),
+            *((None, None, None) if second is None else (_rows(second[0]), _rows(second[1]), y1)),
             HAS_RESIDUAL=residual is not None,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
             IS_RMS=rms,
             CHUNKED=chunked,
             BRANCH=branch is not None,
+            SECOND=second is not None,
+            HAS_BIAS1=second is not None and second[1] is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
         )
-    return y, s, mean, rstd
+    return outputs
