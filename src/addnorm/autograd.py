@@ -200,8 +200,10 @@ class BackwardArgs(NamedTuple):
     param_dtype: torch.dtype | None = None  # the dtype dweight/dbias are returned in
 
 
-def run_backward(b: BackwardArgs) -> backends.Grads:
-    """The backend's backward, eagerly (the custom op ``addnorm::backward`` runs the same)."""
+def run_backward(b: BackwardArgs, second: tuple | None = None) -> backends.Grads:
+    """The backend's backward, eagerly (the custom op ``addnorm::backward`` runs the same);
+    ``second``: ``(dy1, weight1, has_bias1)`` of a second norm, for a backend with
+    ``Capabilities.second_norm``."""
     impl = backends.resolve(b.backend, b.s_parts[0])
     branch = make_branch(b.dropout_p, b.seed, b.layer_scale, b.rowscale)
     return impl.backward(
@@ -215,6 +217,7 @@ def run_backward(b: BackwardArgs) -> backends.Grads:
         has_bias=b.has_bias,
         branch=branch,
         param_dtype=b.param_dtype,
+        **({} if second is None else {"second": second}),
     )
 
 
@@ -222,10 +225,14 @@ def _to(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)  # (.to() costs a dispatch even when a no-op)
 
 
-def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
+def _grads(dy, dstream, saved, meta: _Meta, backward_fn, second: tuple | None = None) -> tuple:
     """``(dx, dresidual, dweight, dbias, dlayer_scale)``: the one backward of both wrappers, from
     the saved ``(weight, mean, rstd, seed, layer_scale, rowscale, *s_parts)``; ``backward_fn``
-    takes :class:`BackwardArgs`, as :func:`run_backward`."""
+    takes :class:`BackwardArgs`, as :func:`run_backward`. ``second``: ``(dy1, weight1,
+    bias1_dtype)`` of a second norm of the same stream (:class:`EagerSecondNorm`, which passes
+    :func:`run_backward`): ``dweight1``, ``dbias1`` then follow. A second derivative then
+    differentiates the two norms' backward formulas and adds them (each is linear in its
+    incoming gradient)."""
     weight, mean, rstd, seed, layer_scale, rowscale = saved[:6]
     s_parts = tuple(saved[6:])
     x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_output, dropout_p = meta
@@ -235,12 +242,24 @@ def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
     if not stream_output:  # no stream output, or an empty placeholder (its gradient too)
         dstream = None
     has_bias = bias_dtype is not None
+    if second is not None:
+        dy1, weight1, bias1_dtype = second
+        if dy1 is None:  # only y and the stream were used
+            dy1 = torch.zeros_like(s_parts[0], dtype=x_dtype)
+        has_bias1 = bias1_dtype is not None
     if torch.is_grad_enabled():  # create_graph=True: a backward that is itself differentiable
         g = torch_kernels.differentiable_backward(dy, dstream, s_parts, weight, eps, rms, has_bias, branch)
+        if second is not None:
+            g1 = torch_kernels.differentiable_backward(dy1, None, s_parts, weight1, eps, rms, has_bias1, branch)
+            plus = lambda u, v: None if u is None else u + v  # noqa: E731
+            g = g._replace(ds=g.ds + g1.ds, dx=plus(g.dx, g1.dx), dlayer_scale=plus(g.dlayer_scale, g1.dlayer_scale))
+            g = g._replace(dweight1=g1.dweight, dbias1=g1.dbias)
     else:
         # dweight and dbias straight in the parameters' dtype when they share one
         param_dtype = bias_dtype if weight is None else weight.dtype
         if has_bias and bias_dtype is not param_dtype:
+            param_dtype = None
+        if second is not None and (weight1.dtype is not param_dtype or has_bias1 and bias1_dtype is not param_dtype):
             param_dtype = None
         args = (
             dy,
@@ -257,15 +276,19 @@ def _grads(dy, dstream, saved, meta: _Meta, backward_fn) -> tuple:
             layer_scale,
             rowscale,
         )
-        g = backward_fn(tuple.__new__(BackwardArgs, (*args, param_dtype)))
+        b = tuple.__new__(BackwardArgs, (*args, param_dtype))
+        g = backward_fn(b) if second is None else backward_fn(b, (dy1, weight1, has_bias1))
     ds = g.ds
-    return (
+    grads = (
         _to(ds if branch is None else g.dx, x_dtype),
         None if residual_dtype is None else _to(ds, residual_dtype),
         None if weight is None else _to(g.dweight, weight.dtype),
         _to(g.dbias, bias_dtype) if has_bias else None,
         _to(g.dlayer_scale, layer_scale.dtype) if layer_scale is not None else None,
     )
+    if second is None:
+        return grads
+    return (*grads, _to(g.dweight1, weight1.dtype), _to(g.dbias1, bias1_dtype) if has_bias1 else None)
 
 
 # --------------------------------------------------------------------------- eager
@@ -409,9 +432,7 @@ forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 class EagerSecondNorm(torch.autograd.Function):
     """:class:`EagerAddNorm` with a second norm of the same stream (parallel blocks): outputs
     ``y``, ``y1`` (and ``s`` when written); one backward pass over the rows sums ``g = dy * weight
-    + dy1 * weight1`` and gives ``dweight1``/``dbias1`` besides the rest. A second derivative
-    differentiates the two norms' backward formulas, added (both are linear in their incoming
-    gradients)."""
+    + dy1 * weight1`` and gives ``dweight1``/``dbias1`` besides the rest (:func:`_grads`)."""
 
     @staticmethod
     def forward(ctx, a, x, weight, bias, weight1, bias1, residual=None, layer_scale=None):
@@ -425,45 +446,12 @@ class EagerSecondNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dy1, dstream=None):
-        weight, mean, rstd, seed, layer_scale, rowscale, weight1, *s_parts = ctx.saved_tensors
-        s_parts, bias1_dtype = tuple(s_parts), ctx.bias1_dtype
-        x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_output, dropout_p = ctx.meta
-        branch = make_branch(dropout_p, seed, layer_scale, rowscale)
-        like = s_parts[0]
-        dy = torch.zeros_like(like, dtype=x_dtype) if dy is None else dy
-        dy1 = torch.zeros_like(like, dtype=x_dtype) if dy1 is None else dy1
-        dstream = dstream if stream_output else None
-        has_bias, has_bias1 = bias_dtype is not None, bias1_dtype is not None
-        if torch.is_grad_enabled():  # create_graph=True: the two norms' differentiable backwards
-            g = torch_kernels.differentiable_backward(dy, dstream, s_parts, weight, eps, rms, has_bias, branch)
-            g1 = torch_kernels.differentiable_backward(dy1, None, s_parts, weight1, eps, rms, has_bias1, branch)
-            plus = lambda u, v: None if u is None else u + v  # noqa: E731
-            g = g._replace(ds=g.ds + g1.ds, dx=plus(g.dx, g1.dx), dlayer_scale=plus(g.dlayer_scale, g1.dlayer_scale))
-            g = g._replace(dweight1=g1.dweight, dbias1=g1.dbias)
-        else:
-            params = [t for t in (weight, weight1) if t is not None]
-            dtypes = (
-                {t.dtype for t in params}
-                | ({bias_dtype} if has_bias else set())
-                | ({bias1_dtype} if has_bias1 else set())
-            )
-            param_dtype = dtypes.pop() if len(dtypes) == 1 else None
-            impl = backends.resolve(backend, like)
-            g = impl.backward(
-                dy, dstream, s_parts, weight, mean, rstd, rms=rms, has_bias=has_bias, branch=branch,
-                param_dtype=param_dtype, second=(dy1, weight1, has_bias1),
-            )  # fmt: skip
-        ds = g.ds
-        return (
-            None,
-            _to(ds if branch is None else g.dx, x_dtype),
-            None if weight is None else _to(g.dweight, weight.dtype),
-            _to(g.dbias, bias_dtype) if has_bias else None,
-            _to(g.dweight1, weight1.dtype),
-            _to(g.dbias1, bias1_dtype) if has_bias1 else None,
-            None if residual_dtype is None else _to(ds, residual_dtype),
-            _to(g.dlayer_scale, layer_scale.dtype) if layer_scale is not None else None,
+        saved = ctx.saved_tensors  # weight1 after the six of EagerAddNorm, before s_parts
+        second = (dy1, saved[6], ctx.bias1_dtype)
+        dx, dresidual, dweight, dbias, dls, dweight1, dbias1 = _grads(
+            dy, dstream, saved[:6] + saved[7:], ctx.meta, run_backward, second
         )
+        return None, dx, dweight, dbias, dweight1, dbias1, dresidual, dls
 
 
 # --------------------------------------------------------------------------- a second sublayer output
