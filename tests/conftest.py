@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +49,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 DTYPES = list(TOLERANCES)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> types.ModuleType:
+    """``benchmarks/<name>.py`` imported as a module of that name (the scripts are not a package),
+    for the tests of its functions."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def usable_backends() -> list[str]:

@@ -3,7 +3,6 @@ round."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "compare_revs.py"
-spec = importlib.util.spec_from_file_location("compare_revs", SCRIPT)
-compare_revs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compare_revs)
+compare_revs = load_benchmark("compare_revs")
 
 
 def row(impl: str, ms: float, copy_gbps: float | None = 1.0) -> dict:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -13,11 +12,10 @@ import numpy as np
 import torch
 
 from addnorm.kernels import cpu
+from conftest import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_backward_parts.py"
-spec = importlib.util.spec_from_file_location("cpu_backward_parts", SCRIPT)
-parts = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(parts)
+parts = load_benchmark("cpu_backward_parts")
 
 
 def test_the_rebuilt_loops_compute_the_kernels_backward():

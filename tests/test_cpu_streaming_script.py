@@ -3,7 +3,6 @@ leaves the backend's settings as it found them, and the script runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from addnorm.kernels import cpu
+from conftest import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_streaming.py"
-spec = importlib.util.spec_from_file_location("cpu_streaming", SCRIPT)
-streaming = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(streaming)
+streaming = load_benchmark("cpu_streaming")
 
 
 def test_each_side_runs_the_stores_it_names(monkeypatch):

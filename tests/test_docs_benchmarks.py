@@ -3,13 +3,13 @@ and the links and section names other docs and the code point at are there."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
 from addnorm.tools.bench.rows import read_rows
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -17,10 +17,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "bench.jsonl"
 
 
 def _bench_table():
-    spec = importlib.util.spec_from_file_location("bench_table", ROOT / "benchmarks" / "bench_table.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_table")
 
 
 def _slug(heading: str) -> str:

@@ -4,7 +4,6 @@ and bad arguments are refused without a traceback."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -13,11 +12,10 @@ import pytest
 import torch
 
 from addnorm.kernels import cpu
+from conftest import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "parallel_blocks.py"
-spec = importlib.util.spec_from_file_location("parallel_blocks", SCRIPT)
-parallel_blocks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(parallel_blocks)
+parallel_blocks = load_benchmark("parallel_blocks")
 
 
 def test_each_side_computes_the_block_and_runs_the_calls_it_names(monkeypatch):
