@@ -57,15 +57,20 @@ def steps(P) -> list[Step]:
         Step("invariance", 0.5, "a row's bits do not depend on the batch", lambda s, st: P.batch_invariance(s)),
         Step("dweight", 0.2, "dweight/dbias bitwise equal over two runs", lambda s, st: P.dweight_reproducible(s)),
         Step("graphs", 0.3, "forward+backward in a CUDA graph = eager", lambda s, st: P.cuda_graphs(s)),
+        Step("parity", 0.5, "compat module vs flash-attn itself", lambda s, st: P.flash_attn_parity(s)),
         Step("kernels", 2.0, "kernels alone vs copy bandwidth", lambda s, st: P.kernel_table(s)),
         Step("host", 0.5, "host time per call at 8x768", lambda s, st: P.host_cost(s)),
         Step("dropout", 0.5, "fused dropout vs the plain add", lambda s, st: P.dropout_cost(s)),
+        Step("parallel", 1.0, "parallel blocks: one call vs two, flash-attn", lambda s, st: P.parallel_block_cost(s)),
         Step("wallclock", 7.0, "per call vs torch eager, torch.compile, peers", lambda s, st: P.wall_clock(s)),
         Step("training", 3.0, "GPT-2 / Llama training step: tokens/s, memory", lambda s, st: P.training_step(s)),
         Step("widths", 2.0, "gpu_widths.py: real widths vs the fp64 oracle", widths),
         Step("tests", 1.0, "the test suite on the device (time-boxed)", suite),
     ]
     return order
+
+
+PART_NAMES = [s.name for s in steps(None)]
 
 
 class State:
@@ -95,11 +100,14 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
 
-def run_parts(setup, state: State, out: Path, P) -> list[tuple[Step, str, object]]:
-    """Every part in order, each saved as it finishes: ``(step, status, part or None)``."""
+def run_parts(setup, state: State, out: Path, P, only: set[str] | None = None) -> list[tuple[Step, str, object]]:
+    """Every part in order (those named in ``only``, if given), each saved as it finishes:
+    ``(step, status, part or None)``."""
     done = []
     for i, step in enumerate(steps(P), start=1):
         stem = out / f"{i:02d}-{step.name}"
+        if only is not None and step.name not in only:
+            continue
         if not state.fits(step.minutes):
             used = state.elapsed_s() / 60
             status = f"skipped: {used:.1f} of {state.budget_s / 60:.0f} budget minutes used, needs ~{step.minutes}"
@@ -137,6 +145,8 @@ def summary(done, state: State, setup, P) -> str:
         ("dropout fwd+bwd within +15 % of the plain add", "dropout"),
         ("dweight bitwise reproducible", "dweight"),
         ("rows bitwise independent of the batch", "invariance"),
+        ("compat: addnorm within 2x flash-attn's error + 1 rounding", "parity"),
+        ("parallel block: one call ahead of every other", "parallel"),
         ("CUDA graphs give eager's results", "graphs"),
         ("gpu_widths.py", "widths"),
         ("test suite on the device", "tests"),
@@ -152,7 +162,8 @@ def summary(done, state: State, setup, P) -> str:
         else:
             lines.append(f"| {target} | {verdict[1]} | {mark[verdict[2]]} |")
     lines += ["", "## Parts", "", "| # | part | checks | status |", "|---|---|---|---|"]
-    lines += [f"| {i:02d} | {s.name} | {s.why} | {st} |" for i, (s, st, _) in enumerate(done, start=1)]
+    number = {s.name: i for i, s in enumerate(steps(P), start=1)}  # as the files are numbered
+    lines += [f"| {number[s.name]:02d} | {s.name} | {s.why} | {st} |" for s, st, _ in done]
     skipped = [s.name for s, st, _ in done if st.startswith("skipped")]
     if skipped:
         lines += ["", f"Skipped to stay within the budget: {', '.join(skipped)}."]
@@ -165,9 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-minutes", type=float, default=25.0, help="skip parts that would overrun it (default 25)")
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<date>-<device>/)")
     p.add_argument("--dry-run", action="store_true", help="no GPU: every part on a tiny shape on CPU tensors")
+    p.add_argument("--only", metavar="PART,...", help=f"run these parts alone: {','.join(PART_NAMES)}")
     args = p.parse_args(argv)
     if args.budget_minutes <= 0:
         p.error(f"--budget-minutes must be positive, got {args.budget_minutes}")
+    only = None if args.only is None else set(args.only.split(","))
+    if only is not None and not only <= set(PART_NAMES):
+        p.error(f"--only: unknown part(s) {','.join(sorted(only - set(PART_NAMES)))}; parts: {','.join(PART_NAMES)}")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before addnorm's Triton kernels are first imported
     else:
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--out: cannot create {out}: {err.strerror}", file=sys.stderr)
         return 2
     state = State(args.budget_minutes, args.dry_run)
-    done = run_parts(setup, state, out, P)
+    done = run_parts(setup, state, out, P, only)
     (out / "summary.md").write_text(summary(done, state, setup, P))
     print(f"summary: {out / 'summary.md'}")
     return 0

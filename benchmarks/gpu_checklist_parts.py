@@ -9,6 +9,7 @@ table is built and no part can rot unseen.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -52,6 +53,8 @@ class Setup:
     models: dict[str, dict]  # e2e: name -> transformers config kwargs
     tokens: tuple[int, int]  # e2e: (batch, sequence)
     steps: int
+    parity_shapes: list[tuple[int, int]]  # addnorm.compat.flash_attn against flash-attn itself
+    parallel_shapes: list[tuple[int, int]]  # parallel blocks: one call, two calls, peers
 
 
 def gpu_setup() -> Setup:
@@ -82,6 +85,9 @@ def gpu_setup() -> Setup:
             "tests/test_dropout.py",
             "tests/test_batch_invariance.py",
             "tests/test_determinism.py",
+            "tests/test_parallel_blocks.py",
+            "tests/test_compat_flash_attn.py",
+            "tests/test_backend_contract.py",
         ],
         widths_args=[],
         models={
@@ -92,6 +98,8 @@ def gpu_setup() -> Setup:
         },
         tokens=(8, 1024),
         steps=6,
+        parity_shapes=[(2048, 768), (2048, 4096), (1024, 8192)],
+        parallel_shapes=[(4096, 4096), (16384, 4096), (65536, 768)],
     )
 
 
@@ -119,6 +127,8 @@ def dry_setup() -> Setup:
         },
         tokens=(1, 8),
         steps=1,
+        parity_shapes=[(8, 64)],
+        parallel_shapes=[(8, 64)],
     )
 
 
@@ -178,7 +188,9 @@ def environment(setup: Setup) -> Part:
         try:
             env[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
-            env[name] = "not installed"
+            # flash-attn's Triton norms also run from its source files alone (docs/gpu.md)
+            module = importlib.util.find_spec(name.replace("-", "_").removesuffix("_kernels"))
+            env[name] = "not installed" if module is None else f"source files ({module.origin})"
     env["copy_gbps"] = bench.copy_bandwidth(setup.device, mib=4 if setup.dry else 64)
     line = ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in env.items())
     return Part(rows=[env], table=markdown([env]), log=line)
@@ -201,7 +213,8 @@ def _subprocess(cmd: list[str], timeout_s: float, env: dict | None = None) -> tu
 def test_suite(setup: Setup, timeout_s: float) -> Part:
     """The test selection on the device (``ADDNORM_TEST_DEVICE``), time-boxed."""
     env = {"ADDNORM_TEST_DEVICE": setup.device}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *setup.pytest_args]
+    workers = [] if setup.dry or importlib.util.find_spec("xdist") is None else ["-n", "8"]  # compiles in parallel
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *setup.pytest_args]
     status, out = _subprocess(cmd, timeout_s, env)
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", out)}
     if not counts:  # cut off by the time box: count the progress characters seen so far
@@ -578,6 +591,147 @@ def training_step(setup: Setup) -> Part:
                 torch.cuda.empty_cache()
     text = "\n".join(log)
     return Part(rows=rows, table=markdown(rows) + ("\n" + text if text else ""), log=text)
+
+
+# --------------------------------------------------------------------------- 4. flash-attn's API
+
+PARITY_CASES = {  # name -> layer_norm_fn keywords beside x, weight, bias (prenorm, no dropout)
+    "residual fp32": dict(residual=torch.float32),
+    "no residual, rowscale": dict(rowscale=True),
+    "no residual, fp32 stream, zero-centred": dict(residual_in_fp32=True, zero_centered_weight=True),
+    "parallel block": dict(residual=torch.bfloat16, x1=True, weight1=True),
+}
+
+
+def _flash_attn_fns(setup: Setup) -> tuple[str, Callable, Callable]:
+    """``(name, layer_norm_fn, rms_norm_fn)`` of flash-attn (CUDA only), or of addnorm's own
+    compat module in the dry run or where flash-attn does not import (the comparison then checks
+    itself and judges nothing)."""
+    try:
+        if setup.dry:
+            raise ImportError("the dry run has no CUDA")
+        from flash_attn.ops.triton.layer_norm import layer_norm_fn, rms_norm_fn
+
+        return "flash-attn", layer_norm_fn, rms_norm_fn
+    except ImportError:
+        from addnorm.compat.flash_attn import layer_norm_fn, rms_norm_fn
+
+        return "addnorm (no flash-attn)", layer_norm_fn, rms_norm_fn
+
+
+def _parity_inputs(setup: Setup, m: int, n: int, case: dict, rms: bool) -> dict:
+    """The tensors of one case: bf16 activations, fp32 weights, as mixed-precision training has."""
+    g = torch.Generator(device=setup.device).manual_seed(m + n)
+    mk = lambda *shape, dt=torch.bfloat16: torch.randn(*shape, generator=g, device=setup.device).to(dt)  # noqa: E731
+    t = {"x": mk(m, n), "weight": mk(n, dt=torch.float32), "bias": None if rms else mk(n, dt=torch.float32)}
+    if "residual" in case:
+        t["residual"] = mk(m, n, dt=case["residual"])
+    if case.get("rowscale"):
+        t["rowscale"] = (torch.rand(m, generator=g, device=setup.device) + 0.5).to(torch.bfloat16)
+    if case.get("x1"):
+        t["x1"] = mk(m, n)
+        t["weight1"] = mk(n, dt=torch.float32)
+        t["bias1"] = None if rms else mk(n, dt=torch.float32)
+    return t
+
+
+def _parity_reference(t: dict, case: dict, rms: bool, eps: float) -> list[torch.Tensor]:
+    """``y, [y1,] s`` of the unfused formula in float32 torch ops."""
+    f = lambda name: None if t.get(name) is None else t[name].float()  # noqa: E731
+    s = f("x") * f("rowscale")[:, None] if "rowscale" in t else f("x")
+    s = s + f("x1") if "x1" in t else s
+    s = s + f("residual") if "residual" in t else s
+
+    def norm(w, b):
+        w = w + 1 if case.get("zero_centered_weight") else w
+        if rms:
+            return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + eps) * w
+        return torch.nn.functional.layer_norm(s, s.shape[-1:], w, b, eps)
+
+    ys = [norm(f("weight"), f("bias"))] + ([norm(f("weight1"), f("bias1"))] if "x1" in t else [])
+    return [*ys, s]
+
+
+def flash_attn_parity(setup: Setup) -> Part:
+    """``addnorm.compat.flash_attn`` against flash-attn's own ``layer_norm_fn``/``rms_norm_fn``
+    on the same inputs (no dropout: the two libraries draw different masks): the largest error of
+    each output and gradient against the float32 formula, in roundings: units of bf16's eps (the
+    activations' dtype) times the result's largest magnitude. Target: addnorm's error at most
+    twice flash-attn's plus one rounding, flash-attn's own acceptance rule with flash-attn as the
+    low-precision reference."""
+    peer, peer_ln, peer_rms = _flash_attn_fns(setup)
+    from addnorm.compat.flash_attn import layer_norm_fn, rms_norm_fn
+
+    eps, rows, ok = 1e-6, [], True
+    for m, n in setup.parity_shapes:
+        for rms in (False, True):
+            for name, case in PARITY_CASES.items():
+                t = _parity_inputs(setup, m, n, case, rms)
+                flags = {k: v for k, v in case.items() if k in ("residual_in_fp32", "zero_centered_weight")}
+                leaves = {k: v for k, v in t.items() if v is not None and k != "rowscale"}
+                cots, results = None, {}
+                for who, fn in (
+                    ("addnorm", rms_norm_fn if rms else layer_norm_fn),
+                    (peer, peer_rms if rms else peer_ln),
+                ):
+                    mine = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+                    outs = fn(**(t | mine), eps=eps, prenorm=True, **flags)
+                    ref = _parity_reference(t | mine, case, rms, eps)
+                    if cots is None:
+                        g = torch.Generator(device=setup.device).manual_seed(1)
+                        cots = [torch.randn(o.shape, generator=g, device=setup.device) for o in outs]
+                    grads = torch.autograd.grad([o.float() for o in outs], list(mine.values()), cots)
+                    ref_grads = torch.autograd.grad(ref, list(mine.values()), cots)
+                    names = ["y", "y1", "s"] if len(outs) == 3 else ["y", "s"]
+                    names += [f"d{k}" for k in mine]
+                    unit = torch.finfo(t["x"].dtype).eps  # the cotangents reach bf16 outputs in bf16
+                    results[who] = {
+                        k: ((a.float() - r).abs().max() / (unit * r.abs().max())).item()
+                        for k, a, r in zip(names, [*outs, *grads], [*ref, *ref_grads], strict=True)
+                    }
+                for k in results["addnorm"]:
+                    ours, theirs = results["addnorm"][k], results[peer][k]
+                    within = ours <= 2 * theirs + 1
+                    ok &= within
+                    row = {"norm": "rms" if rms else "layer", "case": name, "shape": f"{m}x{n}", "result": k}
+                    rows.append(row | {"addnorm (roundings)": ours, f"{peer} (roundings)": theirs, "within": within})
+    real = peer == "flash-attn"
+    verdict = (
+        "compat: addnorm within 2x flash-attn's error + 1 rounding",
+        f"{len(rows)} results vs {peer}",
+        ok if real else None,
+    )
+    return Part(rows=rows, table=markdown(rows), verdicts=[verdict])
+
+
+SPEEDUP = "one call's speed-up"
+
+
+def parallel_block_cost(setup: Setup) -> Part:
+    """Parallel blocks (``x1``, ``weight1``, ``bias1``) through ``benchmarks/parallel_blocks.py``:
+    addnorm's one call against its two calls, torch eager and flash-attn (where it imports),
+    wall clock per call, bf16."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import parallel_blocks
+
+    rows = []
+    for m, n in setup.parallel_shapes:
+        timed = bench.measure(
+            parallel_blocks.calls(m, n, torch.bfloat16, 0.0, setup.device), setup.rounds, setup.device
+        )
+        for pass_ in ("fwd", "fwd+bwd"):
+            one = timed[(pass_, "one call")][0]
+            for impl in parallel_blocks.impls(setup.device):
+                med = timed[(pass_, impl)][0]
+                row = {"pass": pass_, "shape": f"{m}x{n}", "dtype": "bfloat16", "impl": impl, "ms": med * 1e3}
+                rows.append(row | {SPEEDUP: med / one})
+    others = [r for r in rows if r["impl"] != "one call"]
+    worst = min(others, key=lambda r: r[SPEEDUP])
+    seen = f"worst {worst[SPEEDUP]:.2f}x vs {worst['impl']} ({worst['pass']} {worst['shape']})"
+    met = None if setup.dry else worst[SPEEDUP] >= 1.0
+    return Part(
+        rows=rows, table=markdown(rows), verdicts=[("parallel block: one call ahead of every other", seen, met)]
+    )
 
 
 def save(part: Part, stem: Path) -> None:

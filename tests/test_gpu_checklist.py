@@ -21,9 +21,11 @@ PARTS = [
     "invariance",
     "dweight",
     "graphs",
+    "parity",
     "kernels",
     "host",
     "dropout",
+    "parallel",
     "wallclock",
     "training",
     "widths",
@@ -37,6 +39,8 @@ TARGETS = [
     "host cost fwd+bwd ≤ torch eager + 40 µs",
     "dropout fwd+bwd within +15 %",
     "dweight bitwise reproducible",
+    "compat: addnorm within 2x flash-attn's error",
+    "parallel block: one call ahead of every other",
 ]
 
 
@@ -55,14 +59,22 @@ def test_dry_run_writes_every_part_and_the_summary(tmp_path):
         rows = json.loads(stem.with_suffix(".json").read_text())
         assert rows and all(isinstance(row, dict) for row in rows), name
         assert stem.with_suffix(".log").exists()
-    kernels = json.loads((tmp_path / "05-kernels.json").read_text())
+    kernels = json.loads((tmp_path / "06-kernels.json").read_text())
     assert {row["pass"] for row in kernels} == {"copy", "fwd", "bwd"}
     assert all(row["of copy"] > 0 for row in kernels)
-    wall = json.loads((tmp_path / "08-wallclock.json").read_text())
+    wall = json.loads((tmp_path / "10-wallclock.json").read_text())
     assert {"addnorm-triton", "torch-eager"} <= {row["impl"] for row in wall}
     # the bitwise checks are real even on the interpreter
     assert all(row["bitwise equal"] for row in json.loads((tmp_path / "02-invariance.json").read_text()))
-    training = json.loads((tmp_path / "09-training.json").read_text())
+    parity = json.loads((tmp_path / "05-parity.json").read_text())
+    # every output and gradient of both norms and every case, compared (here addnorm with itself)
+    assert {row["result"] for row in parity} >= {"y", "y1", "s", "dx", "dx1", "dweight1", "dresidual"}
+    assert {row["norm"] for row in parity} == {"layer", "rms"} and all(row["within"] for row in parity)
+    parallel = json.loads((tmp_path / "09-parallel.json").read_text())
+    assert {(row["pass"], row["impl"]) for row in parallel} == {
+        (p, i) for p in ("fwd", "fwd+bwd") for i in ("one call", "two calls", "torch eager")
+    }
+    training = json.loads((tmp_path / "11-training.json").read_text())
     assert {row["variant"] for row in training} >= {"unpatched", "addnorm"}
     summary = (tmp_path / "summary.md").read_text()
     assert "| target | measured | result |" in summary
@@ -124,3 +136,17 @@ def test_parts_past_the_budget_are_skipped_and_said_so(tmp_path, monkeypatch, ch
     assert "skipped" in (tmp_path / "02-long.md").read_text()
     summary = gpu_checklist.summary(done, state, P.dry_setup(), P)
     assert "Skipped to stay within the budget: long." in summary
+
+
+def test_only_runs_the_parts_named_and_refuses_unknown_ones(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("ADDNORM_TEST_DEVICE", None)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_checklist.py"), "--dry-run", "--out", str(tmp_path)]
+    done = subprocess.run([*cmd, "--only", "env,dweight"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("*.md")) == ["01-env.md", "03-dweight.md", "summary.md"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| 03 | dweight |" in summary and "| 02 |" not in summary
+    bad = subprocess.run([*cmd, "--only", "env,kernel"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "--only: unknown part(s) kernel" in bad.stderr and "kernels" in bad.stderr

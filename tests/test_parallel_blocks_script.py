@@ -53,7 +53,10 @@ def test_the_script_runs_and_reports_each_pass():
     assert all(line.count("x)") == 2 for line in lines[1:])
 
 
-@pytest.mark.parametrize("bad", [["8by1024"], ["--rounds", "0"], ["--dropout-p", "1"]])
+NO_CUDA = [] if torch.cuda.is_available() else [["--device", "cuda"]]
+
+
+@pytest.mark.parametrize("bad", [["8by1024"], ["--rounds", "0"], ["--dropout-p", "1"], *NO_CUDA])
 def test_bad_arguments_are_refused_without_a_traceback(bad):
     done = subprocess.run([sys.executable, str(SCRIPT), *bad], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "error:" in done.stderr
