@@ -98,7 +98,7 @@ def gpu_setup() -> Setup:
         },
         tokens=(8, 1024),
         steps=6,
-        parity_shapes=[(2048, 768), (2048, 4096), (1024, 8192)],
+        parity_shapes=[(2048, 4096)],  # flash-attn autotunes (6 compiles) every case it meets
         parallel_shapes=[(4096, 4096), (16384, 4096), (65536, 768)],
     )
 

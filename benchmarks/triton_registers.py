@@ -36,7 +36,9 @@ def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
     nones = {k: None for k, v in signature.items() if v == "constexpr" and k not in constants}
     constants = {**constants, **nones}
     kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constants), target=TARGET, options={"num_warps": num_warps}
+        ASTSource(fn=fn, signature=signature, constexprs=constants),
+        target=TARGET,
+        options={"num_warps": num_warps, "enable_fp_fusion": False},
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -79,7 +81,7 @@ def forward(
         "N": "i32",
         "sx": "i64",
         "sr": "i64",
-        "eps": "fp32",
+        "EPS": PTR[cd],
         **branch_sig(branch, cd),
         **second_sig(second, ("W1", "B1", "Y1"), (PTR[dtype], "constexpr" if rms else PTR[dtype], PTR[dtype])),
     }

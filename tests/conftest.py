@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import types
@@ -21,11 +20,16 @@ if TEST_DEVICE.type == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
     torch.set_default_device(TEST_DEVICE)
-    # torch modules that annotate ``torch.Generator | None`` at import (torch.compile's, via
-    # torch.distributed) must be imported before torch.Generator becomes a partial
-    import torch._inductor  # noqa: F401
 
-    torch.Generator = functools.partial(torch.Generator, TEST_DEVICE)
+    class _DefaultDeviceGenerator(torch.Generator):
+        """``torch.Generator()`` on the default device (the test device, or the CPU inside
+        ``with torch.device("cpu")``) unless a device is named; still a ``torch.Generator`` to
+        every isinstance check and annotation."""
+
+        def __new__(cls, device=None):
+            return super().__new__(cls, torch.get_default_device() if device is None else device)
+
+    torch.Generator = _DefaultDeviceGenerator
 
 from addnorm import backend as backends  # noqa: E402
 
@@ -144,3 +148,11 @@ def parallel_cpu_kernels(monkeypatch):
     except ImportError:  # numba missing: the cpu backend is not tested at all
         return
     monkeypatch.setattr(cpu.config, "SETTINGS", cpu.config.SETTINGS.updated(parallel_min_elements=1))
+
+
+@pytest.fixture
+def on_cpu():
+    """For tests of backends that run on CPU tensors alone (``cpu``, the toy backends): tensors
+    and generators made without a device are on the CPU, whatever ``ADDNORM_TEST_DEVICE`` says."""
+    with torch.device("cpu"):
+        yield

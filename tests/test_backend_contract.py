@@ -53,6 +53,7 @@ def _variant(name: str, **functions) -> types.ModuleType:
     return module
 
 
+@pytest.mark.usefixtures("on_cpu")  # the toy backend runs on CPU tensors alone
 def test_a_backend_registered_from_outside_runs_every_public_function(registered):
     registered("toy", "toy_backend")
     assert "toy" in backends.names()
@@ -108,7 +109,7 @@ def test_the_textbook_variance_fails_the_check_on_rows_far_from_zero(registered)
 def test_a_dropout_mask_of_its_own_fails_the_check(registered):
     def forward(x, residual, weight, bias, *, branch=None, **kwargs):
         if branch is not None and branch.p > 0:  # torch's dropout instead of the documented hash
-            gen = torch.Generator().manual_seed(int(branch.seed))
+            gen = torch.Generator(x.device).manual_seed(int(branch.seed))
             keep = torch.rand(x.shape, generator=gen) >= branch.p
             x = torch.where(keep, x / (1 - branch.p), 0)
             branch = branch._replace(p=0.0)

@@ -10,6 +10,8 @@ own 32768-element reduction grain).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -82,3 +84,20 @@ def test_a_wide_row_is_the_same_in_every_batch(backend, op):
     """One row of 40000 features: above torch's reduction grain, where a single-row reduction
     may be split over threads, and above every CPU-kernel threshold on its own."""
     _check(op, backend, torch.float32, 40000, [2, 33])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1023, 4096, 40000])
+def test_the_reference_folds_rows_in_an_order_fixed_by_the_width(n):
+    """``reference.fold_rows``, the reference's row sums off the CPU: each row's bits do not
+    depend on the rows beside it, and the sum is within a pairwise sum's error of float64's."""
+    from addnorm import reference
+
+    x = torch.randn(9, n, generator=torch.Generator("cpu").manual_seed(n), device="cpu") + 3
+    folded = reference.fold_rows(x)
+    assert folded.shape == (9, 1)
+    for i in (0, 4, 8):
+        assert torch.equal(reference.fold_rows(x[i : i + 1]), folded[i : i + 1])
+        assert torch.equal(reference.fold_rows(x[i:].clone())[0], folded[i])
+    exact = x.double().sum(-1, keepdim=True)
+    bound = torch.finfo(torch.float32).eps * max(1, math.ceil(math.log2(n))) * x.double().abs().sum(-1, keepdim=True)
+    assert ((folded.double() - exact).abs() <= bound).all()

@@ -131,8 +131,11 @@ def test_concurrent_python_threads_no_deadlock_same_results(backend):
     results: dict = {}
     errors: list[BaseException] = []
 
+    device = torch.get_default_device()  # the default device is per thread
+
     def worker(job):
         try:
+            torch.set_default_device(device)
             for _ in range(3):
                 results[job] = step(backend, *job)
                 for a, b in zip(expected[job], results[job], strict=True):

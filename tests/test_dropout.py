@@ -282,7 +282,7 @@ def test_bad_arguments_get_clear_errors(kw, match):
 def test_a_generator_on_another_device_is_refused():
     x = torch.randn(2, 8, device="meta")
     with pytest.raises(ValueError, match=r"generator is on cpu but x is on meta"):
-        ops._sublayer(x, x, (8,), None, ops.Sublayer(dropout_p=0.1, generator=torch.Generator()))
+        ops._sublayer(x, x, (8,), None, ops.Sublayer(dropout_p=0.1, generator=torch.Generator("cpu")))
     with pytest.raises(ValueError, match=r"zero_centered_weight=True scales by 1 \+ weight: it needs a weight"):
         addnorm.layer_norm(torch.randn(2, 8), 8, zero_centered_weight=True)
 

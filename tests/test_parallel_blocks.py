@@ -238,6 +238,7 @@ def _counting_second_norm(monkeypatch):
     return calls
 
 
+@pytest.mark.usefixtures("on_cpu")  # the cpu backend runs on CPU tensors alone
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", [(37, 256), (300, 1024)])  # one block; blocks and threads
 @pytest.mark.parametrize("prenorm", [False, True])
@@ -282,6 +283,7 @@ def test_cpu_runs_both_norms_in_one_call_with_the_two_calls_forward_bits(
         assert_matches_oracle(ours, oracle, same_dtype, scale=m)
 
 
+@pytest.mark.usefixtures("on_cpu")  # the cpu backend runs on CPU tensors alone
 @pytest.mark.parametrize("shape", [(300, 1024), (40, 2048), (17, 4096)])  # rows one and two at a time
 def test_second_norm_gradients_are_the_same_bits_on_any_thread_count_and_store(monkeypatch, shape):
     """``dweight1``/``dbias1`` follow the reduction contract as ``dweight``/``dbias`` do (partial

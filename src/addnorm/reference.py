@@ -226,6 +226,18 @@ def row_scale(sf: Tensor) -> Tensor:
 ROW_CHUNK = 1 << 14
 
 
+def fold_rows(t: Tensor) -> Tensor:
+    """The sum of each row of ``t`` (keepdim) by halving: the first half plus the second, until one
+    column is left (an odd column waits for the next level). Elementwise adds only, so every row
+    is summed in the same order on any device; a GPU's own reductions pick their order from the
+    tensor's shape, so a row's bits there would depend on the batch."""
+    while t.shape[-1] > 1:
+        n = t.shape[-1]
+        half = t[..., : n // 2] + t[..., n // 2 : n // 2 * 2]
+        t = torch.cat([half, t[..., n // 2 * 2 :]], dim=-1) if n % 2 else half
+    return t
+
+
 # The kernels compute the variance about the corrected mean as mean(d*d) - c*c, two passes
 # where the reference takes three; a row where c*c exceeds mean(d*d) / CANCEL (a near-constant
 # row far from zero) would lose bits to that difference, and gets the third pass there too.
@@ -234,8 +246,10 @@ CANCEL = 16
 
 def row_mean(t: Tensor) -> Tensor:
     """The mean of each row of ``t`` (keepdim), summed in the same order whatever the number of
-    rows, their position or the thread count (see ROW_CHUNK)."""
+    rows, their position or the thread count (see ROW_CHUNK; off the CPU, :func:`fold_rows`)."""
     n = t.shape[-1]
+    if t.device.type != "cpu":
+        return fold_rows(t) / n
     if n < 2 * ROW_CHUNK:
         return t.sum(dim=-1, keepdim=True) / n
     chunks = -(-n // ROW_CHUNK)

@@ -332,7 +332,7 @@ def _sum_partials(partials: Tensor) -> Tensor:
     out = torch.empty((n,), dtype=partials.dtype, device=partials.device)
     block_n = min(triton.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
     _sum_partials_kernel[(triton.cdiv(n, block_n),)](
-        partials, out, programs, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4
+        partials, out, programs, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=False
     )
     return out
 
@@ -431,6 +431,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
+            enable_fp_fusion=False,
         )
     programs = config.backward_programs(kind, m, num_warps, s.device)
     rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
@@ -480,6 +481,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        enable_fp_fusion=False,
     )
     total = lambda p: None if p is None else _sum_partials(p)  # noqa: E731
     return Grads(ds, total(dw), total(db), dx, total(dls), total(dw1), total(db1))

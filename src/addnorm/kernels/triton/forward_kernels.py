@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ... import reference
 from . import config
-from .common import _branch, _branch_args, _centre, _device, _round, _row_scale, _rows, _xhat
+from .common import _branch, _branch_args, _centre, _constant, _device, _round, _row_scale, _rows, _xhat
 
 _CANCEL = tl.constexpr(reference.CANCEL)  # pass 3 of the chunked forward's variance
 
@@ -146,7 +146,7 @@ def _forward_kernel(
     N,
     sx,
     sr,
-    eps,
+    EPS,
     SEED,
     SCALE,
     LS,
@@ -234,7 +234,7 @@ def _forward_kernel(
             c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
             m3 += tl.sum(c * c, axis=1)
         var_k = tl.where(redo, m3 / N, var_k)
-    rstd_k = _rsqrt(var_k + eps * k * k)  # = rstd / k
+    rstd_k = _rsqrt(var_k + tl.load(EPS) * k * k)  # = rstd / k (eps in CD: a float argument is fp32)
     if not IS_RMS:
         tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
     tl.store(RSTD + rows, rstd_k * k, mask=row_ok)
@@ -319,7 +319,7 @@ def forward(
             n,
             x.stride(0),
             residual.stride(0) if residual is not None else 0,
-            eps,
+            _constant(1, cd, x.device, eps),
             *_branch_args(branch, m, n, cd, x.device),
             *((None, None, None) if second is None else (_rows(second[0]), _rows(second[1]), y1)),
             HAS_RESIDUAL=residual is not None,
@@ -333,5 +333,6 @@ def forward(
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             num_warps=num_warps,
+            enable_fp_fusion=False,
         )
     return outputs
