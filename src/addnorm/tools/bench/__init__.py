@@ -181,9 +181,9 @@ def run(args) -> int:
         "torch": torch.__version__,
         "copy_gbps": copy_gbps,
     }
-    say(
-        f"{run_fields['machine']}, {run_fields['threads']} threads, torch {torch.__version__}, "
-        f"commit {run_fields['commit']}",
+    say(  # the machine's name alone may take most of a line
+        f"{run_fields['machine']}, {run_fields['threads']} threads",
+        f"torch {torch.__version__}, commit {run_fields['commit']}",
         f"copy bandwidth {copy_gbps:.1f} GB/s; load average {load}"
         + ("; outputs into reused buffers (out=)" if args.out_buffers else ""),
     )
