@@ -23,7 +23,7 @@ from addnorm import backend as backends
 from addnorm.kernels import torch as torch_kernels
 from conftest import TEST_DEVICE, TOLERANCES, assert_matches_oracle
 
-pytest.importorskip("triton")  # the optional [gpu] extra; CI installs it
+triton = pytest.importorskip("triton")  # the optional [gpu] extra; CI installs it
 from addnorm.kernels import triton as K  # noqa: E402
 from addnorm.kernels.triton import common, config  # noqa: E402
 
@@ -371,3 +371,13 @@ def test_chunked_second_norm_matches_torch(chunked, rms):
         assert_matches_oracle(ours.detach(), oracle.detach())
     for ours, oracle in zip(grads, want):
         assert_matches_oracle(ours, oracle, scale=m)
+
+
+def test_host_cdiv_and_next_power_of_2_are_triton_s():
+    """The launchers' own host arithmetic (cheaper to call than Triton's constexpr functions)
+    gives Triton's results."""
+    for n in [*range(0, 4100), 65535, 65536, 65537, 2**31 + 5]:
+        assert config.next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in [*range(0, 300), 2**31 + 7]:
+        for b in (1, 2, 3, 7, 64, 128, 4224):
+            assert config.cdiv(a, b) == triton.cdiv(a, b), (a, b)

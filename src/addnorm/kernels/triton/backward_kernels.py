@@ -330,8 +330,8 @@ def _sum_partials(partials: Tensor) -> Tensor:
     if programs == 1:
         return partials[0]
     out = torch.empty((n,), dtype=partials.dtype, device=partials.device)
-    block_n = min(triton.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
-    _sum_partials_kernel[(triton.cdiv(n, block_n),)](
+    block_n = min(config.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
+    _sum_partials_kernel[(config.cdiv(n, block_n),)](
         partials, out, programs, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=False
     )
     return out
@@ -406,7 +406,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
     k = corr = c1 = c2 = None
     if chunked:
         k, corr, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(4))
-        _coef_kernel[(triton.cdiv(m, block_m),)](
+        _coef_kernel[(config.cdiv(m, block_m),)](
             dy,
             s,
             residual,
@@ -434,12 +434,12 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
             enable_fp_fusion=False,
         )
     programs = config.backward_programs(kind, m, num_warps, s.device)
-    rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
-    programs = triton.cdiv(m, rows_per_program)
+    rows_per_program = config.cdiv(config.cdiv(m, programs), block_m) * block_m
+    programs = config.cdiv(m, rows_per_program)
     partials = lambda present: torch.empty((programs, n), dtype=cd, device=s.device) if present else None  # noqa: E731
     dw, db, dls = partials(weight is not None), partials(has_bias), partials(layer_scaled)
     dw1, db1 = partials(dy1 is not None), partials(has_bias1)
-    _backward_kernel[(programs, triton.cdiv(n, block_n))](
+    _backward_kernel[(programs, config.cdiv(n, block_n))](
         dy,
         dstream,
         s,

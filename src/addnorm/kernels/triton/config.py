@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
 
 
 @dataclass(frozen=True)
@@ -89,6 +88,18 @@ TABLE = LaunchTable(
 KINDS = ("forward", "backward", "branch_backward")  # the entries a launch is planned from
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` on the host. (``triton.cdiv`` is a constexpr function in recent Triton,
+    whose call from Python unwraps its arguments: several µs, paid on every launch.)"""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two at least ``n`` (0 for 0, as ``triton.next_power_of_2``), on the
+    host (see :func:`cdiv`)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 class Launch(NamedTuple):
     block_m: int
     block_n: int
@@ -101,7 +112,7 @@ def plan(kind: str, n: int, device: torch.device, elem_size: int) -> Launch:
     ``elem_size`` bytes on ``device``, from :data:`TABLE` as it is now (module docstring)."""
     entry = getattr(TABLE, kind)
     chunked = n > entry.max_fused_n
-    block_n = TABLE.chunked.chunk_n if chunked else triton.next_power_of_2(n)
+    block_n = TABLE.chunked.chunk_n if chunked else next_power_of_2(n)
     if device.type == "cuda":
         tile, max_m = entry.tile_elems, entry.max_block_m
     else:
@@ -109,7 +120,7 @@ def plan(kind: str, n: int, device: torch.device, elem_size: int) -> Launch:
     block_m = 1 if chunked else max(1, min(max_m, tile // block_n))
     bytes_per_thread = TABLE.chunked.bytes_per_thread if chunked else entry.bytes_per_thread
     num_warps = max(1, min(32, block_m * block_n * elem_size // (32 * bytes_per_thread)))
-    return Launch(block_m, block_n, triton.next_power_of_2(num_warps), chunked)
+    return Launch(block_m, block_n, next_power_of_2(num_warps), chunked)
 
 
 def backward_programs(kind: str, m: int, num_warps: int, device: torch.device) -> int:

@@ -306,7 +306,7 @@ def forward(
         return outputs
     block_m, block_n, num_warps, chunked = config.plan("forward", n, x.device, x.element_size())
     with _device(x):
-        _forward_kernel[(triton.cdiv(m, block_m),)](
+        _forward_kernel[(config.cdiv(m, block_m),)](
             x,
             residual,
             _rows(weight),
