@@ -16,6 +16,7 @@ themselves (:func:`addnorm.kernels.torch.differentiable_backward`).
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import NamedTuple
 
@@ -489,6 +490,11 @@ class DroppedAdd(torch.autograd.Function):
         return dresidual + _dropped(dx1, ctx.n, ctx.p, seed).to(dresidual.dtype)
 
 
+# torch's Function.apply binds the call's arguments to forward's signature on every call when
+# setup_context is defined; inspect builds that signature afresh each time unless it is set.
+DroppedAdd.forward.__signature__ = inspect.signature(DroppedAdd.forward)
+
+
 def _dropped(t: Tensor, n: int, p: float, seed: Tensor | None) -> Tensor:
     """``dropout(t)`` by the hash mask (rows of ``n`` features), in the statistics dtype."""
     if p == 0:
@@ -513,5 +519,9 @@ def keep_mask_of(t: Tensor, n: int, p: float, seed: Tensor) -> Tensor:
 
 
 def dropped_add(residual: Tensor, x1: Tensor, n: int, p: float, seed: Tensor | None, sd: torch.dtype) -> Tensor:
-    """``residual + dropout(x1)`` in ``sd``, rows of ``n`` features (:class:`DroppedAdd`)."""
-    return DroppedAdd.apply(residual, x1, n, p, seed, sd)
+    """``residual + dropout(x1)`` in ``sd``, rows of ``n`` features (:class:`DroppedAdd`; its
+    forward alone where nothing will be differentiated: no graph node to build)."""
+    differentiated = torch.is_grad_enabled() and (residual.requires_grad or x1.requires_grad)
+    if differentiated or torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0:
+        return DroppedAdd.apply(residual, x1, n, p, seed, sd)
+    return DroppedAdd.forward(residual, x1, n, p, seed, sd)
