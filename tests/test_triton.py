@@ -381,3 +381,23 @@ def test_host_cdiv_and_next_power_of_2_are_triton_s():
     for a in [*range(0, 300), 2**31 + 7]:
         for b in (1, 2, 3, 7, 64, 128, 4224):
             assert config.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_the_backward_program_count_is_the_shape_s_not_the_gpu_s(monkeypatch):
+    """dweight/dbias are summed over ``programs`` partial rows (the reduction contract): the count
+    comes from the shape and the launch table alone, never from the GPU's size, so any GPU sums
+    the same partials in the same order."""
+
+    def no_device_queries(*args, **kwargs):
+        raise AssertionError("the launch plan asked the GPU about itself")
+
+    for name in ("get_device_properties", "device_count", "current_device", "get_device_name"):
+        monkeypatch.setattr(torch.cuda, name, no_device_queries)
+    cuda = torch.device("cuda")
+    for kind in ("backward", "branch_backward"):
+        for n, elem in ((768, 2), (4096, 4), (8192, 2)):
+            warps = config.plan(kind, n, cuda, elem).num_warps
+            for m in (1, 100, 4096, 65536):
+                programs = config.backward_programs(kind, m, warps, cuda)
+                warps_in_flight = getattr(config.TABLE, kind).warps_in_flight
+                assert programs == min(m, max(1, warps_in_flight // warps))
