@@ -165,8 +165,17 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False, second
     return out
 
 
+def sum_partials(cd: torch.dtype) -> str:
+    """The kernel that sums every parameter gradient's partial rows in one launch."""
+    sig = {"P": PTR[cd], **dict.fromkeys(("O0", "O1", "O2", "O3", "O4"), PTR[cd]), "programs": "i32", "N": "i32"}
+    const = {"BLOCK_P": 64, "BLOCK_N": 64}
+    return resources(backward_kernels._sum_partials_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, 4)
+
+
 def main(widths: list[int]) -> None:
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
+    for cd in (torch.float32, torch.float64):
+        print(f"  {str(cd)[6:]:8s} sum of partials    {sum_partials(cd)}")
     for n in widths:
         print(f"N={n}")
         for dtype in (torch.bfloat16, torch.float32):

@@ -43,7 +43,7 @@ def overhead(profile: bool) -> None:
     w, b = torch.ones(768, device="cuda", dtype=x.dtype), torch.zeros(768, device="cuda", dtype=x.dtype)
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
     rstd = K.forward(x, r, w, b, eps=1e-5, rms=True, residual_dtype=None)[3]
-    partials = torch.randn(132, 768, device="cuda")
+    partials = torch.randn(2, 132, 768, device="cuda")  # dweight and dbias
     cases = {
         "kernels.triton.forward": lambda: K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None),
         "kernels.triton.backward": lambda: K.backward(x, None, (r,), w, None, rstd, rms=True, has_bias=True),

@@ -7,8 +7,9 @@ row scale ``k`` (one more max-reduction), so it cannot overflow either. The save
 rounded, so ``corr = mean(d)`` re-centres the row as the forward centred it (``_correction``).
 Each program owns a contiguous block of rows and one column chunk, keeps fp32 (fp64 for fp64)
 sums of ``dy * xhat`` and ``dy`` for its columns in registers, and writes them as one row of a
-``(programs, N)`` partials buffer. A second kernel sums the partials of 64-column strips, 64
-partial rows at a time, always in the same order: no atomics, no locks, so dweight/dbias are
+``(programs, N)`` partials buffer (one buffer holds every parameter gradient's). A second
+kernel, one launch for all of them, sums the partials of 64-column strips, 64 partial rows at a
+time, always in the same order: no atomics, no locks, so dweight/dbias are
 bit-identical from run to run on the same device (the Triton tutorial's lock-based reduction is
 not). Rows wider than the kind's ``max_fused_n`` (:mod:`.config`) first get ``k``, ``corr`` and
 their two row coefficients (mean(g * xhat), mean(g)) from a chunked kernel (a pass for
@@ -310,31 +311,45 @@ def _backward_kernel(
 
 
 @triton.jit
-def _sum_partials_kernel(P, OUT, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``OUT[j] = sum_p P[p, j]``: ``BLOCK_P`` partial rows at a time into a ``(BLOCK_P, BLOCK_N)``
-    accumulator, then one reduction over its rows, in the same order on every run: deterministic."""
+def _sum_partials_kernel(P, O0, O1, O2, O3, O4, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``Ok[j] = sum_p P[k, p, j]`` for every parameter gradient ``k`` (grid axis 1, at most five,
+    each its own tensor) in one launch: ``BLOCK_P`` partial rows at a time into a ``(BLOCK_P,
+    BLOCK_N)`` accumulator, then one reduction over its rows, in the same order on every run:
+    deterministic."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=OUT.dtype.element_ty)
+    k = tl.program_id(1)
+    P += k.to(tl.int64) * programs * N
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=O0.dtype.element_ty)
     for start in range(0, programs, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         mask = (p < programs)[:, None] & (cols < N)[None, :]
         acc += tl.load(P + p.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, axis=0), mask=cols < N)
+    out = O0
+    if k == 1:
+        out = O1
+    if k == 2:
+        out = O2
+    if k == 3:
+        out = O3
+    if k == 4:
+        out = O4
+    tl.store(out + cols, tl.sum(acc, axis=0), mask=cols < N)
 
 
 # --------------------------------------------------------------------------- launchers
 
 
-def _sum_partials(partials: Tensor) -> Tensor:
-    programs, n = partials.shape
-    if programs == 1:
-        return partials[0]
-    out = torch.empty((n,), dtype=partials.dtype, device=partials.device)
+def _sum_partials(partials: Tensor) -> list[Tensor]:
+    """The sums over the programs of ``(k, programs, n)`` partials, ``k`` tensors of ``n``: every
+    parameter gradient of a backward in one launch."""
+    grads, programs, n = partials.shape
+    outs = [torch.empty((n,), dtype=partials.dtype, device=partials.device) for _ in range(grads)]
     block_n = min(config.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
-    _sum_partials_kernel[(config.cdiv(n, block_n),)](
-        partials, out, programs, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4, enable_fp_fusion=False
-    )
-    return out
+    _sum_partials_kernel[(config.cdiv(n, block_n), grads)](
+        partials, *outs, *outs[:1] * (5 - grads), programs, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return outs
 
 
 def backward(
@@ -436,9 +451,11 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
     programs = config.backward_programs(kind, m, num_warps, s.device)
     rows_per_program = config.cdiv(config.cdiv(m, programs), block_m) * block_m
     programs = config.cdiv(m, rows_per_program)
-    partials = lambda present: torch.empty((programs, n), dtype=cd, device=s.device) if present else None  # noqa: E731
-    dw, db, dls = partials(weight is not None), partials(has_bias), partials(layer_scaled)
-    dw1, db1 = partials(dy1 is not None), partials(has_bias1)
+    # one buffer of partial rows for every parameter gradient present, summed in one launch
+    present = (weight is not None, has_bias, layer_scaled, dy1 is not None, has_bias1)
+    buffer = torch.empty((sum(present), programs, n), dtype=cd, device=s.device)
+    parts = iter(buffer)
+    dw, db, dls, dw1, db1 = (next(parts) if here else None for here in present)
     _backward_kernel[(programs, config.cdiv(n, block_n))](
         dy,
         dstream,
@@ -483,5 +500,6 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
-    total = lambda p: None if p is None else _sum_partials(p)  # noqa: E731
-    return Grads(ds, total(dw), total(db), dx, total(dls), total(dw1), total(db1))
+    sums = iter(_sum_partials(buffer) if len(buffer) else ())
+    dw, db, dls, dw1, db1 = (next(sums) if here else None for here in present)
+    return Grads(ds, dw, db, dx, dls, dw1, db1)
