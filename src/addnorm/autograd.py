@@ -518,10 +518,16 @@ def keep_mask_of(t: Tensor, n: int, p: float, seed: Tensor) -> Tensor:
     return reference.keep_mask(seed, torch.arange(rows, device=t.device), n, p)
 
 
+def transformed() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) or forward-mode AD is active: then the
+    tensors are seen through the autograd.Functions' own rules, never the eager shortcuts."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
+
+
 def dropped_add(residual: Tensor, x1: Tensor, n: int, p: float, seed: Tensor | None, sd: torch.dtype) -> Tensor:
     """``residual + dropout(x1)`` in ``sd``, rows of ``n`` features (:class:`DroppedAdd`; its
     forward alone where nothing will be differentiated: no graph node to build)."""
     differentiated = torch.is_grad_enabled() and (residual.requires_grad or x1.requires_grad)
-    if differentiated or torch._C._are_functorch_transforms_active() or torch.autograd.forward_ad._current_level >= 0:
+    if differentiated or transformed():
         return DroppedAdd.apply(residual, x1, n, p, seed, sd)
     return DroppedAdd.forward(residual, x1, n, p, seed, sd)

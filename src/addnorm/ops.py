@@ -34,7 +34,6 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd import forward_ad
 
 from . import backend as backends
 from . import reference
@@ -49,6 +48,9 @@ from .autograd import (
     make_branch,
     op_args,
     train_forward,
+)
+from .autograd import (
+    transformed as is_transformed,
 )
 from .checks import (
     PLAIN,
@@ -66,7 +68,6 @@ from .kernels import torch as torch_kernels
 
 _is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_exporting
 _tracing_state = torch._C._get_tracing_state
-_functorch_level = torch._C._functorch.peek_interpreter_stack
 # RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype
 _RMS_DEFAULT_EPS = {
     dt: torch.finfo(reference.stats_dtype(dt)).eps
@@ -203,7 +204,7 @@ def _route(a: OpArgs, traced: bool, buffers: bool, needs_grad: bool) -> Route:
     (``traced``: exporting or ``torch.jit.trace``; ONNX export has been routed already)."""
     x, residual, weight, bias = a.x, a.residual, a.weight, a.bias
     compiling = _is_compiling()
-    transformed = _functorch_level() is not None or forward_ad._current_level >= 0
+    transformed = is_transformed()
     if (
         type(x) in PLAIN
         and (residual is None or type(residual) in PLAIN)
@@ -420,7 +421,7 @@ def _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, subla
         return False
     if _is_compiling() or _is_exporting() or _tracing_state() is not None:
         return False
-    if _functorch_level() is not None or forward_ad._current_level >= 0:
+    if is_transformed():
         return False
     return backends.resolve(backend, x).CAPABILITIES.second_norm
 
