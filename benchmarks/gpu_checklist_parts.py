@@ -621,17 +621,17 @@ def _flash_attn_fns(setup: Setup) -> tuple[str, Callable, Callable]:
 
 def _parity_inputs(setup: Setup, m: int, n: int, case: dict, rms: bool) -> dict:
     """The tensors of one case: bf16 activations, fp32 weights, as mixed-precision training has."""
-    g = torch.Generator(device=setup.device).manual_seed(m + n)
-    mk = lambda *shape, dt=torch.bfloat16: torch.randn(*shape, generator=g, device=setup.device).to(dt)  # noqa: E731
-    t = {"x": mk(m, n), "weight": mk(n, dt=torch.float32), "bias": None if rms else mk(n, dt=torch.float32)}
+    bf16, fp32 = torch.bfloat16, torch.float32
+    t = {"x": _randn(setup, m, n, dtype=bf16), "weight": _randn(setup, n, dtype=fp32, seed=1)}
+    t["bias"] = None if rms else _randn(setup, n, dtype=fp32, seed=2)
     if "residual" in case:
-        t["residual"] = mk(m, n, dt=case["residual"])
+        t["residual"] = _randn(setup, m, n, dtype=case["residual"], seed=3)
     if case.get("rowscale"):
-        t["rowscale"] = (torch.rand(m, generator=g, device=setup.device) + 0.5).to(torch.bfloat16)
+        t["rowscale"] = (_randn(setup, m, seed=4).abs() + 0.5).to(bf16)
     if case.get("x1"):
-        t["x1"] = mk(m, n)
-        t["weight1"] = mk(n, dt=torch.float32)
-        t["bias1"] = None if rms else mk(n, dt=torch.float32)
+        t["x1"] = _randn(setup, m, n, dtype=bf16, seed=5)
+        t["weight1"] = _randn(setup, n, dtype=fp32, seed=6)
+        t["bias1"] = None if rms else _randn(setup, n, dtype=fp32, seed=7)
     return t
 
 
@@ -669,22 +669,22 @@ def flash_attn_parity(setup: Setup) -> Part:
                 t = _parity_inputs(setup, m, n, case, rms)
                 flags = {k: v for k, v in case.items() if k in ("residual_in_fp32", "zero_centered_weight")}
                 leaves = {k: v for k, v in t.items() if v is not None and k != "rowscale"}
-                cots, results = None, {}
+                fixed = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+                ref = _parity_reference(t | fixed, case, rms, eps)  # the float32 formula, once
+                g = torch.Generator(device=setup.device).manual_seed(1)
+                cots = [torch.randn(r.shape, generator=g, device=setup.device) for r in ref]
+                ref_grads = torch.autograd.grad(ref, list(fixed.values()), cots)
+                names = ["y", "y1", "s"] if len(ref) == 3 else ["y", "s"]
+                names += [f"d{k}" for k in leaves]
+                unit = torch.finfo(t["x"].dtype).eps  # the cotangents reach bf16 outputs in bf16
+                results = {}
                 for who, fn in (
                     ("addnorm", rms_norm_fn if rms else layer_norm_fn),
                     (peer, peer_rms if rms else peer_ln),
                 ):
                     mine = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
                     outs = fn(**(t | mine), eps=eps, prenorm=True, **flags)
-                    ref = _parity_reference(t | mine, case, rms, eps)
-                    if cots is None:
-                        g = torch.Generator(device=setup.device).manual_seed(1)
-                        cots = [torch.randn(o.shape, generator=g, device=setup.device) for o in outs]
                     grads = torch.autograd.grad([o.float() for o in outs], list(mine.values()), cots)
-                    ref_grads = torch.autograd.grad(ref, list(mine.values()), cots)
-                    names = ["y", "y1", "s"] if len(outs) == 3 else ["y", "s"]
-                    names += [f"d{k}" for k in mine]
-                    unit = torch.finfo(t["x"].dtype).eps  # the cotangents reach bf16 outputs in bf16
                     results[who] = {
                         k: ((a.float() - r).abs().max() / (unit * r.abs().max())).item()
                         for k, a, r in zip(names, [*outs, *grads], [*ref, *ref_grads], strict=True)
