@@ -136,6 +136,39 @@ def test_parallel_block_with_dropout_has_two_independent_masks(backend):
     assert torch.equal(mask, again[3]) and torch.equal(mask1, again[4])
 
 
+@pytest.mark.usefixtures("on_cpu")  # the compiled pass runs on CPU tensors alone
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_backend", ["reference", "cpu"])
+def test_x1_dropout_runs_compiled_on_cpu_with_the_torch_ops_bits(monkeypatch, dtype, norm_backend):
+    """``x1``'s dropout on plain CPU tensors takes one compiled pass forward and one backward
+    (``cpu.dropped``), every bit as the reference's torch ops (the path under torch.func, under
+    torch.compile and on other devices): outputs, stream and every gradient."""
+    cpu = pytest.importorskip("addnorm.kernels.cpu", reason="numba is not installed")
+    import addnorm.autograd
+
+    x, r, x1, w, b, w1, b1 = _tensors(300, 1024, dtype)
+    dys = [torch.randn(300, 1024, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(3)]
+    calls, compiled = [], cpu.dropped
+    monkeypatch.setattr(cpu, "dropped", lambda *a: calls.append(a[1] is None) or compiled(*a))
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (x, r, x1, w, b, w1, b1)]
+        outs = addnorm.add_layer_norm(
+            leaves[0], leaves[1], 1024, leaves[3], leaves[4], x1=leaves[2], weight1=leaves[5], bias1=leaves[6],
+            prenorm=True, dropout_p=0.3, generator=torch.Generator().manual_seed(5), backend=norm_backend,
+        )  # fmt: skip
+        sum((o.float() * dy.float()).sum() for o, dy in zip(outs, dys)).backward()
+        return [o.detach() for o in outs] + [t.grad for t in leaves]
+
+    fused = run()
+    assert calls == [False, True]  # x1's add forward, then dx1
+    monkeypatch.setattr(addnorm.autograd, "_eager_cpu", lambda *tensors: False)
+    plain = run()
+    assert calls == [False, True]
+    for a, c in zip(fused, plain):
+        assert torch.equal(a, c)
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_parallel_block_gradcheck_and_gradgradcheck(backend, kind):
     x, r, x1, w, b, w1, b1 = (t.clone().requires_grad_() for t in _tensors(3, 10, torch.float64))

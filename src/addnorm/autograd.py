@@ -467,6 +467,10 @@ class DroppedAdd(torch.autograd.Function):
 
     @staticmethod
     def forward(residual, x1, n, p, seed, sd):
+        if p > 0 and residual.dtype is sd and _eager_cpu(x1, residual, seed):  # one pass, compiled
+            from .kernels import cpu  # (numba: imported on the first such call)
+
+            return cpu.dropped(x1.to(sd), residual.reshape(-1, n), n, p, seed, sd).view(x1.shape)
         # without dropout and with residual in sd, one add in sd: the same bits as the branch's
         # sum in the statistics dtype rounded once, at the cost of torch's add alone
         branch = backends.Branch(p, seed, None, None) if p > 0 or residual.dtype != sd else None
@@ -482,7 +486,19 @@ class DroppedAdd(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ds):
         (seed,) = ctx.saved_tensors
-        return ds.to(ctx.dtypes[0]), _dropped(ds, ctx.n, ctx.p, seed).to(ctx.dtypes[1]), None, None, None, None
+        n, p, (rd, x1d) = ctx.n, ctx.p, ctx.dtypes
+        if p > 0 and _eager_cpu(ds, seed):  # dx1 in one pass: the kernels' hash, product and rounding
+            from .kernels import cpu
+
+            return (
+                ds.to(rd),
+                cpu.dropped(ds.reshape(-1, n), None, n, p, seed, x1d).view(ds.shape),
+                None,
+                None,
+                None,
+                None,
+            )
+        return ds.to(rd), _dropped(ds, n, p, seed).to(x1d), None, None, None, None
 
     @staticmethod
     def jvp(ctx, dresidual, dx1, *_):
@@ -510,12 +526,19 @@ def keep_mask_of(t: Tensor, n: int, p: float, seed: Tensor) -> Tensor:
     plain CPU tensor in eager mode by the cpu backend's hash (the same bits, one compiled loop
     instead of a dozen int64 torch ops over the whole tensor), else by the reference's ops."""
     rows = t.numel() // n if n else 0
-    plain = type(t) is Tensor and t.is_cpu and type(seed) is Tensor
-    if plain and not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None:
+    if _eager_cpu(t, seed):
         from .kernels import cpu  # (numba: imported on the first such call)
 
         return cpu.keep_mask(seed, rows, n, p)
     return reference.keep_mask(seed, torch.arange(rows, device=t.device), n, p)
+
+
+def _eager_cpu(*tensors: Tensor) -> bool:
+    """Whether the cpu backend's compiled loops may take ``tensors``: plain CPU tensors, in eager
+    mode (not compiling, no torch.func transform)."""
+    if any(type(t) is not Tensor or not t.is_cpu for t in tensors):
+        return False
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
 
 
 def transformed() -> bool:

@@ -34,10 +34,10 @@ import torch
 from torch import Tensor
 
 from ... import reference
-from ...backend import Capabilities, Grads, check_s_parts
+from ...backend import Branch, Capabilities, Grads, check_s_parts
 from . import config
 from .branch import keep_rows
-from .entry import NO_BRANCH, backward_entry, float64_bits, forward_entry
+from .entry import NO_BRANCH, backward_entry, dropped_entry, float64_bits, forward_entry
 from .launch import (
     branch_args,
     contiguous_rows,
@@ -71,6 +71,33 @@ def keep_mask(seed: Tensor, rows: int, n: int, p: float) -> Tensor:
         return torch.zeros((rows, n), dtype=torch.bool)
     out = torch.empty((rows, n), dtype=torch.bool)
     keep_rows(int(seed), threshold, out.numpy())
+    return out
+
+
+def dropped(src: Tensor, addend: Tensor | None, n: int, p: float, seed: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``addend + dropout(src)`` over rows of ``n`` features, summed in the statistics dtype of
+    ``src``'s and rounded once to ``out_dtype`` (:func:`addnorm.reference.stream` of a
+    dropout-only :class:`~addnorm.backend.Branch`, bit for bit); without ``addend``,
+    ``dropout(src)``: parallel blocks' ``x1`` and its gradient in one pass each, the mask from
+    the kernels' hash. ``addend``, when given, has ``src``'s dtype and shape; ``0 < p``."""
+    src = contiguous_rows(src)
+    out = empty_output(src, out_dtype)
+    m = src.numel() // n if n else 0
+    if m:
+        addend = None if addend is None else contiguous_rows(addend)
+        threads, block_rows = (1, m) if m * n < config.SETTINGS.parallel_min_elements else thread_plan(m)
+        cd = reference.stats_dtype(src.dtype)
+        branch_slots, held = branch_args(Branch(p, seed, None, None), m, n, cd)
+        args = (  # in entry.DroppedSlot order
+            src.data_ptr(),
+            0 if addend is None else addend.data_ptr(),
+            out.data_ptr(),
+            m,
+            n,
+            block_rows,
+        )
+        run_on_threads(dropped_entry(src.dtype, out_dtype, addend is not None), threads, args, branch_slots)
+        del held
     return out
 
 

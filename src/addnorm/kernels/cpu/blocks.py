@@ -22,7 +22,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .branch import prepare_branch
+from .branch import dropped_row, prepare_branch
 from .floats import fence
 from .rows import backward_rows, backward_rows_branch, forward_rows, index_or_none
 
@@ -228,6 +228,23 @@ def backward_blocks(
                 sec,
             )
         _fence_if(streamed)
+        _atomic_increment(counters, _BLOCKS_DONE)
+        blk, lo, hi = _claim_block(counters, block_rows, m)
+    _wait_all_blocks(counters, block_rows, m)
+
+
+@numba.njit(nogil=True, error_model="numpy")
+def dropped_blocks(src, addend, out, counters, block_rows, br, cd):
+    """:func:`.branch.dropped_row` over the rows of the blocks this thread claims. ``addend``:
+    None (``out = dropout(src)``) or the rows added; ``br``: the dropout branch's arguments
+    (``entry.read_branch``); ``cd``: the statistics dtype."""
+    m, n = out.shape
+    branch = prepare_branch(br, n)
+    gate = np.empty(n, cd)
+    blk, lo, hi = _claim_block(counters, block_rows, m)
+    while blk >= 0:
+        for i in range(lo, hi):
+            dropped_row(src[i], index_or_none(addend, i), out[i], gate, branch, i)
         _atomic_increment(counters, _BLOCKS_DONE)
         blk, lo, hi = _claim_block(counters, block_rows, m)
     _wait_all_blocks(counters, block_rows, m)

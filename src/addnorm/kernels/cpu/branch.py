@@ -17,7 +17,7 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from ... import reference
-from .floats import load, round_to
+from .floats import load, put, round_to
 
 _M32 = np.uint64(0xFFFFFFFF)
 _GOLDEN = np.uint64(reference._GOLDEN)
@@ -96,20 +96,49 @@ def keep_rows(seed, threshold, out):
 
 
 @numba.njit
+def gate_row(branch, row, gate):
+    """``gate`` = ``keep ? scale : 0`` over row ``row`` (its index in the call) of the branch
+    (from :func:`prepare_branch`): :func:`addnorm.reference.branch_terms`' gate, bit for bit."""
+    k0, k1, threshold, scale, _, _, cols, _ = branch
+    a = _fmix32_add(_fmix32_xor(np.uint32(row), k0), k1)
+    zero = scale - scale
+    for j in range(gate.shape[0]):
+        gate[j] = scale if _fmix32_add(a, cols[j]) >= threshold else zero
+
+
+@numba.njit
 def stream_through_branch(xi, ri, sbuf, gates, branch, row):
     """``sbuf`` = the stream of row ``row`` (its index in the call) through the branch (from
     :func:`prepare_branch`), rounded to the residual's dtype, in the statistics dtype:
     :func:`addnorm.reference.stream` with :func:`addnorm.reference.branch_terms`, bit for bit.
     ``gates[0]`` gets ``keep ? scale : 0`` and ``gates[1]`` the factor of ``x``, that times the
-    layer scale. (Two loops, the integer one and the float one, so that each vectorizes.)"""
-    k0, k1, threshold, scale, layer_scale, rowscale, cols, _ = branch
-    a = _fmix32_add(_fmix32_xor(np.uint32(row), k0), k1)
-    zero = scale - scale
+    layer scale. (Separate loops, the integer one and the float ones, so that each vectorizes.)"""
+    layer_scale, rowscale = branch[4], branch[5]
     gate, factor = gates[0], gates[1]
+    gate_row(branch, row, gate)
     for j in range(sbuf.shape[0]):
-        g = scale if _fmix32_add(a, cols[j]) >= threshold else zero
-        gate[j] = g
-        factor[j] = g * layer_scale[j]
+        factor[j] = gate[j] * layer_scale[j]
     rs = rowscale[row]
     for j in range(sbuf.shape[0]):
         sbuf[j] = round_to(ri, load(ri, j) + load(xi, j) * factor[j] * rs)
+
+
+def _plus(addend, j, v):
+    """``addend[j] + v`` (widened), or ``v`` when ``addend`` is None."""
+
+
+@overload(_plus)
+def _plus_impl(addend, j, v):
+    if isinstance(addend, types.NoneType):
+        return lambda addend, j, v: v
+    return lambda addend, j, v: load(addend, j) + v
+
+
+@numba.njit
+def dropped_row(src, addend, out, gate, branch, row):
+    """``out`` = ``addend + dropout(src)`` of row ``row``, summed in the statistics dtype and
+    rounded to ``out``'s: :func:`addnorm.reference.stream` of a dropout-only branch, bit for bit
+    (parallel blocks' ``x1``; with ``addend`` None, ``dropout(src)``: its gradient)."""
+    gate_row(branch, row, gate)
+    for j in range(out.shape[0]):
+        put(out, j, _plus(addend, j, load(src, j) * gate[j]))

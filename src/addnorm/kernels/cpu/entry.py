@@ -36,7 +36,7 @@ from numba import carray, types
 from numba.extending import intrinsic, overload
 
 from ... import reference
-from .blocks import backward_blocks, forward_blocks
+from .blocks import backward_blocks, dropped_blocks, forward_blocks
 from .floats import put
 
 COUNTERS = 2  # slots 0 and 1: next block to claim, blocks done (see .blocks); each call zeroes them
@@ -91,6 +91,19 @@ class BackwardSlot(IntEnum):
     BRANCH = auto()  # the first of the branch's slots (BranchSlot)
 
 
+class DroppedSlot(IntEnum):
+    """``out = addend + dropout(src)``, or ``dropout(src)``: parallel blocks' ``x1`` and its
+    gradient, through the branch's slots (a dropout-only branch)."""
+
+    SRC = COUNTERS
+    ADDEND = auto()  # 0 without one
+    OUT = auto()
+    ROWS = auto()
+    COLS = auto()
+    BLOCK_ROWS = auto()
+    BRANCH = auto()  # the first of the branch's slots (BranchSlot)
+
+
 class BranchSlot(IntEnum):
     """Offsets from a direction's ``BRANCH`` slot; all 0 without a branch."""
 
@@ -102,7 +115,7 @@ class BranchSlot(IntEnum):
     LAYER_SCALED = auto()  # a layer scale was given: its gradient is wanted
 
 
-SLOTS = max(ForwardSlot.BRANCH, BackwardSlot.BRANCH) + len(BranchSlot)
+SLOTS = max(ForwardSlot.BRANCH, BackwardSlot.BRANCH, DroppedSlot.BRANCH) + len(BranchSlot)
 
 
 NO_BRANCH = (0,) * len(BranchSlot)  # the branch's slots without a branch
@@ -114,9 +127,9 @@ def _pack_into(layout: type[IntEnum]):
 
 # ``PACK_INTO[len(args)](block, 0, *ZEROED_COUNTERS, *args, *branch)``: a call's slots (the
 # counters, its own in ForwardSlot or BackwardSlot order, the branch's) into a ctypes block in
-# one call; keyed by the number of a direction's own slots
+# one call; keyed by the number of a layout's own slots
 ZEROED_COUNTERS = (0,) * COUNTERS
-PACK_INTO = {layout.BRANCH - COUNTERS: _pack_into(layout) for layout in (ForwardSlot, BackwardSlot)}
+PACK_INTO = {layout.BRANCH - COUNTERS: _pack_into(layout) for layout in (ForwardSlot, BackwardSlot, DroppedSlot)}
 
 NUMPY_DTYPES = {
     torch.float32: np.float32,
@@ -352,10 +365,37 @@ def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed, second):
     return _compile_entry(entry)
 
 
+def _compile_dropped(src_d, out_d, added):
+    """The entry of ``out = addend + dropout(src)`` (DroppedSlot); ``src_d``: the dtype of src
+    (and of addend), ``out_d`` that of out; ``added``: True, or None without an addend."""
+    cd = np.float64 if src_d == np.float64 else np.float32
+    source_digest = SOURCE_DIGEST
+
+    def entry(block):
+        source_digest  # noqa: B018 (in the closure, so in numba's cache key)
+        a = carray(block, SLOTS, np.int64)
+        f = carray(block, SLOTS, np.float64)
+        m, n = a[DroppedSlot.ROWS], a[DroppedSlot.COLS]
+        addend = carray(_pointer(a[DroppedSlot.ADDEND]), (m, n), src_d) if added else None  # a constant: pruned
+        dropped_blocks(
+            carray(_pointer(a[DroppedSlot.SRC]), (m, n), src_d),
+            addend,
+            carray(_pointer(a[DroppedSlot.OUT]), (m, n), out_d),
+            a[:COUNTERS],
+            a[DroppedSlot.BLOCK_ROWS],
+            read_branch(a, f, DroppedSlot.BRANCH, m, n, cd, True),
+            cd,
+        )
+
+    return _compile_entry(entry)
+
+
 # compiled entries, made on first use: (stream, y, parameter dtypes, branched, streamed, second)
-# and (s, dy, dstream, weight, weight gradient dtypes, summed, branched, streamed, second)
+# and (s, dy, dstream, weight, weight gradient dtypes, summed, branched, streamed, second), and
+# (src, out dtypes, added)
 FORWARD_ENTRIES: dict[tuple, object] = {}
 BACKWARD_ENTRIES: dict[tuple, object] = {}
+DROPPED_ENTRIES: dict[tuple, object] = {}
 
 
 def _flag(value: bool) -> bool | None:
@@ -396,6 +436,14 @@ def backward_entry(
         dtypes = (NUMPY_DTYPES[d] for d in (sd, gd, td, pd, od))
         flags = (_flag(branched), _flag(streamed), _flag(second))
         entry = BACKWARD_ENTRIES[key] = _compile_backward(*dtypes, summed, *flags)
+    return entry
+
+
+def dropped_entry(src_d: torch.dtype, out_d: torch.dtype, added: bool):
+    key = (src_d, out_d, added)
+    entry = DROPPED_ENTRIES.get(key)
+    if entry is None:
+        entry = DROPPED_ENTRIES[key] = _compile_dropped(NUMPY_DTYPES[src_d], NUMPY_DTYPES[out_d], _flag(added))
     return entry
 
 
