@@ -25,7 +25,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from addnorm.kernels.triton import backward_kernels, config, forward_kernels  # noqa: E402
+from addnorm.kernels.triton import backward_kernels, config, dropped_kernels, forward_kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float64: "*fp64"}
@@ -172,10 +172,30 @@ def sum_partials(cd: torch.dtype) -> str:
     return resources(backward_kernels._sum_partials_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, 4)
 
 
+def dropped(dtype: torch.dtype, added: bool) -> str:
+    """Parallel blocks' ``x1`` (``addend + dropout(src)``), or its gradient without the addend."""
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    sig = {
+        "SRC": PTR[dtype],
+        "ADDEND": PTR[dtype] if added else "constexpr",
+        "OUT": PTR[dtype],
+        "M": "i32",
+        "N": "i32",
+        "s_src": "i64",
+        "s_add": "i64",
+        **branch_sig(True, cd),
+    }
+    const = {"HAS_ADDEND": added, "BLOCK_M": dropped_kernels._BLOCK_M, "BLOCK_N": dropped_kernels._BLOCK_N}
+    kernel = dropped_kernels._dropped_kernel
+    return resources(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, dropped_kernels._WARPS)
+
+
 def main(widths: list[int]) -> None:
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
     for cd in (torch.float32, torch.float64):
         print(f"  {str(cd)[6:]:8s} sum of partials    {sum_partials(cd)}")
+    print(f"  bfloat16 x1 + dropout      {dropped(torch.bfloat16, True)}")
+    print(f"  bfloat16 dropout of dx1    {dropped(torch.bfloat16, False)}")
     for n in widths:
         print(f"N={n}")
         for dtype in (torch.bfloat16, torch.float32):

@@ -571,35 +571,3 @@ def test_keep_mask_is_the_reference_hash_bit_for_bit(p):
             assert torch.equal(ours, addnorm.reference.keep_mask(seed_t, torch.arange(m), n, p))
     if p == 1.0:
         assert not ours.any()
-
-
-def _same_bits(a, b) -> bool:
-    """Equal bit for bit, any NaN matching any NaN (torch itself writes a bfloat16 NaN as 0x7FC0
-    or 0xFFFF depending on its code path)."""
-    nan = a.isnan()
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a.view(ints)[~nan], b.view(ints)[~nan])
-
-
-@pytest.mark.parametrize("sd", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize("p", [0.1, 0.5, 1.0])
-@pytest.mark.parametrize("threaded", [False, True])
-def test_dropped_is_the_reference_stream_bit_for_bit(sd, p, threaded, on_cpu, monkeypatch):
-    """Parallel blocks' ``x1`` on CPU tensors: ``residual + dropout(x1)`` and its gradient
-    ``dropout(ds)`` in one compiled pass each (:func:`cpu.dropped`), every bit as the reference's
-    torch ops (:func:`addnorm.reference.stream` of a dropout-only branch, and its ``branch_terms``
-    rounded to x1's dtype), inf and NaN included, on one thread and split over threads."""
-    if threaded:
-        monkeypatch.setattr(cpu.config, "SETTINGS", cpu.config.SETTINGS.updated(parallel_min_elements=1))
-    reference = addnorm.reference
-    g = torch.Generator().manual_seed(3)
-    for m, n in [(1, 1), (3, 17), (65, 1000)]:
-        r, x1 = (torch.randn(m, n, generator=g).to(sd) for _ in range(2))
-        x1[0, 0], x1[-1, -1] = float("inf"), float("nan")
-        seed = torch.tensor(0x9E3779B97F4A7C15 >> 3, dtype=torch.int64)
-        branch = backends.Branch(p, seed, None, None)
-        assert _same_bits(cpu.dropped(x1, r, n, p, seed, sd), reference.stream(x1, r, sd, branch))
-        cd = reference.stats_dtype(sd)
-        for out in {sd, torch.float32}:  # dx1 in x1's dtype, which may differ from the stream's
-            expected = reference.branch_terms(x1.to(cd), branch, torch.arange(m))["t"].to(out)
-            assert _same_bits(cpu.dropped(x1, None, n, p, seed, out), expected)

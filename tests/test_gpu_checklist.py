@@ -71,8 +71,8 @@ def test_dry_run_writes_every_part_and_the_summary(tmp_path):
     assert {row["result"] for row in parity} >= {"y", "y1", "s", "dx", "dx1", "dweight1", "dresidual"}
     assert {row["norm"] for row in parity} == {"layer", "rms"} and all(row["within"] for row in parity)
     parallel = json.loads((tmp_path / "09-parallel.json").read_text())
-    assert {(row["pass"], row["impl"]) for row in parallel} == {
-        (p, i) for p in ("fwd", "fwd+bwd") for i in ("one call", "two calls", "torch eager")
+    assert {(row["pass"], row["impl"], row["dropout_p"]) for row in parallel} == {
+        (p, i, d) for p in ("fwd", "fwd+bwd") for i in ("one call", "two calls", "torch eager") for d in (0.0, 0.1)
     }
     training = json.loads((tmp_path / "11-training.json").read_text())
     assert {row["variant"] for row in training} >= {"unpatched", "addnorm"}

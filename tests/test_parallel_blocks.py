@@ -6,6 +6,7 @@ the same bits on every backend), ``gradcheck`` and ``gradgradcheck`` in float64.
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -136,6 +137,50 @@ def test_parallel_block_with_dropout_has_two_independent_masks(backend):
     assert torch.equal(mask, again[3]) and torch.equal(mask1, again[4])
 
 
+def _same_bits(a, b) -> bool:
+    """Equal bit for bit, any NaN matching any NaN (torch itself writes a bfloat16 NaN as 0x7FC0
+    or 0xFFFF depending on its code path)."""
+    nan = a.isnan()
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a.view(ints)[~nan], b.view(ints)[~nan])
+
+
+def _dropped_kernels(name: str, request):
+    """The kernels module whose ``dropped`` is tested, with its tensors' device in force: the cpu
+    backend's on CPU tensors; the Triton backend's on the test device (its interpreter on CPU)."""
+    if name == "cpu":
+        request.getfixturevalue("on_cpu")
+        return pytest.importorskip("addnorm.kernels.cpu", reason="numba is not installed")
+    pytest.importorskip("triton")
+    return importlib.import_module("addnorm.kernels.triton.dropped_kernels")
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "cpu, threads", "triton"])
+@pytest.mark.parametrize("sd", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("p", [0.1, 0.5, 1.0])
+def test_dropped_is_the_reference_stream_bit_for_bit(kernels, sd, p, request, monkeypatch):
+    """``x1``'s dropout in one compiled pass: ``residual + dropout(x1)`` and its gradient
+    ``dropout(ds)`` (the kernels' ``dropped``), every bit as the reference's torch ops
+    (:func:`addnorm.reference.stream` of a dropout-only branch, and its ``branch_terms`` rounded
+    to x1's dtype), inf and NaN included, on the cpu kernels' one thread and split over threads,
+    and on the Triton kernel's tiles (one row, one column, tiles cut at both edges)."""
+    impl = _dropped_kernels(kernels.split(",")[0], request)
+    if kernels == "cpu, threads":
+        monkeypatch.setattr(impl.config, "SETTINGS", impl.config.SETTINGS.updated(parallel_min_elements=1))
+    reference = addnorm.reference
+    g = torch.Generator().manual_seed(3)
+    for m, n in [(1, 1), (3, 17), (65, 1000)]:
+        r, x1 = (torch.randn(m, n, generator=g).to(sd) for _ in range(2))
+        x1[0, 0], x1[-1, -1] = float("inf"), float("nan")
+        seed = torch.tensor(0x9E3779B97F4A7C15 >> 3, dtype=torch.int64)
+        branch = addnorm.backend.Branch(p, seed, None, None)
+        assert _same_bits(impl.dropped(x1, r, n, p, seed, sd), reference.stream(x1, r, sd, branch))
+        cd = reference.stats_dtype(sd)
+        for out in {sd, torch.float32}:  # dx1 in x1's dtype, which may differ from the stream's
+            expected = reference.branch_terms(x1.to(cd), branch, torch.arange(m))["t"].to(out)
+            assert _same_bits(impl.dropped(x1, None, n, p, seed, out), expected)
+
+
 @pytest.mark.usefixtures("on_cpu")  # the compiled pass runs on CPU tensors alone
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm_backend", ["reference", "cpu"])
@@ -162,7 +207,7 @@ def test_x1_dropout_runs_compiled_on_cpu_with_the_torch_ops_bits(monkeypatch, dt
 
     fused = run()
     assert calls == [False, True]  # x1's add forward, then dx1
-    monkeypatch.setattr(addnorm.autograd, "_eager_cpu", lambda *tensors: False)
+    monkeypatch.setattr(addnorm.autograd, "_dropped_kernels", lambda *tensors: None)
     plain = run()
     assert calls == [False, True]
     for a, c in zip(fused, plain):

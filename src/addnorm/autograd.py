@@ -467,10 +467,9 @@ class DroppedAdd(torch.autograd.Function):
 
     @staticmethod
     def forward(residual, x1, n, p, seed, sd):
-        if p > 0 and residual.dtype is sd and _eager_cpu(x1, residual, seed):  # one pass, compiled
-            from .kernels import cpu  # (numba: imported on the first such call)
-
-            return cpu.dropped(x1.to(sd), residual.reshape(-1, n), n, p, seed, sd).view(x1.shape)
+        kernels = _dropped_kernels(x1, residual, seed) if p > 0 and residual.dtype is sd else None
+        if kernels is not None:  # one pass, compiled
+            return kernels.dropped(x1.to(sd), residual, n, p, seed, sd).view(x1.shape)
         # without dropout and with residual in sd, one add in sd: the same bits as the branch's
         # sum in the statistics dtype rounded once, at the cost of torch's add alone
         branch = backends.Branch(p, seed, None, None) if p > 0 or residual.dtype != sd else None
@@ -487,17 +486,9 @@ class DroppedAdd(torch.autograd.Function):
     def backward(ctx, ds):
         (seed,) = ctx.saved_tensors
         n, p, (rd, x1d) = ctx.n, ctx.p, ctx.dtypes
-        if p > 0 and _eager_cpu(ds, seed):  # dx1 in one pass: the kernels' hash, product and rounding
-            from .kernels import cpu
-
-            return (
-                ds.to(rd),
-                cpu.dropped(ds.reshape(-1, n), None, n, p, seed, x1d).view(ds.shape),
-                None,
-                None,
-                None,
-                None,
-            )
+        kernels = _dropped_kernels(ds, seed) if p > 0 else None
+        if kernels is not None:  # dx1 in one pass: the kernels' hash, product and rounding
+            return ds.to(rd), kernels.dropped(ds, None, n, p, seed, x1d).view(ds.shape), None, None, None, None
         return ds.to(rd), _dropped(ds, n, p, seed).to(x1d), None, None, None, None
 
     @staticmethod
@@ -533,12 +524,35 @@ def keep_mask_of(t: Tensor, n: int, p: float, seed: Tensor) -> Tensor:
     return reference.keep_mask(seed, torch.arange(rows, device=t.device), n, p)
 
 
-def _eager_cpu(*tensors: Tensor) -> bool:
-    """Whether the cpu backend's compiled loops may take ``tensors``: plain CPU tensors, in eager
-    mode (not compiling, no torch.func transform)."""
-    if any(type(t) is not Tensor or not t.is_cpu for t in tensors):
+def _eager(*tensors: Tensor) -> bool:
+    """Whether compiled kernels may take ``tensors``: plain tensors (no subclass), in eager mode
+    (not compiling, no torch.func transform)."""
+    if any(type(t) is not Tensor for t in tensors):
         return False
     return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
+
+
+def _eager_cpu(*tensors: Tensor) -> bool:
+    """:func:`_eager`, on CPU tensors: where the cpu backend's compiled loops run."""
+    return all(t.is_cpu for t in tensors) and _eager(*tensors)
+
+
+def _dropped_kernels(*tensors: Tensor):
+    """The compiled kernels whose ``dropped`` runs ``x1``'s dropout (or its gradient) on
+    ``tensors`` in one pass: the cpu backend's on CPU tensors, the Triton backend's on CUDA
+    tensors where it runs; None (the reference's torch ops, the same bits) for tensor
+    subclasses, under torch.compile or a torch.func transform, and on other devices."""
+    if not _eager(*tensors):
+        return None
+    if tensors[0].is_cpu:
+        from .kernels import cpu  # (numba: imported on the first such call)
+
+        return cpu
+    if tensors[0].is_cuda and backends.unavailable_reason("triton", tensors[0]) is None:
+        from .kernels.triton import dropped_kernels
+
+        return dropped_kernels
+    return None
 
 
 def transformed() -> bool:

@@ -5,6 +5,7 @@ The backend contract the registry reads (:mod:`addnorm.backend`): :data:`CAPABIL
 
 - :mod:`.forward_kernels`: the forward kernel (fused and chunked rows) and its launcher;
 - :mod:`.backward_kernels`: the coefficient, backward and partial-sum kernels and their launcher;
+- :mod:`.dropped_kernels`: parallel blocks' ``x1`` with dropout (and its gradient), one launch;
 - :mod:`.common`: the Triton helpers both passes call and the launchers' tensor plumbing;
 - :mod:`.config`: the launch table (fused limits, tile shapes, warps, program counts) and how a
   launch is planned from it.

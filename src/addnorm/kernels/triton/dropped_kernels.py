@@ -1,0 +1,70 @@
+"""Parallel blocks' ``x1``: ``addend + dropout(src)`` on tiles, one launch (and its gradient,
+``dropout(ds)``): :func:`addnorm.reference.stream` of a dropout-only branch, bit for bit, the
+keep mask from the same hash as the norms' (``common._branch``)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ... import reference
+from ...backend import Branch
+from . import config
+from .common import _branch, _branch_args, _device, _round
+
+_BLOCK_M, _BLOCK_N, _WARPS = 4, 512, 4  # an elementwise tile: 2048 elements, 16 per thread
+
+
+@triton.jit
+def _dropped_kernel(
+    SRC, ADDEND, OUT, M, N, s_src, s_add, SEED, SCALE, LS, RSC, threshold,
+    HAS_ADDEND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    CD: tl.constexpr = SCALE.dtype.element_ty  # the statistics dtype
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    v = tl.load(SRC + r64 * s_src + cols[None, :], mask=mask, other=0.0).to(CD)
+    t, _ = _branch(v, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)
+    if HAS_ADDEND:
+        t = tl.load(ADDEND + r64 * s_add + cols[None, :], mask=mask, other=0.0).to(CD) + t
+    tl.store(OUT + r64 * N + cols[None, :], _round(t, OUT.dtype.element_ty), mask=mask)
+
+
+def dropped(src: Tensor, addend: Tensor | None, n: int, p: float, seed: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``addend + dropout(src)`` over rows of ``n`` features, summed in the statistics dtype of
+    ``src``'s and rounded once to ``out_dtype``; without ``addend``, ``dropout(src)``. As
+    :func:`addnorm.kernels.cpu.dropped`: ``addend``, when given, has ``src``'s dtype and shape;
+    ``0 < p``."""
+    shape = src.shape
+    src = src.reshape(-1, n) if n else src
+    if src.stride(-1) != 1:
+        src = src.contiguous()
+    out = torch.empty(shape, dtype=out_dtype, device=src.device)
+    m = src.numel() // n if n else 0
+    if m == 0:
+        return out
+    if addend is not None:
+        addend = addend.reshape(-1, n)
+        addend = addend if addend.stride(-1) == 1 else addend.contiguous()
+    cd = reference.stats_dtype(src.dtype)
+    with _device(src):
+        _dropped_kernel[(config.cdiv(m, _BLOCK_M), config.cdiv(n, _BLOCK_N))](
+            src,
+            addend,
+            out,
+            m,
+            n,
+            src.stride(0),
+            0 if addend is None else addend.stride(0),
+            *_branch_args(Branch(p, seed, None, None), m, n, cd, src.device),
+            HAS_ADDEND=addend is not None,
+            BLOCK_M=_BLOCK_M,
+            BLOCK_N=_BLOCK_N,
+            num_warps=_WARPS,
+            enable_fp_fusion=False,
+        )
+    return out
