@@ -176,18 +176,19 @@ def test_dropped_is_the_reference_stream_bit_for_bit(kernels, sd, p, request, mo
         branch = addnorm.backend.Branch(p, seed, None, None)
         assert _same_bits(impl.dropped(x1, r, n, p, seed, sd), reference.stream(x1, r, sd, branch))
         cd = reference.stats_dtype(sd)
-        for out in {sd, torch.float32}:  # dx1 in x1's dtype, which may differ from the stream's
+        for out in {sd, torch.float32, torch.float16, torch.bfloat16}:  # dx1 in x1's dtype, maybe not sd
             expected = reference.branch_terms(x1.to(cd), branch, torch.arange(m))["t"].to(out)
             assert _same_bits(impl.dropped(x1, None, n, p, seed, out), expected)
 
 
 @pytest.mark.usefixtures("on_cpu")  # the compiled pass runs on CPU tensors alone
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm_backend", ["reference", "cpu"])
+@pytest.mark.parametrize("norm_backend", ["auto", "cpu"])
 def test_x1_dropout_runs_compiled_on_cpu_with_the_torch_ops_bits(monkeypatch, dtype, norm_backend):
-    """``x1``'s dropout on plain CPU tensors takes one compiled pass forward and one backward
-    (``cpu.dropped``), every bit as the reference's torch ops (the path under torch.func, under
-    torch.compile and on other devices): outputs, stream and every gradient."""
+    """``x1``'s dropout on plain CPU tensors, with the cpu backend, takes one compiled pass forward
+    and one backward (``cpu.dropped``), every bit as the reference's torch ops (the path of other
+    backends, under torch.func, under torch.compile and on other devices): outputs, stream and
+    every gradient."""
     cpu = pytest.importorskip("addnorm.kernels.cpu", reason="numba is not installed")
     import addnorm.autograd
 
@@ -207,11 +208,34 @@ def test_x1_dropout_runs_compiled_on_cpu_with_the_torch_ops_bits(monkeypatch, dt
 
     fused = run()
     assert calls == [False, True]  # x1's add forward, then dx1
-    monkeypatch.setattr(addnorm.autograd, "_dropped_kernels", lambda *tensors: None)
+    monkeypatch.setattr(addnorm.autograd, "_dropped_kernels", lambda *args: None)
     plain = run()
     assert calls == [False, True]
     for a, c in zip(fused, plain):
         assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_x1_dropout_has_second_derivatives(backend, monkeypatch, compiled):
+    """Under ``create_graph`` the gradient of ``x1`` is itself differentiable (its dropout is
+    linear: the Hessian-vector product through it is the mask times the stream's), whether or
+    not the first backward would take a compiled pass."""
+    import addnorm.autograd
+
+    if not compiled:
+        monkeypatch.setattr(addnorm.autograd, "_dropped_kernels", lambda *args: None)
+    x, r, x1, w = _tensors(6, 64, torch.float64, count=4)
+    x1 = x1.clone().requires_grad_()
+    g = torch.Generator().manual_seed(2)
+    y, s, _, mask1 = addnorm.add_layer_norm(
+        x, r, 64, w, None, x1=x1, prenorm=True, dropout_p=0.3, generator=g, return_dropout_mask=True,
+        backend=backend,
+    )  # fmt: skip
+    (gx1,) = torch.autograd.grad((s**2).sum(), x1, create_graph=True)
+    assert gx1.requires_grad
+    (hv,) = torch.autograd.grad(gx1.sum(), x1)
+    # d/dx1 of sum(2 s * keep / 0.7) = 2 (keep / 0.7)**2, with s = r + x1 * keep / 0.7 + x * keep0 / 0.7
+    torch.testing.assert_close(hv, 2 * (mask1.double() / 0.7) ** 2)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])

@@ -461,13 +461,14 @@ class EagerSecondNorm(torch.autograd.Function):
 class DroppedAdd(torch.autograd.Function):
     """``residual + dropout(x1)`` in the stream dtype ``sd`` (parallel blocks' ``x1``), with the
     hash keep mask of :func:`addnorm.reference.keep_mask` over rows of ``n`` features: the
-    backward recomputes the mask from the seed instead of saving it."""
+    backward recomputes the mask from the seed instead of saving it. ``backend``: the norm's, whose
+    compiled ``dropped`` runs both directions where it can (:func:`_dropped_kernels`)."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(residual, x1, n, p, seed, sd):
-        kernels = _dropped_kernels(x1, residual, seed) if p > 0 and residual.dtype is sd else None
+    def forward(residual, x1, n, p, seed, sd, backend):
+        kernels = _dropped_kernels(backend, x1, residual, seed) if p > 0 and residual.dtype is sd else None
         if kernels is not None:  # one pass, compiled
             return kernels.dropped(x1.to(sd), residual, n, p, seed, sd).view(x1.shape)
         # without dropout and with residual in sd, one add in sd: the same bits as the branch's
@@ -478,18 +479,21 @@ class DroppedAdd(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        residual, x1, n, p, seed, sd = inputs
+        residual, x1, n, p, seed, sd, backend = inputs
         ctx.save_for_backward(seed)
-        ctx.n, ctx.p, ctx.dtypes = n, p, (residual.dtype, x1.dtype)
+        ctx.n, ctx.p, ctx.dtypes, ctx.backend = n, p, (residual.dtype, x1.dtype), backend
 
     @staticmethod
     def backward(ctx, ds):
         (seed,) = ctx.saved_tensors
         n, p, (rd, x1d) = ctx.n, ctx.p, ctx.dtypes
-        kernels = _dropped_kernels(ds, seed) if p > 0 else None
+        # (not under create_graph: dx1 is then differentiated again, through the torch ops)
+        kernels = _dropped_kernels(ctx.backend, ds, seed) if p > 0 and not torch.is_grad_enabled() else None
         if kernels is not None:  # dx1 in one pass: the kernels' hash, product and rounding
-            return ds.to(rd), kernels.dropped(ds, None, n, p, seed, x1d).view(ds.shape), None, None, None, None
-        return ds.to(rd), _dropped(ds, n, p, seed).to(x1d), None, None, None, None
+            dx1 = kernels.dropped(ds, None, n, p, seed, x1d).view(ds.shape)
+        else:
+            dx1 = _dropped(ds, n, p, seed).to(x1d)
+        return ds.to(rd), dx1, None, None, None, None, None
 
     @staticmethod
     def jvp(ctx, dresidual, dx1, *_):
@@ -525,30 +529,33 @@ def keep_mask_of(t: Tensor, n: int, p: float, seed: Tensor) -> Tensor:
 
 
 def _eager(*tensors: Tensor) -> bool:
-    """Whether compiled kernels may take ``tensors``: plain tensors (no subclass), in eager mode
-    (not compiling, no torch.func transform)."""
-    if any(type(t) is not Tensor for t in tensors):
+    """Whether compiled kernels may take ``tensors``: plain tensors (no subclass, no lazy
+    negation), in eager mode (not compiling, no torch.func transform)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
-    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is None
+    return all(type(t) is Tensor and not t.is_neg() for t in tensors)
 
 
 def _eager_cpu(*tensors: Tensor) -> bool:
     """:func:`_eager`, on CPU tensors: where the cpu backend's compiled loops run."""
-    return all(t.is_cpu for t in tensors) and _eager(*tensors)
+    return _eager(*tensors) and all(t.is_cpu for t in tensors)
 
 
-def _dropped_kernels(*tensors: Tensor):
+def _dropped_kernels(backend: str, *tensors: Tensor):
     """The compiled kernels whose ``dropped`` runs ``x1``'s dropout (or its gradient) on
-    ``tensors`` in one pass: the cpu backend's on CPU tensors, the Triton backend's on CUDA
-    tensors where it runs; None (the reference's torch ops, the same bits) for tensor
-    subclasses, under torch.compile or a torch.func transform, and on other devices."""
-    if not _eager(*tensors):
+    ``tensors`` in one pass, those of the norm's ``backend`` (``"auto"`` resolved by device): the
+    cpu backend's on CPU tensors, the Triton backend's on CUDA tensors. None (the reference's
+    torch ops, the same bits) for any other backend, for tensor subclasses, and under
+    torch.compile or a torch.func transform."""
+    t = tensors[0]
+    name = backends.auto_name(t) if backend == "auto" else backend
+    if name not in ("cpu", "triton") or not _eager(*tensors):
         return None
-    if tensors[0].is_cpu:
+    if name == "cpu" and t.is_cpu:
         from .kernels import cpu  # (numba: imported on the first such call)
 
         return cpu
-    if tensors[0].is_cuda and backends.unavailable_reason("triton", tensors[0]) is None:
+    if name == "triton" and t.is_cuda:
         from .kernels.triton import dropped_kernels
 
         return dropped_kernels
@@ -561,10 +568,12 @@ def transformed() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
 
 
-def dropped_add(residual: Tensor, x1: Tensor, n: int, p: float, seed: Tensor | None, sd: torch.dtype) -> Tensor:
+def dropped_add(
+    residual: Tensor, x1: Tensor, n: int, p: float, seed: Tensor | None, sd: torch.dtype, backend: str = "auto"
+) -> Tensor:
     """``residual + dropout(x1)`` in ``sd``, rows of ``n`` features (:class:`DroppedAdd`; its
     forward alone where nothing will be differentiated: no graph node to build)."""
     differentiated = torch.is_grad_enabled() and (residual.requires_grad or x1.requires_grad)
     if differentiated or transformed():
-        return DroppedAdd.apply(residual, x1, n, p, seed, sd)
-    return DroppedAdd.forward(residual, x1, n, p, seed, sd)
+        return DroppedAdd.apply(residual, x1, n, p, seed, sd, backend)
+    return DroppedAdd.forward(residual, x1, n, p, seed, sd, backend)

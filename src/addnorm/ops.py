@@ -378,7 +378,7 @@ def _parallel(
         sd = reference.stream_dtype(x, residual, residual_dtype)
         seed1 = draw_seed(sublayer.generator, x.device) if p > 0 else None
         base = torch.zeros_like(x1, dtype=sd) if residual is None else residual.to(sd)
-        residual = dropped_add(base, x1, n, p, seed1, sd)
+        residual = dropped_add(base, x1, n, p, seed1, sd, backend)
         residual_dtype = sd
         if sublayer.return_dropout_mask:  # (the mask is a pass over x1 of its own: only when returned)
             masks = (_dropout_mask(x1, n, p, seed1),)

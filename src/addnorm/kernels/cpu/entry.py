@@ -126,10 +126,12 @@ def _pack_into(layout: type[IntEnum]):
 
 
 # ``PACK_INTO[len(args)](block, 0, *ZEROED_COUNTERS, *args, *branch)``: a call's slots (the
-# counters, its own in ForwardSlot or BackwardSlot order, the branch's) into a ctypes block in
-# one call; keyed by the number of a layout's own slots
+# counters, its own in ForwardSlot, BackwardSlot or DroppedSlot order, the branch's) into a
+# ctypes block in one call; keyed by the number of a layout's own slots, which differs per layout
 ZEROED_COUNTERS = (0,) * COUNTERS
-PACK_INTO = {layout.BRANCH - COUNTERS: _pack_into(layout) for layout in (ForwardSlot, BackwardSlot, DroppedSlot)}
+_LAYOUTS = (ForwardSlot, BackwardSlot, DroppedSlot)
+PACK_INTO = {layout.BRANCH - COUNTERS: _pack_into(layout) for layout in _LAYOUTS}
+assert len(PACK_INTO) == len(_LAYOUTS), "two slot layouts with as many slots of their own"
 
 NUMPY_DTYPES = {
     torch.float32: np.float32,

@@ -52,8 +52,8 @@ _GOMP_PID = os.getpid()  # a forked child has no OpenMP team (its threads stayed
 
 
 def run_on_threads(entry, threads: int, args: tuple[int, ...], branch: tuple[int, ...]) -> None:
-    """Run the C ``entry`` on ``threads`` threads, its arguments ``args`` (in ``entry.ForwardSlot``
-    or ``BackwardSlot`` order) and ``branch`` (``BranchSlot`` order) packed into this thread's
+    """Run the C ``entry`` on ``threads`` threads, its arguments ``args`` (in ``entry.ForwardSlot``,
+    ``BackwardSlot`` or ``DroppedSlot`` order) and ``branch`` (``BranchSlot`` order) packed into this thread's
     argument block (a call holds it until its kernel returns; calls on other threads have
     blocks of their own). Each thread
     claims blocks of rows until none is left, and the call returns once all are done. The
@@ -127,7 +127,10 @@ def streamed(out: Tensor, moved_bytes: int) -> bool:
 
 
 def contiguous_rows(t: Tensor) -> Tensor:
-    """``t`` with its rows contiguous (``t`` itself when they are)."""
+    """``t`` with its rows contiguous and its lazy negation, if any, applied (``t`` itself when
+    both hold already)."""
+    if t.is_neg():
+        t = t.resolve_neg()
     return t if t.is_contiguous() else t.contiguous()
 
 

@@ -27,6 +27,8 @@ def _round(v, DT: tl.constexpr):
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return tl.where(v != v, v.to(tl.bfloat16), out)  # NaN stays NaN
+    elif DT == tl.float16:  # through float32, as torch casts a float64 (so twice rounded)
+        return v.to(tl.float32).to(DT)
     else:
         return v.to(DT)
 
@@ -111,8 +113,13 @@ def _device(t: Tensor) -> contextlib.AbstractContextManager:
 
 
 def _rows(t: Tensor | None) -> Tensor | None:
-    """``t`` with unit column stride (rows may keep any stride): copy only when needed."""
-    return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+    """``t`` with unit column stride (rows may keep any stride) and its lazy negation, if any,
+    applied: copy only when needed."""
+    if t is None:
+        return t
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,7 +12,7 @@ from torch import Tensor
 from ... import reference
 from ...backend import Branch
 from . import config
-from .common import _branch, _branch_args, _device, _round
+from .common import _branch, _branch_args, _device, _round, _rows
 
 _BLOCK_M, _BLOCK_N, _WARPS = 4, 512, 4  # an elementwise tile: 2048 elements, 16 per thread
 
@@ -23,8 +23,10 @@ def _dropped_kernel(
     HAS_ADDEND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     CD: tl.constexpr = SCALE.dtype.element_ty  # the statistics dtype
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_tiles = tl.cdiv(N, BLOCK_N)  # a 1-D grid: the second axis would stop at 65535 tiles
+    pid = tl.program_id(0)
+    rows = (pid // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     v = tl.load(SRC + r64 * s_src + cols[None, :], mask=mask, other=0.0).to(CD)
@@ -40,19 +42,15 @@ def dropped(src: Tensor, addend: Tensor | None, n: int, p: float, seed: Tensor, 
     :func:`addnorm.kernels.cpu.dropped`: ``addend``, when given, has ``src``'s dtype and shape;
     ``0 < p``."""
     shape = src.shape
-    src = src.reshape(-1, n) if n else src
-    if src.stride(-1) != 1:
-        src = src.contiguous()
+    src = _rows(src.reshape(-1, n) if n else src)
     out = torch.empty(shape, dtype=out_dtype, device=src.device)
     m = src.numel() // n if n else 0
     if m == 0:
         return out
-    if addend is not None:
-        addend = addend.reshape(-1, n)
-        addend = addend if addend.stride(-1) == 1 else addend.contiguous()
+    addend = None if addend is None else _rows(addend.reshape(-1, n))
     cd = reference.stats_dtype(src.dtype)
     with _device(src):
-        _dropped_kernel[(config.cdiv(m, _BLOCK_M), config.cdiv(n, _BLOCK_N))](
+        _dropped_kernel[(config.cdiv(m, _BLOCK_M) * config.cdiv(n, _BLOCK_N),)](
             src,
             addend,
             out,
