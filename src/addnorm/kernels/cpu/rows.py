@@ -361,12 +361,12 @@ def _plus_dstream_impl(v, dsti, j):
 
 
 @numba.njit(fastmath=SUM_MATH)
-def _backward_sums(si, ri, dyi, w, sec, k, mu, rs_k):
-    """The row sums of ``d = s * k - mu``, of ``g = dy * weight`` (:func:`_g_at`) and of
+def _backward_sums(si, ri, dyi, w, sec, mu, rs_k):
+    """The row sums of ``d = s - mu``, of ``g = dy * weight`` (:func:`_g_at`) and of
     ``g * d * rs_k``."""
     sum_d = sum_g = sum_gx = mu - mu
     for j in range(w.shape[0]):
-        d = stream_at(si, ri, j) * k - mu
+        d = stream_at(si, ri, j) - mu
         gj = _g_at(dyi, w, sec, j)
         sum_d += d
         sum_g += gj
@@ -375,25 +375,34 @@ def _backward_sums(si, ri, dyi, w, sec, k, mu, rs_k):
 
 
 @numba.njit
-def _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, sbuf, kbuf):
-    """``(k, mu, c, rs_k, mean(g * xhat), mean(g))`` of row ``i``, ``xhat = (s * k - mu - c) *
-    rs_k``: ``mu`` the saved mean and ``c`` its correction, the mean of ``s * k - mu`` (the saved
-    mean is rounded: see :func:`addnorm.reference.backward_rows`), both scaled by the row scale
-    ``k`` as in the forward. The pass that sums ``g`` and ``g * (s * k - mu) * rs_k`` takes ``c``
-    too, and ``sum(g * xhat) = sum(g * (s * k - mu) * rs_k) - c * rs_k * sum(g)``: no pass more.
-    Rows with rstd below _SCALE_BELOW_RSTD are copied to ``sbuf`` to find ``k``."""
+def scaled_row(si, ri, sbuf, kbuf):
+    """The row scale ``k`` of a row whose rstd is below _SCALE_BELOW_RSTD (as the forward found
+    it: :func:`.numerics.row_scale` of the stream), and the stream times ``k`` in ``sbuf``,
+    which the backward's passes then read as the row (``si`` may be ``sbuf`` itself)."""
+    for j in range(sbuf.shape[0]):
+        sbuf[j] = stream_at(si, ri, j)
+    k = row_scale(sbuf, kbuf)
+    for j in range(sbuf.shape[0]):
+        sbuf[j] = sbuf[j] * k
+    return k
+
+
+@numba.njit
+def _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, k):
+    """``(mu, c, rs_k, mean(g * xhat), mean(g))`` of row ``i``, ``xhat = (s - mu - c) * rs_k``,
+    the row ``s`` already scaled by ``k`` (:func:`scaled_row`; 1 for all other rows, whose
+    passes then multiply by nothing): ``mu`` the saved mean and ``c`` its correction, the mean of
+    ``s - mu`` (the saved mean is rounded: see :func:`addnorm.reference.backward_rows`), both
+    scaled by ``k`` as in the forward. The pass that sums ``g`` and ``g * (s - mu) * rs_k``
+    takes ``c`` too, and ``sum(g * xhat) = sum(g * (s - mu) * rs_k) - c * rs_k * sum(g)``: no
+    pass more."""
     zero = nf - nf
     rs = rstd[i]
-    k = nf / nf
-    if rs < _SCALE_BELOW_RSTD:
-        for j in range(sbuf.shape[0]):  # (a copy onto itself when si is sbuf)
-            sbuf[j] = stream_at(si, ri, j)
-        k = row_scale(sbuf, kbuf)
     mu = zero if rms else mean[i] * k
     rs_k = rs / k
-    sum_d, sum_g, sum_gx = _backward_sums(si, ri, dyi, w, sec, k, mu, rs_k)
+    sum_d, sum_g, sum_gx = _backward_sums(si, ri, dyi, w, sec, mu, rs_k)
     c = zero if rms else sum_d / nf
-    return k, mu, c, rs_k, (sum_gx - c * rs_k * sum_g) / nf, (zero if rms else sum_g / nf)
+    return mu, c, rs_k, (sum_gx - c * rs_k * sum_g) / nf, (zero if rms else sum_g / nf)
 
 
 @numba.njit(inline="always")  # into each caller: as a call of its own, one case vectorized worse
@@ -402,10 +411,10 @@ def gradient_pass(si, ri, dyi, w, sec, dsti, coefs, rs, dsi, dw, db):
     stream, when not None) and the row's share of ``dweight`` and ``dbias`` (and of the second
     norm's, ``sec``: :func:`second_grad_row`), from the row's ``coefs`` (:func:`_row_coefs`).
     ``dsti`` and ``sec`` None or not are types: each case compiles to one vectorized loop."""
-    k, mu, c, rs_k, mgx, mg = coefs
+    mu, c, rs_k, mgx, mg = coefs
     for j in range(w.shape[0]):
         dj = load(dyi, j)
-        xh = ((stream_at(si, ri, j) * k - mu) - c) * rs_k
+        xh = ((stream_at(si, ri, j) - mu) - c) * rs_k
         dw[j] += dj * xh
         db[j] += dj
         _second_params(sec, xh, j)
@@ -417,13 +426,13 @@ def _gradient_pair(rows, w, dw, db):
     """:func:`gradient_pass` of two rows in one pass: ``dweight``/``dbias`` loaded and stored
     once per pair, each row's term added in row order as two passes would (the same bits).
     ``rows``: per row ``(si, ri, dyi, sec, dsti, coefs, rs, dsi)``."""
-    si, ri, dyi, seci, dsti, (k, mu, c, rs_k, mgx, mg), rs, dsi = rows[0]
-    sj, rj, dyj, secj, dstj, (k2, mu2, c2, rs_k2, mgx2, mg2), rs2, dsj = rows[1]
+    si, ri, dyi, seci, dsti, (mu, c, rs_k, mgx, mg), rs, dsi = rows[0]
+    sj, rj, dyj, secj, dstj, (mu2, c2, rs_k2, mgx2, mg2), rs2, dsj = rows[1]
     for j in range(w.shape[0]):
         di = load(dyi, j)
-        xi = ((stream_at(si, ri, j) * k - mu) - c) * rs_k
+        xi = ((stream_at(si, ri, j) - mu) - c) * rs_k
         dj = load(dyj, j)
-        xj = ((stream_at(sj, rj, j) * k2 - mu2) - c2) * rs_k2
+        xj = ((stream_at(sj, rj, j) - mu2) - c2) * rs_k2
         dw[j] = (dw[j] + di * xi) + dj * xj
         db[j] = (db[j] + di) + dj
         _second_params_pair(seci, secj, xi, xj, j)
@@ -438,15 +447,25 @@ def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
     second pass two at a time (:func:`_gradient_pair`), the same bits. ``r``: None (``s`` is
     the stream), or the residual, ``s`` then being ``x`` (see :func:`stream_row`). ``sbuf``: two
     rows of scratch. ``streamed``: True to write ``ds`` with non-temporal stores, else None.
-    ``second``: ``(dy1, weight1, dweight1, dbias1)`` of a second norm of the same rows, or None."""
+    ``second``: ``(dy1, weight1, dweight1, dbias1)`` of a second norm of the same rows, or None.
+    A row the forward scaled (rstd below _SCALE_BELOW_RSTD) runs alone, from its scaled copy."""
     m = s.shape[0]
     paired = m - m % 2 if w.shape[0] >= PAIR_MIN_COLS else 0
+    one = nf / nf
     for i in range(0, paired, 2):
+        if rstd[i] < _SCALE_BELOW_RSTD or rstd[i + 1] < _SCALE_BELOW_RSTD:
+            _backward_row(
+                dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed, second, i
+            )
+            _backward_row(
+                dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed, second, i + 1
+            )
+            continue
         (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf[0]), dy[i]
         (sj, rj), dyj = stream_row(s[i + 1], index_or_none(r, i + 1), sbuf[1]), dy[i + 1]
         seci, secj = second_grad_row(second, i), second_grad_row(second, i + 1)
-        ci = _row_coefs(si, ri, dyi, w, seci, mean, rstd, i, nf, rms, sbuf[0], kbuf)
-        cj = _row_coefs(sj, rj, dyj, w, secj, mean, rstd, i + 1, nf, rms, sbuf[1], kbuf)
+        ci = _row_coefs(si, ri, dyi, w, seci, mean, rstd, i, nf, rms, one)
+        cj = _row_coefs(sj, rj, dyj, w, secj, mean, rstd, i + 1, nf, rms, one)
         if has_dstream:
             rows = (
                 (si, ri, dyi, seci, dstream[i], ci, rstd[i], output_row(ds, i, streamed)),
@@ -460,13 +479,62 @@ def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
             )
             _gradient_pair(rows, w, dw, db)
     for i in range(paired, m):
+        if rstd[i] < _SCALE_BELOW_RSTD:
+            _backward_row(
+                dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed, second, i
+            )
+            continue
         (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf[0]), dy[i]
         sec = second_grad_row(second, i)
-        coefs = _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, sbuf[0], kbuf)
+        coefs = _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, one)
         if has_dstream:
             gradient_pass(si, ri, dyi, w, sec, dstream[i], coefs, rstd[i], output_row(ds, i, streamed), dw, db)
         else:
             gradient_pass(si, ri, dyi, w, sec, None, coefs, rstd[i], output_row(ds, i, streamed), dw, db)
+
+
+@numba.njit
+def _backward_row(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed, second, i):
+    """Row ``i`` of :func:`backward_rows` alone. A row the forward scaled is read from its
+    scaled copy in ``sbuf[0]`` (:func:`scaled_row`), plus a row of -0.0 in ``sbuf[1]`` in place
+    of the residual (``v + -0.0`` is ``v``, -0.0 included), so that where the types allow, one
+    compiled loop serves both."""
+    (si, ri), dyi = stream_row(s[i], index_or_none(r, i), sbuf[0]), dy[i]
+    dsi = output_row(ds, i, streamed)
+    args = (dyi, w, second_grad_row(second, i), mean, rstd, i, nf, rms, has_dstream, dstream[i], dsi, dw, db)
+    if rstd[i] < _SCALE_BELOW_RSTD:
+        k = scaled_row(si, ri, sbuf[0], kbuf)
+        _row_passes(sbuf[0], negative_zeros(ri, sbuf[1]), k, args)
+    else:
+        _row_passes(si, ri, nf / nf, args)
+
+
+@numba.njit
+def _row_passes(si, ri, k, args):
+    """Both passes of one row (:func:`_row_coefs`, :func:`gradient_pass`), the row ``si`` (plus
+    ``ri``) already scaled by ``k``; ``dsti`` read only when ``has_dstream``."""
+    dyi, w, sec, mean, rstd, i, nf, rms, has_dstream, dsti, dsi, dw, db = args
+    coefs = _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, k)
+    if has_dstream:
+        gradient_pass(si, ri, dyi, w, sec, dsti, coefs, rstd[i], dsi, dw, db)
+    else:
+        gradient_pass(si, ri, dyi, w, sec, None, coefs, rstd[i], dsi, dw, db)
+
+
+def negative_zeros(ri, row):
+    """``row`` filled with -0.0 (None when ``ri`` is None): the identity of ``+``."""
+
+
+@overload(negative_zeros)
+def _negative_zeros_impl(ri, row):
+    if isinstance(ri, types.NoneType):
+        return lambda ri, row: None
+
+    def fill(ri, row):
+        row[:] = -0.0
+        return row
+
+    return fill
 
 
 @numba.njit
@@ -505,7 +573,8 @@ def backward_rows_branch(
         xi, dyi, dsi, dxi = x[i], dy[i], ds[i], output_row(dx, i, streamed)
         stream_through_branch(xi, r[i], sbuf, gates, branch, first + i)
         sec = second_grad_row(second, i)
-        coefs = _row_coefs(sbuf, None, dyi, w, sec, mean, rstd, i, nf, rms, sbuf, kbuf)
+        k = scaled_row(sbuf, None, sbuf, kbuf) if rstd[i] < _SCALE_BELOW_RSTD else nf / nf
+        coefs = _row_coefs(sbuf, None, dyi, w, sec, mean, rstd, i, nf, rms, k)
         rsc = rowscale[first + i]
         # short loops over the row, so that each vectorizes: ds (and dweight, dbias) as without
         # a branch, then dx and dlayer_scale from ds as stored (as autograd reads it)
