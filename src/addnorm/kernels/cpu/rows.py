@@ -376,9 +376,10 @@ def _backward_sums(si, ri, dyi, w, sec, mu, rs_k):
 
 @numba.njit
 def scaled_row(si, ri, sbuf, kbuf):
-    """The row scale ``k`` of a row whose rstd is below _SCALE_BELOW_RSTD (as the forward found
-    it: :func:`.numerics.row_scale` of the stream), and the stream times ``k`` in ``sbuf``,
-    which the backward's passes then read as the row (``si`` may be ``sbuf`` itself)."""
+    """The row scale ``k`` of a row whose rstd is below _SCALE_BELOW_RSTD
+    (:func:`.numerics.row_scale` of the stream, the forward's ``k`` where the forward scaled the
+    row; elsewhere an exact scaling that changes nothing), and the stream times ``k`` in
+    ``sbuf``, which the backward's passes then read as the row (``si`` may be ``sbuf`` itself)."""
     for j in range(sbuf.shape[0]):
         sbuf[j] = stream_at(si, ri, j)
     k = row_scale(sbuf, kbuf)
@@ -448,7 +449,9 @@ def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
     the stream), or the residual, ``s`` then being ``x`` (see :func:`stream_row`). ``sbuf``: two
     rows of scratch. ``streamed``: True to write ``ds`` with non-temporal stores, else None.
     ``second``: ``(dy1, weight1, dweight1, dbias1)`` of a second norm of the same rows, or None.
-    A row the forward scaled (rstd below _SCALE_BELOW_RSTD) runs alone, from its scaled copy."""
+    A row scaled for overflow (rstd below _SCALE_BELOW_RSTD) runs alone, from its scaled copy
+    (:func:`_backward_row`); a pair with such a row runs as two rows, in row order: the same
+    dweight/dbias sums."""
     m = s.shape[0]
     paired = m - m % 2 if w.shape[0] >= PAIR_MIN_COLS else 0
     one = nf / nf
@@ -495,7 +498,7 @@ def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
 
 @numba.njit
 def _backward_row(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed, second, i):
-    """Row ``i`` of :func:`backward_rows` alone. A row the forward scaled is read from its
+    """Row ``i`` of :func:`backward_rows` alone. A row scaled for overflow is read from its
     scaled copy in ``sbuf[0]`` (:func:`scaled_row`), plus a row of -0.0 in ``sbuf[1]`` in place
     of the residual (``v + -0.0`` is ``v``, -0.0 included), so that where the types allow, one
     compiled loop serves both."""
