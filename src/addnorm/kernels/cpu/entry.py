@@ -165,6 +165,18 @@ def _pointer(typingctx, address):
     return types.voidptr(types.int64), codegen
 
 
+def _stats_dtype(sd):
+    """The statistics dtype (numpy) of rows of numpy dtype ``sd``: float64 for float64, else
+    float32 (:func:`addnorm.reference.stats_dtype`)."""
+    return np.float64 if sd == np.float64 else np.float32
+
+
+@numba.njit(inline="always")
+def _slots(block):
+    """The argument block as its two views: int64 slots and float64 slots (the same memory)."""
+    return carray(block, SLOTS, np.int64), carray(block, SLOTS, np.float64)
+
+
 def _compile_entry(fn):
     """``fn(block)`` compiled as a C function ``void fn(int64 *block)``, cached on disk."""
     sig = types.void(types.voidptr)
@@ -276,14 +288,13 @@ def _compile_forward(sd, yd, pd, branched, streamed, second):
     NUMPY_DTYPES); ``branched``: True, or None without a branch; ``streamed``: True (y written
     with non-temporal stores), or None; ``second``: True (a second norm: ``weight1``, ``bias1``,
     ``y1``), or None."""
-    cd = np.float64 if sd == np.float64 else np.float32
+    cd = _stats_dtype(sd)
     direct = True if sd == cd else None  # see rows.forward_rows
     source_digest = SOURCE_DIGEST
 
     def entry(block):
         source_digest  # noqa: B018 (in the closure, so in numba's cache key)
-        a = carray(block, SLOTS, np.int64)
-        f = carray(block, SLOTS, np.float64)
+        a, f = _slots(block)
         m, n = a[ForwardSlot.ROWS], a[ForwardSlot.COLS]
         write_s, write_stats = a[ForwardSlot.WRITE_S] != 0, a[ForwardSlot.WRITE_STATS] != 0
         stats_rows = m if write_stats else 0
@@ -323,13 +334,12 @@ def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed, second):
     dweight and dbias: with one block (one thread), ``n`` values of ``od`` (or address 0: not
     wanted), summed here and rounded once; with several, one partial row per block in the
     statistics dtype, which the caller sums."""
-    cd = np.float64 if sd == np.float64 else np.float32
+    cd = _stats_dtype(sd)
     source_digest = SOURCE_DIGEST
 
     def entry(block):
         source_digest  # noqa: B018 (in the closure, so in numba's cache key)
-        a = carray(block, SLOTS, np.int64)
-        f = carray(block, SLOTS, np.float64)
+        a, f = _slots(block)
         m, n, blocks = a[BackwardSlot.ROWS], a[BackwardSlot.COLS], a[BackwardSlot.BLOCKS]
         r = carray(_pointer(a[BackwardSlot.RESIDUAL]), (m, n), sd) if summed else None  # a constant: pruned
         br = read_branch(a, f, BackwardSlot.BRANCH, m, n, cd, branched)
@@ -370,13 +380,12 @@ def _compile_backward(sd, gd, td, pd, od, summed, branched, streamed, second):
 def _compile_dropped(src_d, out_d, added):
     """The entry of ``out = addend + dropout(src)`` (DroppedSlot); ``src_d``: the dtype of src
     (and of addend), ``out_d`` that of out; ``added``: True, or None without an addend."""
-    cd = np.float64 if src_d == np.float64 else np.float32
+    cd = _stats_dtype(src_d)
     source_digest = SOURCE_DIGEST
 
     def entry(block):
         source_digest  # noqa: B018 (in the closure, so in numba's cache key)
-        a = carray(block, SLOTS, np.int64)
-        f = carray(block, SLOTS, np.float64)
+        a, f = _slots(block)
         m, n = a[DroppedSlot.ROWS], a[DroppedSlot.COLS]
         addend = carray(_pointer(a[DroppedSlot.ADDEND]), (m, n), src_d) if added else None  # a constant: pruned
         dropped_blocks(
