@@ -184,6 +184,38 @@ def test_rows_scaled_for_overflow_anywhere_in_a_block(dtype, n, rms):
             assert torch.equal(in_order, total), (huge, k)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_scaled_for_overflow_through_auto_above_every_threshold(threads):
+    """Training through ``backend="auto"`` on 64 rows of 2048 (several row blocks, rows taken two
+    at a time), rows whose variance overflows float32 among them: each row's gradients are the
+    bits of the same row trained alone, and match the float64 oracle."""
+    g = torch.Generator().manual_seed(12)
+    m, n = 64, 2048
+    assert m * n >= cpu.config.SETTINGS.parallel_min_elements and n >= cpu.rows.PAIR_MIN_COLS
+    x64 = torch.randn(m, n, generator=g, dtype=torch.float64) + 2
+    x64[[0, 1, 31, 63]] *= 1e30  # a whole pair, a pair's second row, the last row
+    r, dy = torch.randn(m, n, generator=g), torch.randn(m, n, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+
+        def grads(rows):
+            x, res = x64[rows].float().requires_grad_(), r[rows].clone().requires_grad_()
+            addnorm.add_layer_norm(x, res, n, backend="auto").backward(dy[rows])
+            return x.grad, res.grad
+
+        dx, dres = grads(slice(None))
+        for i in (0, 1, 2, 30, 31, 62, 63):
+            alone = grads(slice(i, i + 1))
+            assert torch.equal(alone[0][0], dx[i]) and torch.equal(alone[1][0], dres[i]), i
+    finally:
+        torch.set_num_threads(before)
+    s64 = (x64.float() + r).double().requires_grad_()  # the stream as the forward rounded it
+    (oracle,) = torch.autograd.grad(TF.layer_norm(s64, (n,), eps=1e-5), s64, dy.double())
+    for i in range(m):  # relative to each row's own magnitude (a scaled row's is ~1e-30)
+        assert (dx[i].double() - oracle[i]).abs().max() <= 1e-4 * oracle[i].abs().max(), i
+
+
 def test_auto_picks_the_kernels_on_cpu_at_every_size():
     for shape in [(1, 3), (2, 768), (4096, 768)]:
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
