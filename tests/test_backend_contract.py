@@ -69,6 +69,7 @@ def test_a_backend_registered_from_outside_runs_every_public_function(registered
     check_backend("toy")
 
 
+@pytest.mark.usefixtures("on_cpu")  # registered for CPU tensors: the test's tensors are on the CPU
 def test_auto_picks_a_backend_registered_for_the_device_type_until_it_is_unregistered(registered):
     registered("toy_auto", "toy_backend", device_types_for_auto=("cpu",))
     before = toy_backend.calls["forward"]
@@ -110,7 +111,7 @@ def test_a_dropout_mask_of_its_own_fails_the_check(registered):
     def forward(x, residual, weight, bias, *, branch=None, **kwargs):
         if branch is not None and branch.p > 0:  # torch's dropout instead of the documented hash
             gen = torch.Generator(x.device).manual_seed(int(branch.seed))
-            keep = torch.rand(x.shape, generator=gen) >= branch.p
+            keep = torch.rand(x.shape, generator=gen, device=x.device) >= branch.p
             x = torch.where(keep, x / (1 - branch.p), 0)
             branch = branch._replace(p=0.0)
         return formulas.forward(x, residual, weight, bias, branch=branch, **kwargs)
