@@ -323,19 +323,9 @@ def cuda_graphs(setup: Setup) -> Part:
 
 
 def _device_ms(fn: Callable[[], object], setup: Setup) -> float:
-    """Device time per call, host excluded: a CUDA graph of the call replayed between CUDA events
-    (the call's launches are recorded once); wall time of two calls on CPU tensors (the dry run)."""
-    fn()
-    if setup.device != "cuda":
-        t = time.perf_counter()
-        fn(), fn()
-        return (time.perf_counter() - t) / 2 * 1e3
-    import triton.testing
-
-    try:
-        return triton.testing.do_bench_cudagraph(fn, rep=50)
-    except Exception:  # noqa: BLE001 - not capturable: CUDA events around each call instead
-        return triton.testing.do_bench(fn, warmup=10, rep=50)
+    """Device time per call, host excluded (``bench.kernel_seconds``: a CUDA graph of the call
+    replayed between CUDA events; wall time on CPU tensors, the dry run)."""
+    return bench.kernel_seconds(fn, setup.device) * 1e3
 
 
 def _copy_gbps(setup: Setup) -> float:

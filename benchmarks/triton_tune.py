@@ -6,12 +6,13 @@ limits ``max_fused_n``) are fastest, and what a call costs besides its kernels.
     python benchmarks/triton_tune.py                    # the sweep below, bf16 and fp32
     python benchmarks/triton_tune.py --shapes 32768x4096 --dtype bfloat16
 
-Kernel times are medians from addnorm's harness (``addnorm.tools.bench.measure``: wall time
-over enough calls to last a millisecond, the device synchronized, interleaved rounds) of
+Kernel times are device times with the host's share left out (``addnorm.tools.bench.
+kernel_seconds``: a CUDA graph of the call replayed between CUDA events, as the GPU checklist's
+kernel table; wall time would time the launches, not the kernels, on a slow host) of
 ``kernels.triton.forward`` (add + LayerNorm with weight and bias, the forward of training) and
-``backward``, as a fraction of the copy bandwidth (``copy_bandwidth``) of the bytes they move
-(``bytes_moved``). Overhead is the wall time per call of tiny rows (8x768), kernels included,
-for addnorm and torch.
+``backward``, as a fraction of a copy timed the same way, of the bytes they move
+(``bytes_moved``). Overhead is the wall time per call of tiny rows (8x768), kernels and host
+included (``addnorm.tools.bench.measure``), for addnorm and torch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton
 import addnorm
 from addnorm.kernels import triton as K
 from addnorm.kernels.triton import backward_kernels, config
-from addnorm.tools.bench import bytes_moved, copy_bandwidth, measure
+from addnorm.tools.bench import Copy, bytes_moved, kernel_seconds, measure
 
 SHAPES = ["65536x768", "16384x1024", "32768x4096", "8192x8192", "4096x16384", "4096x65536"]
 
@@ -34,7 +35,7 @@ ROUNDS = 15
 
 
 def _ms(fn) -> float:
-    return measure({"fn": fn}, ROUNDS, "cuda")["fn"][0] * 1e3
+    return kernel_seconds(fn, "cuda") * 1e3
 
 
 @triton.jit
@@ -118,6 +119,21 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
                     )
                     line += f" | {per_sm:3d} warps/SM {t * 1e3:7.1f} us {bwd_bytes / t / 1e6 / copy_gbps:4.2f}"
                 print(line, flush=True)
+            if n <= base.branch_backward.max_fused_n:
+                # a parallel block's backward (a second norm's dy1 and weight1 besides): the
+                # branch_backward launch, which also serves the backward with dropout
+                line = f"{label} bwd parallel block"
+                for bb in (16, 32, 64):
+                    config.TABLE = chunk_table.updated("branch_backward", bytes_per_thread=bb)
+                    warps = config.plan("branch_backward", n, x.device, size).num_warps
+                    t = _ms(
+                        lambda s=s, mean=mean, rstd=rstd: K.backward(
+                            dy, None, (s,), w, mean, rstd, rms=False, has_bias=True, second=(x, b, True)
+                        )
+                    )
+                    moved = bwd_bytes + m * n * size  # and dy1
+                    line += f" | {bb}B/{warps}w {t * 1e3:7.1f} us {moved / t / 1e6 / copy_gbps:4.2f}"
+                print(line, flush=True)
     finally:
         config.TABLE = base
 
@@ -133,10 +149,11 @@ def main() -> None:
     if args.max_fused_n:
         table = config.TABLE.updated("forward", max_fused_n=args.max_fused_n)
         config.TABLE = table.updated("backward", max_fused_n=args.max_fused_n)
-    copy_gbps = copy_bandwidth("cuda", mib=256)
+    copy = Copy("cuda", mib=256)
+    copy_gbps = copy.gbps(kernel_seconds(copy, "cuda"))
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-        f"copy {copy_gbps:.0f} GB/s (256 MiB, bytes read + written)",
+        f"copy {copy_gbps:.0f} GB/s (256 MiB, bytes read + written, host excluded)",
         flush=True,
     )
     if not args.no_overhead:
