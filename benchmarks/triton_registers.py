@@ -165,9 +165,11 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False, second
     return out
 
 
-def sum_partials(cd: torch.dtype) -> str:
-    """The kernel that sums every parameter gradient's partial rows in one launch."""
-    sig = {"P": PTR[cd], **dict.fromkeys(("O0", "O1", "O2", "O3", "O4"), PTR[cd]), "programs": "i32", "N": "i32"}
+def sum_partials(cd: torch.dtype, out: torch.dtype | None = None) -> str:
+    """The kernel that sums every parameter gradient's partial rows in one launch; ``out``: the
+    parameters' dtype, when they are in another than ``cd`` (a layer scale's stays ``cd``)."""
+    outs = (PTR[out or cd],) * 2 + (PTR[cd],) + (PTR[out or cd],) * 2
+    sig = {"P": PTR[cd], **dict(zip(("O0", "O1", "O2", "O3", "O4"), outs)), "programs": "i32", "N": "i32"}
     const = {"BLOCK_P": 64, "BLOCK_N": 64}
     return resources(backward_kernels._sum_partials_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, 4)
 
@@ -194,6 +196,7 @@ def main(widths: list[int]) -> None:
     print(f"triton {triton.__version__}, target sm_{TARGET.arch}")
     for cd in (torch.float32, torch.float64):
         print(f"  {str(cd)[6:]:8s} sum of partials    {sum_partials(cd)}")
+    print(f"  bfloat16 sum of partials    {sum_partials(torch.float32, torch.bfloat16)}")
     print(f"  bfloat16 x1 + dropout      {dropped(torch.bfloat16, True)}")
     print(f"  bfloat16 dropout of dx1    {dropped(torch.bfloat16, False)}")
     for n in widths:

@@ -53,7 +53,7 @@ def overhead(profile: bool) -> None:
     cases = {
         "kernels.triton.forward": lambda: K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None),
         "kernels.triton.backward": lambda: K.backward(x, None, (r,), w, None, rstd, rms=True, has_bias=True),
-        "kernels.triton._sum_partials": lambda: backward_kernels._sum_partials(partials),
+        "kernels.triton._sum_partials": lambda: backward_kernels._sum_partials(partials, [partials.dtype] * 2),
         "addnorm.add_layer_norm fwd": lambda: addnorm.add_layer_norm(x, r, 768, w, b, backend="triton"),
         "torch add + layer_norm fwd": lambda: F.layer_norm(x + r, (768,), w, b),
         "addnorm.add_layer_norm fwd+bwd": lambda: (

@@ -313,37 +313,39 @@ def _backward_kernel(
 @triton.jit
 def _sum_partials_kernel(P, O0, O1, O2, O3, O4, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """``Ok[j] = sum_p P[k, p, j]`` for every parameter gradient ``k`` (grid axis 1, at most five,
-    each its own tensor) in one launch: ``BLOCK_P`` partial rows at a time into a ``(BLOCK_P,
-    BLOCK_N)`` accumulator, then one reduction over its rows, in the same order on every run:
-    deterministic."""
+    each its own tensor, rounded once to its dtype) in one launch: ``BLOCK_P`` partial rows at a
+    time into a ``(BLOCK_P, BLOCK_N)`` accumulator, then one reduction over its rows, in the same
+    order on every run: deterministic."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1)
     P += k.to(tl.int64) * programs * N
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=O0.dtype.element_ty)
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=P.dtype.element_ty)
     for start in range(0, programs, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         mask = (p < programs)[:, None] & (cols < N)[None, :]
         acc += tl.load(P + p.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    out = O0
+    total = tl.sum(acc, axis=0)
+    ok = cols < N
+    if k == 0:  # one store per output: each has a dtype of its own
+        tl.store(O0 + cols, _round(total, O0.dtype.element_ty), mask=ok)
     if k == 1:
-        out = O1
+        tl.store(O1 + cols, _round(total, O1.dtype.element_ty), mask=ok)
     if k == 2:
-        out = O2
+        tl.store(O2 + cols, _round(total, O2.dtype.element_ty), mask=ok)
     if k == 3:
-        out = O3
+        tl.store(O3 + cols, _round(total, O3.dtype.element_ty), mask=ok)
     if k == 4:
-        out = O4
-    tl.store(out + cols, tl.sum(acc, axis=0), mask=cols < N)
+        tl.store(O4 + cols, _round(total, O4.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------- launchers
 
 
-def _sum_partials(partials: Tensor) -> list[Tensor]:
-    """The sums over the programs of ``(k, programs, n)`` partials, ``k`` tensors of ``n``: every
-    parameter gradient of a backward in one launch."""
+def _sum_partials(partials: Tensor, dtypes: list[torch.dtype]) -> list[Tensor]:
+    """The sums over the programs of ``(k, programs, n)`` partials, ``k`` tensors of ``n`` in
+    ``dtypes`` (one each): every parameter gradient of a backward in one launch."""
     grads, programs, n = partials.shape
-    outs = [torch.empty((n,), dtype=partials.dtype, device=partials.device) for _ in range(grads)]
+    outs = [torch.empty((n,), dtype=dt, device=partials.device) for dt in dtypes]
     block_n = min(config.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
     _sum_partials_kernel[(config.cdiv(n, block_n), grads)](
         partials, *outs, *outs[:1] * (5 - grads), programs, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4,
@@ -386,28 +388,26 @@ def backward(
     if second is not None:
         second = (_rows(second[0].reshape(-1, n)), _rows(second[1]), second[2])
     with _device(s):
-        g = _backward(*rows, _rows(weight), mean, rstd, rms, has_bias, branch, second)
-        if param_dtype is not None:
-            params = ("dweight", "dbias", "dweight1", "dbias1")
-            g = g._replace(**{k: getattr(g, k).to(param_dtype) for k in params if getattr(g, k) is not None})
+        g = _backward(*rows, _rows(weight), mean, rstd, rms, has_bias, branch, second, param_dtype)
     return g._replace(ds=g.ds.view(shape), dx=None if g.dx is None else g.dx.view(shape))
 
 
-def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branch, second) -> Grads:
+def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branch, second, param_dtype) -> Grads:
     m, n = s.shape
     cd = rstd.dtype
+    pd = param_dtype or cd  # dweight, dbias, dweight1, dbias1; dlayer_scale stays in cd
     ds = torch.empty((m, n), dtype=s.dtype, device=s.device)
     dx = torch.empty((m, n), dtype=s.dtype, device=s.device) if branch is not None else None
     layer_scaled = branch is not None and branch.layer_scale is not None
     dy1, weight1, has_bias1 = second if second is not None else (None, None, False)
     if m == 0:
-        zeros = lambda present: torch.zeros((n,), dtype=cd, device=s.device) if present else None  # noqa: E731
+        zeros = lambda present, dt=pd: torch.zeros((n,), dtype=dt, device=s.device) if present else None  # noqa: E731
         return Grads(
             ds,
             zeros(weight is not None),
             zeros(has_bias),
             dx,
-            zeros(layer_scaled),
+            zeros(layer_scaled, cd),
             zeros(dy1 is not None),
             zeros(has_bias1),
         )
@@ -500,6 +500,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
-    sums = iter(_sum_partials(buffer) if len(buffer) else ())
+    dtypes = [dt for here, dt in zip(present, (pd, pd, cd, pd, pd)) if here]
+    sums = iter(_sum_partials(buffer, dtypes) if len(buffer) else ())
     dw, db, dls, dw1, db1 = (next(sums) if here else None for here in present)
     return Grads(ds, dw, db, dx, dls, dw1, db1)
