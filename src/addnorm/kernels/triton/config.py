@@ -14,8 +14,9 @@ and any run (the reduction contract: docs/reliability.md).
 
 The forward keeps fewer values live than the backward, so it fuses wider rows; with the sublayer
 branch the backward also keeps ``x`` and the keep mask live, so it fuses narrower rows with fewer
-bytes per thread, a setting chosen to compile without register spills
-(``python benchmarks/triton_registers.py`` prints registers and spills for sm_90 without a GPU).
+bytes per thread, a setting chosen to compile without register spills under Triton 3.9
+(``python benchmarks/triton_registers.py`` prints registers and spills for sm_90 without a GPU;
+docs/gpu.md, "Launch heuristics", lists where Triton 3.6 spills with the same table).
 The values come from ``python benchmarks/triton_tune.py`` (docs/gpu.md, "Launch heuristics"; the
 timings are in docs/benchmarks.md, "On an NVIDIA H100").
 
