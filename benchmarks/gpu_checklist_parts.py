@@ -211,16 +211,24 @@ def _subprocess(cmd: list[str], timeout_s: float, env: dict | None = None) -> tu
 
 
 def test_suite(setup: Setup, timeout_s: float) -> Part:
-    """The test selection on the device (``ADDNORM_TEST_DEVICE``), time-boxed."""
+    """The test selection on the device (``ADDNORM_TEST_DEVICE``), time-boxed. Verbose, so that a
+    run cut off by its time box still names the tests that failed before then."""
     env = {"ADDNORM_TEST_DEVICE": setup.device}
-    workers = [] if setup.dry or importlib.util.find_spec("xdist") is None else ["-n", "8"]  # compiles in parallel
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *setup.pytest_args]
+    workers = max(2, min(15, (os.cpu_count() or 2) - 1))  # workers compile kernels in parallel
+    workers = [] if setup.dry or importlib.util.find_spec("xdist") is None else ["-n", str(workers)]
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rf", "-p", "no:cacheprovider", *workers, *setup.pytest_args]
     status, out = _subprocess(cmd, timeout_s, env)
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", out)}
-    if not counts:  # cut off by the time box: count the progress characters seen so far
-        progress = "".join(re.findall(r"^([.FEsx]+)\s*(?:\[\s*\d+%\])?$", out, flags=re.MULTILINE))
-        counts = {"passed so far": progress.count("."), "failed so far": progress.count("F") + progress.count("E")}
+    # "[gw1] [ 9%] FAILED tests/x.py::t" (xdist), "tests/x.py::t FAILED [ 9%]", "FAILED tests/x.py::t" (-rf)
+    failed = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)|(tests/\S+) (?:FAILED|ERROR)", out)))
+    failed = sorted({a or b for a, b in failed})
+    if not counts:  # cut off by the time box: count the verbose lines seen so far
+        counts = {
+            "passed so far": len(re.findall(r" PASSED\b", out)),
+            "failed so far": len(failed),
+        }
     row = {"command": " ".join(cmd[1:]), "status": status, "timeout_s": round(timeout_s), **counts}
+    row["failed tests"] = " ".join(failed) or "-"
     ok = status == 0
     return Part(rows=[row], table=markdown([row]), log=out, verdicts=[("test suite on the device", str(counts), ok)])
 
