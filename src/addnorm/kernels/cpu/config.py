@@ -61,8 +61,9 @@ class Settings:
     streaming_min_bytes: int = dataclasses.field(default_factory=last_level_cache_bytes)
     # Rows at least this wide take the backward's second pass two rows at a time, which loads
     # and stores dweight/dbias once per pair; narrower rows one at a time, where the pair loop's
-    # setup costs more than it saves (docs/benchmarks.md, "CPU backward: where the time goes").
-    pair_min_cols: int = 2048
+    # setup weighs more. Where pairs start to pay depends on the machine (docs/benchmarks.md,
+    # "CPU backward: where the time goes"): from 128 on the Intel Xeon, from 2048 on the EPYC.
+    pair_min_cols: int = 128
 
     def updated(self, **changes) -> Settings:
         return dataclasses.replace(self, **changes)
