@@ -6,6 +6,7 @@ which runs over every usable backend, this one included.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import subprocess
@@ -646,3 +647,46 @@ def test_keep_mask_is_the_reference_hash_bit_for_bit(p):
             assert torch.equal(ours, addnorm.reference.keep_mask(seed_t, torch.arange(m), n, p))
     if p == 1.0:
         assert not ours.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(33, 96), (64, 2048)])  # one block; several blocks and threads, pairs
+@pytest.mark.parametrize("rms", [False, True])
+def test_post_norm_training_gives_the_same_bits_whether_the_stream_is_saved_or_recomputed(
+    monkeypatch, dtype, shape, rms
+):
+    """The CPU backend's post-norm training saves ``x`` and ``residual`` and adds the stream
+    again in the backward (``recomputes_stream``); the plan every other backend follows writes
+    ``s`` in the forward and reads it back. Both must give every output and gradient bit for
+    bit (``benchmarks/cpu_save_plan.py`` times the two), and match the float64 oracle."""
+    m, n = shape
+    g = torch.Generator().manual_seed(13)
+    x64, r64, dy64 = (torch.randn(m, n, generator=g, dtype=torch.float64) + 3 for _ in range(3))
+    w64, b64 = (torch.randn(n, generator=g, dtype=torch.float64) for _ in range(2))
+
+    def train(recompute: bool):
+        caps = dataclasses.replace(cpu.CAPABILITIES, recomputes_stream=recompute)
+        monkeypatch.setattr(cpu, "CAPABILITIES", caps)
+        x, r, w, b = (t.to(dtype).requires_grad_() for t in (x64, r64, w64, b64))
+        if rms:
+            y = addnorm.add_rms_norm(x, r, n, w, backend="cpu")
+        else:
+            y = addnorm.add_layer_norm(x, r, n, w, b, backend="cpu")
+        leaves = (x, r, w) if rms else (x, r, w, b)
+        return (y, *torch.autograd.grad(y, leaves, dy64.to(dtype)))
+
+    recomputed, saved = train(True), train(False)
+    for a, c in zip(recomputed, saved, strict=True):
+        assert torch.equal(a, c)
+
+    def norm_grads(s, w, b, dy):  # torch's own: y, ds, dweight
+        s, w, b = (t.detach().requires_grad_() for t in (s, w, b))
+        y = TF.rms_norm(s, (n,), w, 1e-5) if rms else TF.layer_norm(s, (n,), w, b, 1e-5)
+        return (y.detach(), *torch.autograd.grad(y, (s, w), dy))
+
+    s = x64.to(dtype) + r64.to(dtype)  # the stream as rounded
+    w, b, dy = w64.to(dtype), b64.to(dtype), dy64.to(dtype)
+    oracle = norm_grads(s.double(), w.double(), b.double(), dy.double())
+    same_dtype = norm_grads(s, w, b, dy)
+    for ours, k in ((recomputed[0], 0), (recomputed[1], 1), (recomputed[3], 2)):
+        assert_matches_oracle(ours, oracle[k], same_dtype[k], scale=m if k == 2 else 1.0)
