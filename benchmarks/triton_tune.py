@@ -26,7 +26,8 @@ import triton
 import addnorm
 from addnorm.kernels import triton as K
 from addnorm.kernels.triton import backward_kernels, config
-from addnorm.tools.bench import Copy, bytes_moved, kernel_seconds, measure
+from addnorm.tools.bench import Copy, bytes_moved, kernel_seconds, measure, parse_shapes
+from addnorm.tools.cli import UsageError
 
 SHAPES = ["65536x768", "16384x1024", "32768x4096", "8192x8192", "4096x16384", "4096x65536"]
 
@@ -146,6 +147,14 @@ def main() -> None:
     p.add_argument("--no-overhead", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile the 8x768 fwd+bwd call")
     args = p.parse_args()
+    try:
+        parse_shapes(args.shapes)
+    except UsageError as e:
+        p.error(str(e))
+    if not all(isinstance(getattr(torch, d, None), torch.dtype) for d in args.dtype.split(",")):
+        p.error(f"--dtype: expected dtypes such as bfloat16,float32, got {args.dtype!r}")
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device (python benchmarks/triton_registers.py compiles the kernels without one)")
     if args.max_fused_n:
         table = config.TABLE.updated("forward", max_fused_n=args.max_fused_n)
         config.TABLE = table.updated("backward", max_fused_n=args.max_fused_n)
