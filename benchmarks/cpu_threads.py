@@ -16,6 +16,7 @@ import torch
 
 from addnorm.kernels import cpu
 from addnorm.tools.bench import measure, parse_shapes
+from addnorm.tools.cli import UsageError
 
 
 def threaded(min_elements: int, fn):
@@ -62,8 +63,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15, help="interleaved samples per call (default 15)")
     args = p.parse_args()
     shapes = args.shapes or ["16x1024", "32x1024", "64x1024", "128x1024", "256x1024", "512x1024", "1024x1024"]
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        shapes = parse_shapes(",".join(shapes))
+    except UsageError as e:
+        p.error(str(e).replace("--shapes: ", ""))
     print(f"fp32, {torch.get_num_threads()} threads; median µs per call")
-    for m, n in parse_shapes(",".join(shapes)):
+    for m, n in shapes:
         times = measure(calls(m, n), args.rounds, "cpu")
         print(f"{m:>5d}x{n:<5d} " + "  ".join(f"{k} {t[0] * 1e6:6.0f}" for k, t in times.items()))
 
