@@ -81,16 +81,14 @@ def forward_rows(
     ``streamed``: True to write ``y`` with non-temporal stores, else None. ``second``: the
     second norm of the same rows, ``(weight1, bias1, y1)`` (parallel blocks: ``y1`` from the same
     statistics, in the same loop as ``y``), or None."""
-    if direct is not None and branch is None and has_residual:
-        _forward_rows_pipelined(
-            x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second
-        )
+    if direct is not None and branch is None and has_residual and write_s:
+        _forward_rows_pipelined(x, r, w, b, eps, nf, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second)
         return
     row_buf = buf[0]
     for i in range(x.shape[0]):
         # the row in the statistics dtype and its sum (of squares for RMSNorm): 16-bit rows are
         # widened into buf, summed as they are; others are x itself (nothing copied: a store per
-        # element fewer)
+        # element fewer), or x + residual added into buf when the stream is not written
         if branch is not None:
             row = row_buf
             stream_through_branch(x[i], r[i], row_buf, gates, branch, first + i)
@@ -104,6 +102,9 @@ def forward_rows(
             total = load_row(x[i], r[i], s[i], row_buf, has_residual, write_s, rms)
         else:
             row = x[i]
+            if has_residual:
+                add_row(x[i], r[i], row_buf)
+                row = row_buf
             total = dot(row, row) if rms else row_sum(row)
         row, mu, c, rs, k = _row_statistics(row, total, eps, nf, rms, buf[2], kbuf)
         _output_row(row, mu, c, rs, w, b, output_row(y, i, streamed), second_row(second, i, streamed))
@@ -112,21 +113,21 @@ def forward_rows(
 
 
 @numba.njit
-def _forward_rows_pipelined(
-    x, r, w, b, eps, nf, write_s, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second
-):
-    """:func:`forward_rows` of float32/float64 rows with a residual, one row ahead: the loop
-    that writes row i's output also adds row i+1's stream, so that the memory reads of the next
-    row and the writes of this one run together (as an elementwise op's would), and only the
-    row's sums run from cache alone. Each value is computed as without the overlap (the same
-    loops, the same operations on the same values): the same bits. The stream goes to ``s``
-    when it is written, else to two alternating rows of ``buf``."""
+def _forward_rows_pipelined(x, r, w, b, eps, nf, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second):
+    """:func:`forward_rows` of float32/float64 rows with a residual whose stream ``s`` is
+    written, one row ahead: the loop that writes row i's output also adds row i+1's stream, so
+    that the memory reads of the next row and the writes of this one run together (as an
+    elementwise op's would), and only the row's sums run from cache alone. Each value is
+    computed as without the overlap (the same loops, the same operations on the same values):
+    the same bits. Rows whose stream is not written take the plain loop, one row at a time:
+    there the overlap, through two alternating scratch rows, measured slower on two threads
+    (docs/benchmarks.md, "CPU forward: one row ahead")."""
     m = x.shape[0]
     if m == 0:
         return
-    add_row(x[0], r[0], s[0] if write_s else buf[0])
+    add_row(x[0], r[0], s[0])
     for i in range(m):
-        row = s[i] if write_s else buf[i % 2]
+        row = s[i]
         total = dot(row, row) if rms else row_sum(row)
         row, mu, c, rs, k = _row_statistics(row, total, eps, nf, rms, buf[2], kbuf)
         if i + 1 < m:
@@ -141,7 +142,7 @@ def _forward_rows_pipelined(
                 second_row(second, i, streamed),
                 x[i + 1],
                 r[i + 1],
-                s[i + 1] if write_s else buf[(i + 1) % 2],
+                s[i + 1],
             )
         else:
             _output_row(row, mu, c, rs, w, b, output_row(y, i, streamed), second_row(second, i, streamed))
