@@ -220,8 +220,7 @@ def test_suite(setup: Setup, timeout_s: float) -> Part:
     status, out = _subprocess(cmd, timeout_s, env)
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", out)}
     # "[gw1] [ 9%] FAILED tests/x.py::t" (xdist), "tests/x.py::t FAILED [ 9%]", "FAILED tests/x.py::t" (-rf)
-    failed = sorted(set(re.findall(r"(?:FAILED|ERROR) (tests/\S+)|(tests/\S+) (?:FAILED|ERROR)", out)))
-    failed = sorted({a or b for a, b in failed})
+    failed = sorted({a or b for a, b in re.findall(r"(?:FAILED|ERROR) (tests/\S+)|(tests/\S+) (?:FAILED|ERROR)", out)})
     if not counts:  # cut off by the time box: count the verbose lines seen so far
         counts = {
             "passed so far": len(re.findall(r" PASSED\b", out)),
@@ -337,10 +336,8 @@ def _device_ms(fn: Callable[[], object], setup: Setup) -> float:
 
 
 def _copy_gbps(setup: Setup) -> float:
-    """The copy bandwidth through :func:`_device_ms`, the kernels' own timer (read + write)."""
-    src = torch.ones((4 if setup.dry else 256) * 2**20 // 4, device=setup.device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / _device_ms(lambda: dst.copy_(src), setup) / 1e6
+    """The copy bandwidth timed as the kernels are (``bench.kernel_copy_bandwidth``)."""
+    return bench.kernel_copy_bandwidth(setup.device, mib=4 if setup.dry else 256)
 
 
 def _kernel_rows(setup: Setup, m: int, n: int, dtype: torch.dtype, copy_gbps: float) -> list[dict]:

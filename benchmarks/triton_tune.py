@@ -10,8 +10,8 @@ Kernel times are device times with the host's share left out (``addnorm.tools.be
 kernel_seconds``: a CUDA graph of the call replayed between CUDA events, as the GPU checklist's
 kernel table; wall time would time the launches, not the kernels, on a slow host) of
 ``kernels.triton.forward`` (add + LayerNorm with weight and bias, the forward of training) and
-``backward``, as a fraction of a copy timed the same way, of the bytes they move
-(``bytes_moved``). Overhead is the wall time per call of tiny rows (8x768), kernels and host
+``backward``, as a fraction of a copy timed the same way (``kernel_copy_bandwidth``), of the
+bytes they move (``bytes_moved``). Overhead is the wall time per call of tiny rows (8x768), kernels and host
 included (``addnorm.tools.bench.measure``), for addnorm and torch.
 """
 
@@ -26,7 +26,7 @@ import triton
 import addnorm
 from addnorm.kernels import triton as K
 from addnorm.kernels.triton import backward_kernels, config
-from addnorm.tools.bench import Copy, bytes_moved, kernel_seconds, measure, parse_shapes
+from addnorm.tools.bench import bytes_moved, kernel_copy_bandwidth, kernel_seconds, measure, parse_shapes
 from addnorm.tools.cli import UsageError
 
 SHAPES = ["65536x768", "16384x1024", "32768x4096", "8192x8192", "4096x16384", "4096x65536"]
@@ -158,8 +158,7 @@ def main() -> None:
     if args.max_fused_n:
         table = config.TABLE.updated("forward", max_fused_n=args.max_fused_n)
         config.TABLE = table.updated("backward", max_fused_n=args.max_fused_n)
-    copy = Copy("cuda", mib=256)
-    copy_gbps = copy.gbps(kernel_seconds(copy, "cuda"))
+    copy_gbps = kernel_copy_bandwidth("cuda", mib=256)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
         f"copy {copy_gbps:.0f} GB/s (256 MiB, bytes read + written, host excluded)",

@@ -21,7 +21,7 @@ import torch
 
 from ..cli import UsageError, check_threads, output_file
 from .impls import DROPOUT_P, DTYPES, EPS, OTHER_IMPLS, all_impls, make_impl, out_variant, runner, traffic
-from .measure import Copy, bytes_moved, copy_bandwidth, kernel_seconds, measure, quantile, sync
+from .measure import Copy, bytes_moved, copy_bandwidth, kernel_copy_bandwidth, kernel_seconds, measure, quantile, sync
 from .rows import (
     DEFAULT_RESULTS,
     OPS,
@@ -51,6 +51,7 @@ __all__ = [
     "Copy",
     "copy_bandwidth",
     "git_commit",
+    "kernel_copy_bandwidth",
     "kernel_seconds",
     "machine_name",
     "make_impl",

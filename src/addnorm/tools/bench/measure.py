@@ -108,6 +108,13 @@ def copy_bandwidth(device: str, mib: int = 64, rounds: int = 15) -> float:
     return copy.gbps(measure({"copy": copy}, rounds, device)["copy"][0])
 
 
+def kernel_copy_bandwidth(device: str, mib: int = 64) -> float:
+    """GB/s of ``dst.copy_(src)`` on a ``mib`` MiB buffer timed by :func:`kernel_seconds` (host
+    left out): the yardstick for kernel times."""
+    copy = Copy(device, mib)
+    return copy.gbps(kernel_seconds(copy, device))
+
+
 def bytes_moved(
     op: str,
     rows: int,
