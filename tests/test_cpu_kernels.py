@@ -652,14 +652,16 @@ def test_keep_mask_is_the_reference_hash_bit_for_bit(p):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(33, 96), (64, 2048)])  # one block; several blocks and threads, pairs
 @pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("backend", ["cpu", "auto"])
 def test_post_norm_training_gives_the_same_bits_whether_the_stream_is_saved_or_recomputed(
-    monkeypatch, dtype, shape, rms
+    monkeypatch, dtype, shape, rms, backend
 ):
     """The CPU backend's post-norm training saves ``x`` and ``residual`` and adds the stream
     again in the backward (``recomputes_stream``); the plan every other backend follows writes
     ``s`` in the forward and reads it back. Both must give every output and gradient bit for
     bit (``benchmarks/cpu_save_plan.py`` times the two), and match the float64 oracle."""
     m, n = shape
+    assert backends.resolve(backend, torch.empty(1, n)) is cpu  # "auto" picks it for CPU tensors
     g = torch.Generator().manual_seed(13)
     x64, r64, dy64 = (torch.randn(m, n, generator=g, dtype=torch.float64) + 3 for _ in range(3))
     w64, b64 = (torch.randn(n, generator=g, dtype=torch.float64) for _ in range(2))
@@ -669,9 +671,9 @@ def test_post_norm_training_gives_the_same_bits_whether_the_stream_is_saved_or_r
         monkeypatch.setattr(cpu, "CAPABILITIES", caps)
         x, r, w, b = (t.to(dtype).requires_grad_() for t in (x64, r64, w64, b64))
         if rms:
-            y = addnorm.add_rms_norm(x, r, n, w, backend="cpu")
+            y = addnorm.add_rms_norm(x, r, n, w, backend=backend)
         else:
-            y = addnorm.add_layer_norm(x, r, n, w, b, backend="cpu")
+            y = addnorm.add_layer_norm(x, r, n, w, b, backend=backend)
         leaves = (x, r, w) if rms else (x, r, w, b)
         return (y, *torch.autograd.grad(y, leaves, dy64.to(dtype)))
 
