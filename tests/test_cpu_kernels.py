@@ -381,9 +381,10 @@ def test_forward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
     ls, seed = torch.randn(n), torch.tensor(1234, dtype=torch.int64)
     w1, b1 = torch.randn(n), torch.randn(n)
     branch = backends.Branch(0.25, seed, ls, None)
+    x1 = backends.X1(torch.randn(m, n), 0.125, torch.tensor(5678, dtype=torch.int64))
     (y, s, mean, rstd, y1), args, br = _packed(
         monkeypatch,
-        lambda: cpu.forward(x, r, w, b, eps=0.5, rms=False, residual_dtype=None, branch=branch, second=(w1, b1)),
+        lambda: cpu.forward(x, r, w, b, eps=0.5, rms=False, residual_dtype=None, branch=branch, second=(w1, b1), x1=x1),
     )
     assert len(args) == ForwardSlot.BRANCH - COUNTERS and len(br) == len(BranchSlot)
     assert {slot.name: args[slot - COUNTERS] for slot in ForwardSlot if slot < ForwardSlot.BRANCH} == {
@@ -406,6 +407,10 @@ def test_forward_packs_each_value_in_the_slot_its_entry_reads(monkeypatch):
         "WEIGHT1": w1.data_ptr(),
         "BIAS1": b1.data_ptr(),
         "Y1": y1.data_ptr(),
+        "X1": x1.x1.data_ptr(),
+        "X1_SEED": 5678,
+        "X1_KEEP_THRESHOLD": addnorm.reference.keep_threshold(0.125),
+        "X1_SCALE": _float64_bits(addnorm.reference.dropout_scale(0.125)),
     }
     packed = {slot.name: br[slot] for slot in BranchSlot}
     assert packed.pop("ROWSCALE") not in (0, ls.data_ptr())  # a row of ones made for the call

@@ -6,6 +6,7 @@ the same bits on every backend), ``gradcheck`` and ``gradgradcheck`` in float64.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import re
 from pathlib import Path
@@ -213,6 +214,72 @@ def test_x1_dropout_runs_compiled_on_cpu_with_the_torch_ops_bits(monkeypatch, dt
     assert calls == [False, True]
     for a, c in zip(fused, plain):
         assert torch.equal(a, c)
+
+
+@pytest.mark.usefixtures("on_cpu")  # the cpu backend runs on CPU tensors alone
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("second", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_inference_adds_x1_in_the_norm_pass_with_the_separate_pass_bits(monkeypatch, dtype, second, p):
+    """In inference on the cpu backend (and "auto"), ``x1`` (and its dropout) is added to each
+    residual row as the norm reads it (``Capabilities.adds_x1``): no pass of its own before the
+    norm, and every output the bits of that separate pass followed by the norm (the path a
+    training call, or a backend without the capability, takes), pre- and post-norm, LayerNorm and
+    RMSNorm, with a stream dtype of its own, a layer scale, no residual, and over several
+    threads' blocks of rows."""
+    from addnorm.kernels import cpu
+
+    m, n = 300, 1024  # above the threading threshold: several blocks of rows
+    x, r, x1, w, b, w1, b1, ls = _tensors(m, n, dtype, seed=7, count=8)
+    cases = [
+        {"prenorm": prenorm, "residual": res, "residual_dtype": rd, "layer_scale": lsc, "kind": kind}
+        for prenorm in (False, True)
+        for kind in ("layer", "rms")
+        for res, rd, lsc in ((r, None, None), (r, torch.float32, None), (None, None, None), (r, None, ls))
+    ]
+    calls, real_forward, real_dropped = [], cpu.forward, cpu.dropped
+    monkeypatch.setattr(cpu, "forward", lambda *a, **k: calls.append("x1" in k) or real_forward(*a, **k))
+    monkeypatch.setattr(cpu, "dropped", lambda *a: calls.append("dropped") or real_dropped(*a))
+
+    def run(case, backend):
+        kw = {"weight1": w1, "bias1": b1} if second else {}
+        with torch.no_grad():
+            out = _call(
+                case["kind"], x, case["residual"], w, b, x1=x1, prenorm=case["prenorm"], dropout_p=p,
+                residual_dtype=case["residual_dtype"], layer_scale=case["layer_scale"], return_dropout_mask=p > 0,
+                generator=torch.Generator().manual_seed(11), backend=backend, **kw,
+            )  # fmt: skip
+        return out if isinstance(out, tuple) else (out,)
+
+    for case in cases:
+        fused = [run(case, backend) for backend in ("cpu", "auto")]
+        assert calls == [True, True], case  # one forward each, x1 in it
+        calls.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(cpu, "CAPABILITIES", dataclasses.replace(cpu.CAPABILITIES, adds_x1=False))
+            separate = run(case, "cpu")
+        assert calls[-1] is False and (p == 0 or "dropped" in calls), case  # x1's own pass, then the norm
+        calls.clear()
+        for outputs in fused:
+            assert len(outputs) == len(separate)
+            for ours, theirs in zip(outputs, separate):
+                assert _same_bits(ours, theirs), case
+    (y, *_), (oracle, *_) = run(cases[0], "cpu"), _oracle_post_norm(x, r, x1, w, b, p, dtype)
+    assert_matches_oracle(y, oracle, _oracle_post_norm(x, r, x1, w, b, p, dtype, in_dtype=True))
+
+
+def _oracle_post_norm(x, r, x1, w, b, p, dtype, in_dtype=False):
+    """``layer_norm(r + dropout1(x1) + dropout(x))`` by torch's ops (float64, or in ``dtype`` when
+    ``in_dtype``) with the call's keep masks: their seeds drawn from a generator seeded 11,
+    ``x1``'s first."""
+    n, g = x.shape[-1], torch.Generator().manual_seed(11)
+    keep1 = keep = torch.ones_like(x1, dtype=torch.bool)
+    if p > 0:
+        seed1, seed = (torch.randint(0, 2**62, (), dtype=torch.int64, generator=g) for _ in range(2))
+        keep1, keep = (addnorm.reference.keep_mask(k, torch.arange(x.shape[0]), n, p) for k in (seed1, seed))
+    t = (lambda u: u.to(dtype)) if in_dtype else (lambda u: u.double())
+    s = t(r) + t(x1) * keep1 / (1 - p) + t(x) * keep / (1 - p)
+    return F.layer_norm(s, (n,), t(w), t(b))
 
 
 @pytest.mark.parametrize("compiled", [True, False])

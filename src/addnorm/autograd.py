@@ -122,10 +122,14 @@ def _saved(a: OpArgs, s: Tensor | None, plan: SavePlan) -> tuple[Tensor, ...]:
     return (a.x, a.residual) if plan.save_inputs else (a.x if a.residual is None else s,)
 
 
-def train_forward(a: OpArgs, second: tuple | None = None, write_stats: bool = True) -> tuple:
+def train_forward(
+    a: OpArgs, second: tuple | None = None, write_stats: bool = True, x1: backends.X1 | None = None
+) -> tuple:
     """``(plan, branch, (y, s, mean, rstd))``: the forward of a training call, as the plan says.
     ``second``: ``(weight1, bias1)`` of a second norm of the same stream (parallel blocks, on a
-    backend with ``Capabilities.second_norm``), whose ``y1`` then comes fifth."""
+    backend with ``Capabilities.second_norm``), whose ``y1`` then comes fifth. ``x1``: parallel
+    blocks' second sublayer output, added to the residual in the same pass (a backend with
+    ``Capabilities.adds_x1``; inference alone: the backward would need the summed residual)."""
     impl = backends.resolve(a.backend, a.x)
     branch = make_branch(a.dropout_p, a.seed, a.layer_scale, a.rowscale)
     plan = save_plan(impl, a, branch)
@@ -141,6 +145,7 @@ def train_forward(a: OpArgs, second: tuple | None = None, write_stats: bool = Tr
         write_stats=write_stats,
         branch=branch,
         **({} if second is None else {"second": second}),
+        **({} if x1 is None else {"x1": x1}),
     )
     return plan, branch, outputs
 

@@ -12,7 +12,9 @@ Writing a backend, the checklist:
    ``recomputes_stream=True`` if its post-norm backward recomputes ``s = x + residual`` from the
    saved inputs (then its forward need not write ``s``: :func:`addnorm.autograd.save_plan`);
    ``second_norm=True`` if ``forward``/``backward`` take ``second=``, a second norm of the same
-   stream (parallel blocks; :class:`Capabilities`, checked by the conformance check).
+   stream (parallel blocks; :class:`Capabilities`, checked by the conformance check);
+   ``adds_x1=True`` if ``forward`` takes ``x1=`` (:class:`X1`), parallel blocks' second sublayer
+   output added to the residual in the same pass.
 2. ``unavailable_reason(x)``: ``None`` if it can run (on ``x``, when given), else why not (a
    missing dependency, another device); ``addnorm info`` prints it.
 3. ``forward(x, residual, weight, bias, *, eps, rms, residual_dtype, write_stream, write_stats,
@@ -56,11 +58,16 @@ class Capabilities:
     stream (parallel blocks, :func:`addnorm.kernels.cpu.forward` and ``backward``): ``y1`` from
     the forward's statistics, ``dweight1``/``dbias1`` from the same passes; without it, parallel
     blocks run as two calls.
+    ``adds_x1``: ``forward`` takes ``x1=`` (:class:`X1`), parallel blocks' second sublayer output,
+    and adds it to the residual as it reads each row (:func:`addnorm.kernels.cpu.forward`);
+    without it (and in training, whose backward takes the summed residual), ``residual +
+    dropout(x1)`` is a pass of its own before the norm.
     """
 
     device_types: tuple[str, ...] | None
     recomputes_stream: bool = False
     second_norm: bool = False
+    adds_x1: bool = False
 
 
 class Branch(NamedTuple):
@@ -76,6 +83,19 @@ class Branch(NamedTuple):
     seed: Tensor | None
     layer_scale: Tensor | None
     rowscale: Tensor | None
+
+
+class X1(NamedTuple):
+    """Parallel blocks' second sublayer output, added to the residual before the branch:
+    the forward's residual is then ``residual + dropout(x1, p)``, summed in the statistics dtype
+    and rounded to the stream dtype (:func:`addnorm.autograd.dropped_add`'s bits; without
+    dropout, torch's add of the two in the stream dtype). ``x1``: of ``x``'s shape; ``p``: its
+    dropout probability, ``seed`` its keep mask's (:func:`addnorm.reference.keep_mask`; None when
+    ``p`` is 0)."""
+
+    x1: Tensor
+    p: float
+    seed: Tensor | None
 
 
 class Grads(NamedTuple):

@@ -373,22 +373,28 @@ def _parallel(
     check_parallel(x, norm_shape, parallel, sublayer, out, residual_out)
     n = math.prod(norm_shape)
     p = float(sublayer.dropout_p)
-    masks = ()
+    masks, added = (), None
     if x1 is not None:
         sd = reference.stream_dtype(x, residual, residual_dtype)
         seed1 = draw_seed(sublayer.generator, x.device) if p > 0 else None
         base = torch.zeros_like(x1, dtype=sd) if residual is None else residual.to(sd)
-        residual = dropped_add(base, x1, n, p, seed1, sd, backend)
+        if _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer):
+            residual, added = base, backends.X1(x1, p, seed1)  # added as the norm reads each row
+        else:
+            residual = dropped_add(base, x1, n, p, seed1, sd, backend)
         residual_dtype = sd
         if sublayer.return_dropout_mask:  # (the mask is a pass over x1 of its own: only when returned)
             masks = (_dropout_mask(x1, n, p, seed1),)
-    if weight1 is not None and _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer):
+    if added is not None or (
+        weight1 is not None and _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer)
+    ):
         y, y1, s, mask = _second_norm(
             x, residual, norm_shape, weight, bias, weight1, bias1, eps_checked, rms, prenorm, residual_dtype, backend,
-            sublayer,
+            sublayer, added,
         )  # fmt: skip
-        out_tuple = (y, y1, s) if prenorm else (y, y1)
-        return out_tuple + ((mask, *masks) if sublayer.return_dropout_mask else ())
+        out_tuple = (y,) + ((y1,) if weight1 is not None else ()) + ((s,) if prenorm else ())
+        out_tuple += (mask, *masks) if sublayer.return_dropout_mask else ()
+        return out_tuple if len(out_tuple) > 1 else out_tuple[0]
     want_stream = prenorm or weight1 is not None
     result = add_norm(
         x, residual, norm_shape, weight, bias, eps_checked, rms=rms, prenorm=want_stream,
@@ -413,26 +419,46 @@ def _parallel(
     return out_tuple if len(out_tuple) > 1 else out_tuple[0]
 
 
+def _eager_plain(*tensors) -> bool:
+    """Whether ``tensors`` (None where absent) are plain tensors in eager mode: the training and
+    inference routes."""
+    if any(t is not None and type(t) not in PLAIN for t in tensors):
+        return False
+    return not (_is_compiling() or _is_exporting() or _tracing_state() is not None or is_transformed())
+
+
 def _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer) -> bool:
     """Whether parallel blocks' two norms run as one call: plain tensors in eager mode (the
     training and inference routes), on a backend with ``Capabilities.second_norm``."""
     tensors = (x, residual, weight, bias, weight1, bias1, sublayer.layer_scale, sublayer.rowscale)
-    if any(t is not None and type(t) not in PLAIN for t in tensors):
-        return False
-    if _is_compiling() or _is_exporting() or _tracing_state() is not None:
-        return False
-    if is_transformed():
-        return False
-    return backends.resolve(backend, x).CAPABILITIES.second_norm
+    return _eager_plain(*tensors) and backends.resolve(backend, x).CAPABILITIES.second_norm
 
 
-def _second_norm(x, residual, shape, weight, bias, weight1, bias1, eps, rms, prenorm, residual_dtype, backend, sub):
+def _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer) -> bool:
+    """Whether ``x1`` is added to the residual inside the norm's pass (``Capabilities.adds_x1``)
+    rather than by a pass of its own: plain tensors in eager mode, nothing to differentiate (the
+    backward takes the summed residual), and with ``weight1`` a backend that also fuses the
+    second norm."""
+    tensors = (x, residual, x1, weight, bias, weight1, bias1, sublayer.layer_scale)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    if not _eager_plain(*tensors):
+        return False
+    capabilities = backends.resolve(backend, x).CAPABILITIES
+    return capabilities.adds_x1 and (weight1 is None or capabilities.second_norm)
+
+
+def _second_norm(
+    x, residual, shape, weight, bias, weight1, bias1, eps, rms, prenorm, residual_dtype, backend, sub, added=None
+):
     """``(y, y1, s, mask)`` of parallel blocks in one call (:func:`_fuses_second_norm`): the
     stream ``s = residual + rowscale * layer_scale * dropout(x)`` normalized once, ``y`` with
     ``weight``/``bias`` and ``y1`` with ``weight1``/``bias1`` written by the same loop; ``mask``
-    the keep mask of ``x``. Without a residual, the stream starts here (:func:`_stream_starts_here`)."""
+    the keep mask of ``x``. Without a residual, the stream starts here (:func:`_stream_starts_here`).
+    ``added``: an :class:`~addnorm.backend.X1` that the same pass adds to the residual first
+    (:func:`_adds_x1`: inference only); ``weight1`` may then be None (no second norm, ``y1`` None)."""
     weight, p, seed = _sublayer(x, residual, shape, weight, sub)
-    if sub.zero_centered_weight:
+    if sub.zero_centered_weight and weight1 is not None:
         weight1 = weight1.to(reference.stats_dtype(weight1.dtype)) + 1
     layer_scale, rowscale = sub.layer_scale, sub.rowscale
     if residual is None and ((residual_dtype or x.dtype) != x.dtype or _has_branch(sub)):
@@ -445,16 +471,19 @@ def _second_norm(x, residual, shape, weight, bias, weight1, bias1, eps, rms, pre
     xf, rf, wf, bf, w1f, b1f, lsf = map(flat, (x, residual, weight, bias, weight1, bias1, layer_scale))
     a = op_args((xf, rf, wf, bf, eps, rms, residual_dtype, backend, prenorm, p, seed, lsf, rowscale))
     params = (xf, wf, bf, w1f, b1f, rf, lsf)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params):
+    if added is None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params):
         outputs = eager_apply_second(a, *params)
         y, y1, s = outputs if len(outputs) == 3 else (*outputs, None)
     else:
-        _, _, (y, s, _, _, y1) = train_forward(a, (w1f, b1f), write_stats=False)
+        second = None if w1f is None else (w1f, b1f)
+        added = None if added is None else added._replace(x1=flat(added.x1))
+        _, _, (y, s, _, _, *y1) = train_forward(a, second, write_stats=False, x1=added)
+        y1 = y1[0] if y1 else None
     if s is None:
         s = xf if rf is None else None
-    unflat = lambda t: t.view(*lead, *shape)  # noqa: E731
+    unflat = lambda t: None if t is None else t.view(*lead, *shape)  # noqa: E731
     mask = _dropout_mask(x, n, p, seed) if sub.return_dropout_mask else None
-    return unflat(y), unflat(y1), None if s is None else unflat(s), mask
+    return unflat(y), unflat(y1), unflat(s), mask
 
 
 eager_apply_second = torch._C._FunctionBase.__dict__["apply"].__get__(None, EagerSecondNorm)

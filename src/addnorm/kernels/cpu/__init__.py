@@ -52,10 +52,11 @@ from .launch import (
 # them (addnorm.ops.plan): the forward writes y alone, not s and y. Same bytes over forward +
 # backward, one fresh output fewer, and fresh outputs are what cost most here (see
 # docs/benchmarks.md, "Fresh outputs page-fault").
-CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True, second_norm=True)
+CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True, second_norm=True, adds_x1=True)
 
 
 _NO_SECOND = (0, 0, 0)  # the forward's WEIGHT1, BIAS1, Y1 slots without a second norm
+_NO_X1 = (0, 0, 0, 0)  # the forward's X1, X1_SEED, X1_KEEP_THRESHOLD, X1_SCALE slots without x1
 _NO_SECOND_GRAD = (0, 0, 0, 0)  # the backward's DY1, WEIGHT1, DWEIGHT1, DBIAS1 slots
 
 
@@ -137,11 +138,13 @@ def forward(
     residual_out=None,
     branch=None,
     second=None,
+    x1=None,
 ):
     """:func:`addnorm.reference.forward` in one pass over the rows; ``y`` and ``s`` are written
     straight into ``out``/``residual_out`` when given. ``second``: ``(weight1, bias1)`` of a second
     norm of the same stream (parallel blocks), whose output ``y1`` is written by the same loop
-    and returned fifth."""
+    and returned fifth. ``x1``: an :class:`~addnorm.backend.X1` (parallel blocks), added to each
+    row of ``residual`` (which must be given) as it is read."""
     n = x.shape[-1]
     y_dtype = sd = x.dtype
     if residual is not None:
@@ -151,6 +154,9 @@ def forward(
             # compiled kernel per dtype serves; y then goes through the statistics dtype
             x, residual = x.to(sd), residual.to(sd)
         residual = contiguous_rows(residual)
+    if x1 is not None:  # in the stream dtype, as x (the rounding dropped_add's x1.to(sd) makes)
+        x1, p1, seed1 = x1
+        x1 = contiguous_rows(x1 if x1.dtype is sd else x1.to(sd))
     cd = torch.float64 if sd is torch.float64 else torch.float32
     if not x.is_contiguous():
         x = x.contiguous()
@@ -176,6 +182,11 @@ def forward(
         if second is not None:
             w1, b1 = param_row(second[0], n, pd, 1.0), param_row(second[1], n, pd, 0.0)
             second_args = (w1.data_ptr(), b1.data_ptr(), y1.data_ptr())  # w1, b1 held: the kernel reads them
+        x1_args = _NO_X1
+        if x1 is not None:
+            seed_bits = int(seed1) if p1 > 0 else 0
+            scale = float64_bits(reference.dropout_scale(p1))
+            x1_args = (x1.data_ptr(), seed_bits, reference.keep_threshold(p1), scale)
         args = (  # in entry.ForwardSlot order
             x.data_ptr(),
             x.data_ptr() if residual is None else residual.data_ptr(),
@@ -194,11 +205,15 @@ def forward(
             write_stats,
             float64_bits(eps),
             *second_args,
+            *x1_args,
         )
         # y straight to memory when it is the output itself (not a float32 y cast afterwards)
-        moved = x.nbytes * (2 + (residual is not None) + write_s + (y1 is not None))
+        moved = x.nbytes * (2 + (residual is not None) + write_s + (y1 is not None) + (x1 is not None))
         stream_y = direct and streamed(y, moved) and (y1 is None or streamed(y1, moved))
-        entry = forward_entry(sd, y.dtype, pd, branch is not None, streamed=stream_y, second=y1 is not None)
+        added, dropped = x1 is not None, x1 is not None and p1 > 0
+        entry = forward_entry(
+            sd, y.dtype, pd, branch is not None, streamed=stream_y, second=y1 is not None, added=added, dropped=dropped
+        )
         run_on_threads(entry, threads, args, branch_slots)
         del held
     if y.dtype is not y_dtype:

@@ -95,6 +95,29 @@ def _second_grad_block_impl(second, blk, lo, hi):
     return block
 
 
+def _added(x1, n, cd):
+    """``(x1, its prepared dropout branch or None, a scratch row of x1's dtype, a gate row)`` for
+    :func:`.rows.residual_row`, or None without ``x1``."""
+
+
+@overload(_added)
+def _added_impl(x1, n, cd):
+    if isinstance(x1, types.NoneType):
+        return lambda x1, n, cd: None
+    return lambda x1, n, cd: (x1[0], prepare_branch(x1[1], n), np.empty_like(x1[0][0]), np.empty(n, cd))
+
+
+def _added_block(added, lo, hi):
+    """``added`` on rows ``lo:hi`` (the scratch rows shared), or None."""
+
+
+@overload(_added_block)
+def _added_block_impl(added, lo, hi):
+    if isinstance(added, types.NoneType):
+        return lambda added, lo, hi: None
+    return lambda added, lo, hi: (added[0][lo:hi], added[1], added[2], added[3])
+
+
 @numba.njit
 def _claim_block(counters, block_rows, m):
     """``(block, lo, hi)``: the next unclaimed block of rows, or block -1 when none is left."""
@@ -117,13 +140,16 @@ def _wait_all_blocks(counters, block_rows, m):
 @numba.njit(nogil=True, error_model="numpy")
 def forward_blocks(
     x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd,
-    counters, block_rows, direct, br, streamed, second,
+    counters, block_rows, direct, br, streamed, second, x1,
 ):  # fmt: skip
     """:func:`.rows.forward_rows` over the blocks this thread claims. ``br``: the branch's
     arguments (``entry.read_branch``), or None; ``streamed``: True to write ``y`` (and ``y1``)
     with non-temporal stores, fenced before the block is counted done, else None; ``second``:
-    ``(weight1, bias1, y1)`` of a second norm, or None."""
+    ``(weight1, bias1, y1)`` of a second norm, or None; ``x1``: parallel blocks' second sublayer
+    output and its dropout branch's arguments, ``(x1, br1 or None)`` (``entry.read_x1``), added
+    to the residual row by row (:func:`.rows.residual_row`), or None."""
     m, n = x.shape
+    added = _added(x1, n, rstd.dtype)
     buf = np.empty((3, n), rstd.dtype)  # the row (two, alternating, when pipelined) and a scaled row
     kbuf = np.empty(1, rstd.dtype)
     branch = prepare_branch(br, n)
@@ -153,6 +179,7 @@ def forward_blocks(
             gates,
             streamed,
             _second_block(second, lo, hi),
+            _added_block(added, lo, hi),
         )
         _fence_if(streamed)
         _atomic_increment(counters, _BLOCKS_DONE)

@@ -134,11 +134,34 @@ def _plus_impl(addend, j, v):
     return lambda addend, j, v: load(addend, j) + v
 
 
+def _gate_row_if(branch, row, gate):
+    """:func:`gate_row`, or nothing without dropout (``branch`` None)."""
+
+
+@overload(_gate_row_if)
+def _gate_row_if_impl(branch, row, gate):
+    if isinstance(branch, types.NoneType):
+        return lambda branch, row, gate: None
+    return lambda branch, row, gate: gate_row(branch, row, gate)
+
+
+def _gated(src, j, gate, branch):
+    """``src[j]`` (widened) times the gate, or ``src[j]`` itself without dropout."""
+
+
+@overload(_gated)
+def _gated_impl(src, j, gate, branch):
+    if isinstance(branch, types.NoneType):
+        return lambda src, j, gate, branch: load(src, j)
+    return lambda src, j, gate, branch: load(src, j) * gate[j]
+
+
 @numba.njit
 def dropped_row(src, addend, out, gate, branch, row):
     """``out`` = ``addend + dropout(src)`` of row ``row``, summed in the statistics dtype and
     rounded to ``out``'s: :func:`addnorm.reference.stream` of a dropout-only branch, bit for bit
-    (parallel blocks' ``x1``; with ``addend`` None, ``dropout(src)``: its gradient)."""
-    gate_row(branch, row, gate)
+    (parallel blocks' ``x1``; with ``addend`` None, ``dropout(src)``: its gradient). ``branch``
+    None: no dropout, ``addend + src`` rounded once (torch's add of the two in ``out``'s dtype)."""
+    _gate_row_if(branch, row, gate)
     for j in range(out.shape[0]):
-        put(out, j, _plus(addend, j, load(src, j) * gate[j]))
+        put(out, j, _plus(addend, j, _gated(src, j, gate, branch)))

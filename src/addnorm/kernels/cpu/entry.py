@@ -62,6 +62,10 @@ class ForwardSlot(IntEnum):
     WEIGHT1 = auto()  # the second norm (parallel blocks): 0 without one
     BIAS1 = auto()  # (weight1's address again without bias1: never read then)
     Y1 = auto()
+    X1 = auto()  # parallel blocks' second sublayer output, added to the residual: 0 without one
+    X1_SEED = auto()  # x1's dropout: its seed, keep threshold and scale (float64 bits); 0 without
+    X1_KEEP_THRESHOLD = auto()
+    X1_SCALE = auto()
     BRANCH = auto()  # the first of the branch's slots (BranchSlot)
 
 
@@ -233,6 +237,27 @@ def _read_second_impl(a, m, n, pd, yd, second):
     return read
 
 
+def read_x1(a, f, m, n, sd, cd, added, dropped):
+    """Parallel blocks' ``x1`` and its dropout branch's arguments (as :func:`read_branch`'s, no
+    layer scale or rowscale; None without dropout), or None without ``x1`` (pruned when
+    compiling)."""
+
+
+@overload(read_x1)
+def _read_x1_impl(a, f, m, n, sd, cd, added, dropped):
+    if isinstance(added, types.NoneType):
+        return lambda a, f, m, n, sd, cd, added, dropped: None
+    if isinstance(dropped, types.NoneType):
+        return lambda a, f, m, n, sd, cd, added, dropped: (carray(_pointer(a[ForwardSlot.X1]), (m, n), sd), None)
+
+    def read(a, f, m, n, sd, cd, added, dropped):
+        none = np.empty(0, cd)  # (no layer scale, no rowscale: only the keep mask and scale are read)
+        br = (a[ForwardSlot.X1_SEED], a[ForwardSlot.X1_KEEP_THRESHOLD], cd(f[ForwardSlot.X1_SCALE]), none, none, False)
+        return carray(_pointer(a[ForwardSlot.X1]), (m, n), sd), br
+
+    return read
+
+
 def read_second_grad(a, m, n, gd, pd, cd, second):
     """The backward's second norm ``(dy1, weight1, dweight1, dbias1)`` from its slots (the
     gradients' partial rows, or one row each of scratch with one block), or None."""
@@ -282,12 +307,13 @@ def _write_sums(a, n, od, pairs):
                 put(out, j, sums[j])
 
 
-def _compile_forward(sd, yd, pd, branched, streamed, second):
+def _compile_forward(sd, yd, pd, branched, streamed, second, added, dropped):
     """The forward entry (ForwardSlot); ``sd``: the dtype of x, residual and s, ``yd`` that of
     y, ``pd`` that of weight and bias (numpy dtypes; 16-bit floats as uint16/int16, see
     NUMPY_DTYPES); ``branched``: True, or None without a branch; ``streamed``: True (y written
     with non-temporal stores), or None; ``second``: True (a second norm: ``weight1``, ``bias1``,
-    ``y1``), or None."""
+    ``y1``), or None; ``added``: True (parallel blocks' ``x1``, of dtype ``sd``, added to the
+    residual), or None; ``dropped``: True (``x1`` through its dropout), or None."""
     cd = _stats_dtype(sd)
     direct = True if sd == cd else None  # see rows.forward_rows
     source_digest = SOURCE_DIGEST
@@ -319,6 +345,7 @@ def _compile_forward(sd, yd, pd, branched, streamed, second):
             read_branch(a, f, ForwardSlot.BRANCH, m, n, cd, branched),
             streamed,
             read_second(a, m, n, pd, yd, second),
+            read_x1(a, f, m, n, sd, cd, added, dropped),
         )
 
     return _compile_entry(entry)
@@ -401,7 +428,8 @@ def _compile_dropped(src_d, out_d, added):
     return _compile_entry(entry)
 
 
-# compiled entries, made on first use: (stream, y, parameter dtypes, branched, streamed, second)
+# compiled entries, made on first use: (stream, y, parameter dtypes, branched, streamed, second,
+# added, dropped)
 # and (s, dy, dstream, weight, weight gradient dtypes, summed, branched, streamed, second), and
 # (src, out dtypes, added)
 FORWARD_ENTRIES: dict[tuple, object] = {}
@@ -421,12 +449,15 @@ def forward_entry(
     branched: bool = False,
     streamed: bool = False,
     second: bool = False,
+    added: bool = False,
+    dropped: bool = False,
 ):
-    key = (sd, yd, pd, branched, streamed, second)
+    key = (sd, yd, pd, branched, streamed, second, added, dropped)
     entry = FORWARD_ENTRIES.get(key)
     if entry is None:
         dtypes = (NUMPY_DTYPES[d] for d in (sd, yd, pd))
-        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, _flag(branched), _flag(streamed), _flag(second))
+        flags = map(_flag, (branched, streamed, second, added, dropped))
+        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, *flags)
     return entry
 
 

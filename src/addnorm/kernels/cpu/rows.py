@@ -37,7 +37,7 @@ from numba import types
 from numba.extending import overload
 
 from . import config
-from .branch import stream_through_branch
+from .branch import dropped_row, stream_through_branch
 from .floats import Streamed, load, put, round_to
 from .numerics import SUM_MATH, add_row, centred_stats, dot, load_row, row_scale, row_stats, row_sum
 
@@ -72,6 +72,7 @@ def forward_rows(
     gates,
     streamed,
     second,
+    added,
 ):
     """``y`` (and ``s``, ``mean``, ``rstd``) of the rows ``x`` (plus ``r``). ``direct``: None for
     16-bit rows, whose x and s are never in the statistics dtype (a type, so that the branches
@@ -80,9 +81,12 @@ def forward_rows(
     ``first`` the index of the first row in the call. ``buf``: three rows of scratch.
     ``streamed``: True to write ``y`` with non-temporal stores, else None. ``second``: the
     second norm of the same rows, ``(weight1, bias1, y1)`` (parallel blocks: ``y1`` from the same
-    statistics, in the same loop as ``y``), or None."""
+    statistics, in the same loop as ``y``), or None. ``added``: parallel blocks' ``x1``, added to
+    each row of ``r`` first (:func:`residual_row`), or None."""
     if direct is not None and branch is None and has_residual and write_s:
-        _forward_rows_pipelined(x, r, w, b, eps, nf, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second)
+        _forward_rows_pipelined(
+            x, r, w, b, eps, nf, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second, added, first
+        )
         return
     row_buf = buf[0]
     for i in range(x.shape[0]):
@@ -91,7 +95,7 @@ def forward_rows(
         # element fewer), or x + residual added into buf when the stream is not written
         if branch is not None:
             row = row_buf
-            stream_through_branch(x[i], r[i], row_buf, gates, branch, first + i)
+            stream_through_branch(x[i], residual_row(r, i, added, first), row_buf, gates, branch, first + i)
             if write_s:
                 si = s[i]
                 for j in range(row_buf.shape[0]):
@@ -99,11 +103,11 @@ def forward_rows(
             total = dot(row, row) if rms else row_sum(row)
         elif direct is None:
             row = row_buf
-            total = load_row(x[i], r[i], s[i], row_buf, has_residual, write_s, rms)
+            total = load_row(x[i], residual_row(r, i, added, first), s[i], row_buf, has_residual, write_s, rms)
         else:
             row = x[i]
             if has_residual:
-                add_row(x[i], r[i], row_buf)
+                add_row(x[i], residual_row(r, i, added, first), row_buf)
                 row = row_buf
             total = dot(row, row) if rms else row_sum(row)
         row, mu, c, rs, k = _row_statistics(row, total, eps, nf, rms, buf[2], kbuf)
@@ -113,7 +117,9 @@ def forward_rows(
 
 
 @numba.njit
-def _forward_rows_pipelined(x, r, w, b, eps, nf, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second):
+def _forward_rows_pipelined(
+    x, r, w, b, eps, nf, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second, added, first
+):
     """:func:`forward_rows` of float32/float64 rows with a residual whose stream ``s`` is
     written, one row ahead: the loop that writes row i's output also adds row i+1's stream, so
     that the memory reads of the next row and the writes of this one run together (as an
@@ -125,7 +131,7 @@ def _forward_rows_pipelined(x, r, w, b, eps, nf, write_stats, rms, y, s, mean, r
     m = x.shape[0]
     if m == 0:
         return
-    add_row(x[0], r[0], s[0])
+    add_row(x[0], residual_row(r, 0, added, first), s[0])
     for i in range(m):
         row = s[i]
         total = dot(row, row) if rms else row_sum(row)
@@ -141,7 +147,7 @@ def _forward_rows_pipelined(x, r, w, b, eps, nf, write_stats, rms, y, s, mean, r
                 output_row(y, i, streamed),
                 second_row(second, i, streamed),
                 x[i + 1],
-                r[i + 1],
+                residual_row(r, i + 1, added, first),
                 s[i + 1],
             )
         else:
@@ -202,6 +208,15 @@ def _store_stats(mean, rstd, i, mu, c, rs, k, rms):
     rstd[i] = rs * k
 
 
+def residual_row(r, i, added, first):
+    """Row ``i`` of the residual: ``r[i]``; with parallel blocks' ``x1`` (``added``: ``(x1, its
+    dropout branch or None, a scratch row of the stream dtype, a gate row)``), ``r[i] +
+    dropout1(x1[i])`` summed in the statistics dtype and rounded to the stream dtype, into the
+    scratch row: :func:`.branch.dropped_row`, the bits of the pass it replaces (``first``: the
+    index of row 0 in the call, for the keep mask). The scratch row is read before the next
+    row's sum overwrites it."""
+
+
 def stream_row(si, ri, sbuf):
     """``(row, residual)`` with ``stream_at(row, residual, j)`` element ``j`` of the stream. When
     the saved row ``si`` is ``x`` (``ri`` the residual, see ``CAPABILITIES``), the stream is the
@@ -259,6 +274,19 @@ def _second_params_pair(sec_i, sec_j, xi, xj, j):
 def _plus_dstream(v, dsti, j):
     """``v + dsti[j]`` (the gradient of the returned stream, pre-norm), or ``v`` when ``dsti`` is
     None."""
+
+
+@overload(residual_row)
+def _residual_row_impl(r, i, added, first):
+    if isinstance(added, types.NoneType):
+        return lambda r, i, added, first: r[i]
+
+    def add(r, i, added, first):
+        x1, branch1, row, gate = added
+        dropped_row(x1[i], r[i], row, gate, branch1, first + i)
+        return row
+
+    return add
 
 
 @overload(stream_row)
