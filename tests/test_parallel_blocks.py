@@ -268,6 +268,52 @@ def test_cpu_inference_adds_x1_in_the_norm_pass_with_the_separate_pass_bits(monk
     assert_matches_oracle(y, oracle, _oracle_post_norm(x, r, x1, w, b, p, dtype, in_dtype=True))
 
 
+@pytest.mark.usefixtures("on_cpu")  # the cpu backend runs on CPU tensors alone
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_training_adds_x1_in_the_norm_pass_where_the_backward_needs_no_sum(monkeypatch, dtype, kind):
+    """In training, ``x1`` is added in the norm's pass only for a pre-norm parallel block with both
+    norms and no branch (the stream is saved; ``dx1`` is ``ds``): outputs and every gradient the
+    bits of the separate pass. With dropout, a layer scale, post-norm or no second norm, the
+    separate pass stays (the backward takes the summed residual)."""
+    from addnorm.kernels import cpu
+
+    m, n = 300, 1024
+    x, r, x1, w, b, w1, b1, ls = _tensors(m, n, dtype, seed=9, count=8)
+    dys = [torch.randn(m, n, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(3)]
+    calls, real_forward = [], cpu.forward
+    monkeypatch.setattr(cpu, "forward", lambda *a, **k: calls.append("x1" in k) or real_forward(*a, **k))
+
+    def run(residual=r, prenorm=True, second=True, **kw):
+        leaves = [t.clone().requires_grad_() for t in (x, residual if residual is not None else r, x1, w, b, w1, b1)]
+        extra = {"weight1": leaves[5], "bias1": leaves[6]} if second else {}
+        outs = _call(
+            kind, leaves[0], None if residual is None else leaves[1], leaves[3], leaves[4], x1=leaves[2],
+            prenorm=prenorm, generator=torch.Generator().manual_seed(3), **extra, **kw,
+        )  # fmt: skip
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        sum((o.float() * dy.float()).sum() for o, dy in zip(outs, dys)).backward()
+        return [o.detach() for o in outs] + [t.grad for t in leaves if t.grad is not None]
+
+    for case in ({}, {"residual_dtype": torch.float32}, {"residual": None}):
+        fused = run(**case)
+        assert calls == [True], case
+        calls.clear()
+        with monkeypatch.context() as patched:
+            patched.setattr(cpu, "CAPABILITIES", dataclasses.replace(cpu.CAPABILITIES, adds_x1=False))
+            separate = run(**case)
+        calls.clear()
+        # y, y1, s; dx, dx1, dweight, dweight1, and dresidual, dbias and dbias1 where there are
+        has_residual = case.get("residual", r) is not None
+        assert len(fused) == len(separate) == 7 + has_residual + 2 * (kind == "layer")
+        for ours, theirs in zip(fused, separate):
+            assert _same_bits(ours, theirs), case
+    for case in ({"dropout_p": 0.2}, {"layer_scale": ls}, {"prenorm": False}, {"second": False}):
+        run(**case)
+        assert True not in calls, case
+        calls.clear()
+
+
 def _oracle_post_norm(x, r, x1, w, b, p, dtype, in_dtype=False):
     """``layer_norm(r + dropout1(x1) + dropout(x))`` by torch's ops (float64, or in ``dtype`` when
     ``in_dtype``) with the call's keep masks: their seeds drawn from a generator seeded 11,

@@ -129,7 +129,7 @@ def train_forward(
     ``second``: ``(weight1, bias1)`` of a second norm of the same stream (parallel blocks, on a
     backend with ``Capabilities.second_norm``), whose ``y1`` then comes fifth. ``x1``: parallel
     blocks' second sublayer output, added to the residual in the same pass (a backend with
-    ``Capabilities.adds_x1``; inference alone: the backward would need the summed residual)."""
+    ``Capabilities.adds_x1``; where the backward needs no summed residual: :func:`addnorm.ops._adds_x1`)."""
     impl = backends.resolve(a.backend, a.x)
     branch = make_branch(a.dropout_p, a.seed, a.layer_scale, a.rowscale)
     plan = save_plan(impl, a, branch)
@@ -438,13 +438,20 @@ forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 class EagerSecondNorm(torch.autograd.Function):
     """:class:`EagerAddNorm` with a second norm of the same stream (parallel blocks): outputs
     ``y``, ``y1`` (and ``s`` when written); one backward pass over the rows sums ``g = dy * weight
-    + dy1 * weight1`` and gives ``dweight1``/``dbias1`` besides the rest (:func:`_grads`)."""
+    + dy1 * weight1`` and gives ``dweight1``/``dbias1`` besides the rest (:func:`_grads`).
+
+    ``x1``: parallel blocks' second sublayer output, added to the residual in the forward's pass
+    (``Capabilities.adds_x1``), without dropout and on a stream that is saved (pre-norm, no
+    branch: :func:`addnorm.ops._adds_x1`): its gradient is then ``ds`` itself, as the separate
+    pass's (:class:`DroppedAdd`) would give."""
 
     @staticmethod
-    def forward(ctx, a, x, weight, bias, weight1, bias1, residual=None, layer_scale=None):
-        plan, _, (y, s, mean, rstd, y1) = train_forward(a, (weight1, bias1))
+    def forward(ctx, a, x, weight, bias, weight1, bias1, residual=None, layer_scale=None, x1=None):
+        added = None if x1 is None else backends.X1(x1, 0.0, None)
+        plan, _, (y, s, mean, rstd, y1) = train_forward(a, (weight1, bias1), x1=added)
         ctx.save_for_backward(a.weight, mean, rstd, a.seed, a.layer_scale, a.rowscale, weight1, *_saved(a, s, plan))
         ctx.meta, ctx.bias1_dtype = _meta(a, plan.write_stream), None if bias1 is None else bias1.dtype
+        ctx.x1_dtype = None if x1 is None else x1.dtype
         ctx.set_materialize_grads(False)
         if not plan.write_stream:
             return y, y1
@@ -457,7 +464,8 @@ class EagerSecondNorm(torch.autograd.Function):
         dx, dresidual, dweight, dbias, dls, dweight1, dbias1 = _grads(
             dy, dstream, saved[:6] + saved[7:], ctx.meta, run_backward, second
         )
-        return None, dx, dweight, dbias, dweight1, dbias1, dresidual, dls
+        dx1 = None if ctx.x1_dtype is None or dresidual is None else _to(dresidual, ctx.x1_dtype)
+        return None, dx, dweight, dbias, dweight1, dbias1, dresidual, dls, dx1
 
 
 # --------------------------------------------------------------------------- a second sublayer output

@@ -60,8 +60,8 @@ class Capabilities:
     blocks run as two calls.
     ``adds_x1``: ``forward`` takes ``x1=`` (:class:`X1`), parallel blocks' second sublayer output,
     and adds it to the residual as it reads each row (:func:`addnorm.kernels.cpu.forward`);
-    without it (and in training, whose backward takes the summed residual), ``residual +
-    dropout(x1)`` is a pass of its own before the norm.
+    without it (and in training where the backward takes the summed residual:
+    :func:`addnorm.ops._adds_x1`), ``residual + dropout(x1)`` is a pass of its own before the norm.
     """
 
     device_types: tuple[str, ...] | None

@@ -378,7 +378,7 @@ def _parallel(
         sd = reference.stream_dtype(x, residual, residual_dtype)
         seed1 = draw_seed(sublayer.generator, x.device) if p > 0 else None
         base = torch.zeros_like(x1, dtype=sd) if residual is None else residual.to(sd)
-        if _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer):
+        if _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer, prenorm):
             residual, added = base, backends.X1(x1, p, seed1)  # added as the norm reads each row
         else:
             residual = dropped_add(base, x1, n, p, seed1, sd, backend)
@@ -434,14 +434,17 @@ def _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, subla
     return _eager_plain(*tensors) and backends.resolve(backend, x).CAPABILITIES.second_norm
 
 
-def _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer) -> bool:
+def _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer, prenorm) -> bool:
     """Whether ``x1`` is added to the residual inside the norm's pass (``Capabilities.adds_x1``)
-    rather than by a pass of its own: plain tensors in eager mode, nothing to differentiate (the
-    backward takes the summed residual), and with ``weight1`` a backend that also fuses the
-    second norm."""
+    rather than by a pass of its own: plain tensors in eager mode, with ``weight1`` on a backend
+    that also fuses the second norm. In training only where the backward needs neither the
+    summed residual nor ``x1``'s mask: a pre-norm parallel block with both norms (its stream
+    saved) and no branch (no dropout, no layer scale), whose ``dx1`` is ``ds``
+    (:class:`~addnorm.autograd.EagerSecondNorm`); elsewhere the separate pass keeps the sum."""
     tensors = (x, residual, x1, weight, bias, weight1, bias1, sublayer.layer_scale)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return False
+        if not prenorm or weight1 is None or _has_branch(sublayer):
+            return False
     if not _eager_plain(*tensors):
         return False
     capabilities = backends.resolve(backend, x).CAPABILITIES
@@ -456,7 +459,7 @@ def _second_norm(
     ``weight``/``bias`` and ``y1`` with ``weight1``/``bias1`` written by the same loop; ``mask``
     the keep mask of ``x``. Without a residual, the stream starts here (:func:`_stream_starts_here`).
     ``added``: an :class:`~addnorm.backend.X1` that the same pass adds to the residual first
-    (:func:`_adds_x1`: inference only); ``weight1`` may then be None (no second norm, ``y1`` None)."""
+    (:func:`_adds_x1`); in inference ``weight1`` may then be None (no second norm, ``y1`` None)."""
     weight, p, seed = _sublayer(x, residual, shape, weight, sub)
     if sub.zero_centered_weight and weight1 is not None:
         weight1 = weight1.to(reference.stats_dtype(weight1.dtype)) + 1
@@ -471,8 +474,9 @@ def _second_norm(
     xf, rf, wf, bf, w1f, b1f, lsf = map(flat, (x, residual, weight, bias, weight1, bias1, layer_scale))
     a = op_args((xf, rf, wf, bf, eps, rms, residual_dtype, backend, prenorm, p, seed, lsf, rowscale))
     params = (xf, wf, bf, w1f, b1f, rf, lsf)
-    if added is None and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params):
-        outputs = eager_apply_second(a, *params)
+    trained = (*params, None if added is None else flat(added.x1))
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in trained):
+        outputs = eager_apply_second(a, *trained)
         y, y1, s = outputs if len(outputs) == 3 else (*outputs, None)
     else:
         second = None if w1f is None else (w1f, b1f)
