@@ -10,7 +10,8 @@ It calls the backend's ``forward`` and ``backward`` directly and compares them w
 independent float64 oracle (torch's own ops and autograd), on the rows that break naive code;
 it checks batch invariance, the dropout keep mask bit for bit, zero rows and bad input, and a
 backend declaring ``Capabilities.second_norm`` its second norm (parallel blocks) against the
-same oracle; it raises ``AssertionError`` saying what failed. The package's own backends pass it in the test
+same oracle, and one declaring ``Capabilities.adds_x1`` its ``x1`` against the same forward on
+the summed residual; it raises ``AssertionError`` saying what failed. The package's own backends pass it in the test
 suite (``tests/test_backend_contract.py``).
 """
 
@@ -268,6 +269,27 @@ def _second_norm(f, impl, dtype, device, g):
             f.close(got, want, f"{case}: backward {what}", cd, scale=rows_scale)
 
 
+def _adds_x1(f, impl, dtype, device, g):
+    """A backend with ``Capabilities.adds_x1``: ``forward(x1=X1(x1, p, seed))`` gives the bits of
+    the same forward on the residual ``residual + dropout(x1)`` summed as the reference does (the
+    sum in the statistics dtype, rounded to the stream dtype), with and without dropout, through
+    the branch and into a second norm (where declared)."""
+    m, n = 160, 1024  # above the CPU kernels' threading threshold: several blocks
+    x, r, w, b = _inputs("offset", m, n, dtype, g, device, residual=True)
+    x1 = torch.randn(m, n, generator=g).to(dtype).to(device)
+    seed = torch.tensor(20260127, dtype=torch.int64, device=device)
+    second = {"second": (w.flip(0), b)} if impl.CAPABILITIES.second_norm else {}
+    for p, branch in ((0.0, None), (0.25, None), (0.25, backends.Branch(0.5, seed + 1, None, None))):
+        case = f"x1: {dtype} dropout_p={p}{' through a branch' if branch else ''}"
+        dropout = None if p == 0 else backends.Branch(p, seed, None, None)
+        summed = reference.stream(x1, r, None, dropout)  # residual + dropout(x1), rounded once
+        kw = dict(eps=1e-5, rms=False, residual_dtype=None, branch=branch, **second)
+        want = impl.forward(x, summed, w, b, **kw)
+        got = impl.forward(x, r, w, b, x1=backends.X1(x1, p, seed if p else None), **kw)
+        for ours, theirs, what in zip(got, want, ("y", "s", "mean", "rstd", "y1")):
+            f.same_bits(ours, theirs, f"{case}: forward {what}")
+
+
 def _zero_rows_and_buffers(f, impl, device):
     n = 16
     x, w, b = torch.empty(0, n, device=device), torch.ones(n, device=device), torch.zeros(n, device=device)
@@ -330,6 +352,8 @@ def check_backend(
         steps.append((f"{dtype} batch invariance", partial(_batch_invariance, f, impl, dtype, device, g)))
         if impl.CAPABILITIES.second_norm and dtype in (torch.float32, torch.bfloat16):  # direct and 16-bit rows
             steps.append((f"{dtype} second norm", partial(_second_norm, f, impl, dtype, device, g)))
+        if impl.CAPABILITIES.adds_x1 and dtype in (torch.float32, torch.bfloat16):
+            steps.append((f"{dtype} x1", partial(_adds_x1, f, impl, dtype, device, g)))
     steps.append(("dropout", partial(_dropout_bits, f, impl, device, g)))
     steps.append(("zero rows and buffers", partial(_zero_rows_and_buffers, f, impl, device)))
     steps.append(("bad input", partial(_bad_input, f, impl, device)))
