@@ -19,6 +19,9 @@ A second norm of the same rows (parallel blocks: ``weight1``, ``bias1``) costs n
 own: the loop that writes ``y`` writes ``y1`` from the same statistics, and the backward's
 passes take ``g = dy * weight + dy1 * weight1`` and add the row's share of ``dweight1`` and
 ``dbias1`` (:func:`second_row`, :func:`second_grad_row`: None without one, pruned when compiling).
+Parallel blocks' ``x1`` costs no pass of its own either where the forward takes it
+(``Capabilities.adds_x1``): each residual row is read as ``residual + dropout(x1)``, summed into
+a scratch row just before the row's own loops (:func:`residual_row`).
 
 Large outputs that are not read back (``y``; ``ds``, or ``dx`` through a branch) are written
 with non-temporal stores when the launcher asks (``streamed``, :class:`.floats.Streamed`): the
