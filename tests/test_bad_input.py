@@ -151,6 +151,12 @@ FUNCTION_CASES = [
         r"^rowscale with x1 is ambiguous",
     ),
     (
+        "x1 with a float layer_scale",
+        lambda b: addnorm.add_layer_norm(X, X, 8, x1=X, layer_scale=0.1, backend=b),
+        TypeError,
+        r"^layer_scale must be a torch.Tensor, got float",
+    ),
+    (
         "bias1 without weight1",
         lambda b: addnorm.add_layer_norm(X, X, 8, bias1=torch.ones(8), backend=b),
         ValueError,

@@ -448,7 +448,9 @@ class EagerSecondNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, x, weight, bias, weight1, bias1, residual=None, layer_scale=None, x1=None):
         added = None if x1 is None else backends.X1(x1, 0.0, None)
-        plan, _, (y, s, mean, rstd, y1) = train_forward(a, (weight1, bias1), x1=added)
+        plan, branch, (y, s, mean, rstd, y1) = train_forward(a, (weight1, bias1), x1=added)
+        if x1 is not None and (plan.save_inputs or branch is not None):  # the backward would lack x1
+            raise RuntimeError("x1 in the norm's pass needs a saved stream and no branch (addnorm.ops._adds_x1)")
         ctx.save_for_backward(a.weight, mean, rstd, a.seed, a.layer_scale, a.rowscale, weight1, *_saved(a, s, plan))
         ctx.meta, ctx.bias1_dtype = _meta(a, plan.write_stream), None if bias1 is None else bias1.dtype
         ctx.x1_dtype = None if x1 is None else x1.dtype

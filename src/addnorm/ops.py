@@ -436,13 +436,13 @@ def _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, subla
 
 def _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer, prenorm) -> bool:
     """Whether ``x1`` is added to the residual inside the norm's pass (``Capabilities.adds_x1``)
-    rather than by a pass of its own: plain tensors in eager mode, with ``weight1`` on a backend
-    that also fuses the second norm. In training only where the backward needs neither the
+    rather than by a pass of its own: plain tensors in eager mode, on a backend that also fuses
+    the second norm when ``weight1`` is given. In training only where the backward needs neither the
     summed residual nor ``x1``'s mask: a pre-norm parallel block with both norms (its stream
     saved) and no branch (no dropout, no layer scale), whose ``dx1`` is ``ds``
     (:class:`~addnorm.autograd.EagerSecondNorm`); elsewhere the separate pass keeps the sum."""
     tensors = (x, residual, x1, weight, bias, weight1, bias1, sublayer.layer_scale)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
         if not prenorm or weight1 is None or _has_branch(sublayer):
             return False
     if not _eager_plain(*tensors):
@@ -454,7 +454,8 @@ def _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer, p
 def _second_norm(
     x, residual, shape, weight, bias, weight1, bias1, eps, rms, prenorm, residual_dtype, backend, sub, added=None
 ):
-    """``(y, y1, s, mask)`` of parallel blocks in one call (:func:`_fuses_second_norm`): the
+    """``(y, y1, s, mask)`` of parallel blocks in one call (:func:`_fuses_second_norm`, or
+    :func:`_adds_x1`): the
     stream ``s = residual + rowscale * layer_scale * dropout(x)`` normalized once, ``y`` with
     ``weight``/``bias`` and ``y1`` with ``weight1``/``bias1`` written by the same loop; ``mask``
     the keep mask of ``x``. Without a residual, the stream starts here (:func:`_stream_starts_here`).

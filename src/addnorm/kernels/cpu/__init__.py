@@ -156,6 +156,8 @@ def forward(
         residual = contiguous_rows(residual)
     if x1 is not None:  # in the stream dtype, as x (the rounding dropped_add's x1.to(sd) makes)
         x1, p1, seed1 = x1
+        if residual is None or x1.shape != x.shape:
+            raise ValueError(f"x1 is added to the residual: it needs one, and x's shape {tuple(x.shape)}")
         x1 = contiguous_rows(x1 if x1.dtype is sd else x1.to(sd))
     cd = torch.float64 if sd is torch.float64 else torch.float32
     if not x.is_contiguous():
