@@ -224,9 +224,9 @@ def test_cpu_inference_adds_x1_in_the_norm_pass_with_the_separate_pass_bits(monk
     """In inference on the cpu backend (and "auto"), ``x1`` (and its dropout) is added to each
     residual row as the norm reads it (``Capabilities.adds_x1``): no pass of its own before the
     norm, and every output the bits of that separate pass followed by the norm (the path a
-    training call, or a backend without the capability, takes), pre- and post-norm, LayerNorm and
-    RMSNorm, with a stream dtype of its own, a layer scale, no residual, and over several
-    threads' blocks of rows."""
+    training call, or a backend without the capability, takes), pre- and post-norm (the stream
+    written only when returned), LayerNorm and RMSNorm, with a stream dtype of its own, a layer
+    scale, no residual, and over several threads' blocks of rows."""
     from addnorm.kernels import cpu
 
     m, n = 300, 1024  # above the threading threshold: several blocks of rows
@@ -237,8 +237,14 @@ def test_cpu_inference_adds_x1_in_the_norm_pass_with_the_separate_pass_bits(monk
         for kind in ("layer", "rms")
         for res, rd, lsc in ((r, None, None), (r, torch.float32, None), (None, None, None), (r, None, ls))
     ]
-    calls, real_forward, real_dropped = [], cpu.forward, cpu.dropped
-    monkeypatch.setattr(cpu, "forward", lambda *a, **k: calls.append("x1" in k) or real_forward(*a, **k))
+    calls, streams, real_forward, real_dropped = [], [], cpu.forward, cpu.dropped
+
+    def forward(*a, **k):
+        calls.append("x1" in k)
+        streams.append(k["write_stream"])
+        return real_forward(*a, **k)
+
+    monkeypatch.setattr(cpu, "forward", forward)
     monkeypatch.setattr(cpu, "dropped", lambda *a: calls.append("dropped") or real_dropped(*a))
 
     def run(case, backend):
@@ -254,12 +260,15 @@ def test_cpu_inference_adds_x1_in_the_norm_pass_with_the_separate_pass_bits(monk
     for case in cases:
         fused = [run(case, backend) for backend in ("cpu", "auto")]
         assert calls == [True, True], case  # one forward each, x1 in it
+        assert streams == [case["prenorm"]] * 2, case  # the stream written only when returned
         calls.clear()
+        streams.clear()
         with monkeypatch.context() as patched:
             patched.setattr(cpu, "CAPABILITIES", dataclasses.replace(cpu.CAPABILITIES, adds_x1=False))
             separate = run(case, "cpu")
         assert calls[-1] is False and (p == 0 or "dropped" in calls), case  # x1's own pass, then the norm
         calls.clear()
+        streams.clear()
         for outputs in fused:
             assert len(outputs) == len(separate)
             for ours, theirs in zip(outputs, separate):

@@ -123,13 +123,19 @@ def _saved(a: OpArgs, s: Tensor | None, plan: SavePlan) -> tuple[Tensor, ...]:
 
 
 def train_forward(
-    a: OpArgs, second: tuple | None = None, write_stats: bool = True, x1: backends.X1 | None = None
+    a: OpArgs,
+    second: tuple | None = None,
+    write_stats: bool = True,
+    x1: backends.X1 | None = None,
+    write_stream: bool | None = None,
 ) -> tuple:
     """``(plan, branch, (y, s, mean, rstd))``: the forward of a training call, as the plan says.
     ``second``: ``(weight1, bias1)`` of a second norm of the same stream (parallel blocks, on a
     backend with ``Capabilities.second_norm``), whose ``y1`` then comes fifth. ``x1``: parallel
     blocks' second sublayer output, added to the residual in the same pass (a backend with
-    ``Capabilities.adds_x1``; where the backward needs no summed residual: :func:`addnorm.ops._adds_x1`)."""
+    ``Capabilities.adds_x1``; where the backward needs no summed residual: :func:`addnorm.ops._adds_x1`).
+    ``write_stream``: whether ``s`` is written, when not as the plan says (inference: only when
+    returned)."""
     impl = backends.resolve(a.backend, a.x)
     branch = make_branch(a.dropout_p, a.seed, a.layer_scale, a.rowscale)
     plan = save_plan(impl, a, branch)
@@ -141,7 +147,7 @@ def train_forward(
         eps=a.eps,
         rms=a.rms,
         residual_dtype=a.residual_dtype,
-        write_stream=plan.write_stream,
+        write_stream=plan.write_stream if write_stream is None else write_stream,
         write_stats=write_stats,
         branch=branch,
         **({} if second is None else {"second": second}),

@@ -482,7 +482,7 @@ def _second_norm(
     else:
         second = None if w1f is None else (w1f, b1f)
         added = None if added is None else added._replace(x1=flat(added.x1))
-        _, _, (y, s, _, _, *y1) = train_forward(a, second, write_stats=False, x1=added)
+        _, _, (y, s, _, _, *y1) = train_forward(a, second, write_stats=False, x1=added, write_stream=prenorm)
         y1 = y1[0] if y1 else None
     if s is None:
         s = xf if rf is None else None
