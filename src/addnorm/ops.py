@@ -474,14 +474,13 @@ def _second_norm(
     flat = lambda t: None if t is None else t.reshape(*t.shape[: t.dim() - len(shape)], n)  # noqa: E731
     xf, rf, wf, bf, w1f, b1f, lsf = map(flat, (x, residual, weight, bias, weight1, bias1, layer_scale))
     a = op_args((xf, rf, wf, bf, eps, rms, residual_dtype, backend, prenorm, p, seed, lsf, rowscale))
-    params = (xf, wf, bf, w1f, b1f, rf, lsf)
-    trained = (*params, None if added is None else flat(added.x1))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in trained):
-        outputs = eager_apply_second(a, *trained)
+    added = None if added is None else added._replace(x1=flat(added.x1))
+    params = (xf, wf, bf, w1f, b1f, rf, lsf, None if added is None else added.x1)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params):
+        outputs = eager_apply_second(a, *params)
         y, y1, s = outputs if len(outputs) == 3 else (*outputs, None)
     else:
         second = None if w1f is None else (w1f, b1f)
-        added = None if added is None else added._replace(x1=flat(added.x1))
         _, _, (y, s, _, _, *y1) = train_forward(a, second, write_stats=False, x1=added, write_stream=prenorm)
         y1 = y1[0] if y1 else None
     if s is None:

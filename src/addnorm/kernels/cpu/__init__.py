@@ -41,6 +41,7 @@ from .entry import NO_BRANCH, backward_entry, dropped_entry, float64_bits, forwa
 from .launch import (
     branch_args,
     contiguous_rows,
+    dropout_args,
     empty_output,
     kernel_param_dtype,
     param_row,
@@ -186,9 +187,7 @@ def forward(
             second_args = (w1.data_ptr(), b1.data_ptr(), y1.data_ptr())  # w1, b1 held: the kernel reads them
         x1_args = _NO_X1
         if x1 is not None:
-            seed_bits = int(seed1) if p1 > 0 else 0
-            scale = float64_bits(reference.dropout_scale(p1))
-            x1_args = (x1.data_ptr(), seed_bits, reference.keep_threshold(p1), scale)
+            x1_args = (x1.data_ptr(), *dropout_args(p1, seed1))
         args = (  # in entry.ForwardSlot order
             x.data_ptr(),
             x.data_ptr() if residual is None else residual.data_ptr(),

@@ -159,17 +159,20 @@ def kernel_param_dtype(sd: torch.dtype, cd: torch.dtype, *params: Tensor | None)
     return sd
 
 
+def dropout_args(p: float, seed: Tensor | None) -> tuple[int, int, int]:
+    """A keep mask's slots, ``(seed, keep threshold, scale as float64 bits)`` (the seed 0 without
+    dropout): the branch's (``BranchSlot``) and ``x1``'s (``ForwardSlot.X1_SEED``..)."""
+    return int(seed) if p > 0 else 0, reference.keep_threshold(p), float64_bits(reference.dropout_scale(p))
+
+
 def branch_args(branch, m: int, n: int, cd: torch.dtype) -> tuple[tuple[int, ...], tuple[Tensor, ...]]:
     """The branch's argument slots (``entry.BranchSlot``) and the tensors they point into, which
     the caller holds while the kernel runs; a missing factor is a row of ones (``* 1`` is exact,
     so one compiled kernel serves every combination)."""
-    p = branch.p
     layer_scale = param_row(branch.layer_scale, n, cd, 1.0)
     rowscale = param_row(branch.rowscale, m, cd, 1.0)
     args = (  # in BranchSlot order
-        int(branch.seed) if p > 0 else 0,
-        reference.keep_threshold(p),
-        float64_bits(reference.dropout_scale(p)),
+        *dropout_args(branch.p, branch.seed),
         layer_scale.data_ptr(),
         rowscale.data_ptr(),
         branch.layer_scale is not None,
