@@ -24,8 +24,9 @@ import torch.nn.functional as F
 import triton
 
 import addnorm
+from addnorm.backend import Branch
 from addnorm.kernels import triton as K
-from addnorm.kernels.triton import backward_kernels, config
+from addnorm.kernels.triton import backward_kernels, common, config
 from addnorm.tools.bench import bytes_moved, kernel_copy_bandwidth, kernel_seconds, measure, parse_shapes
 from addnorm.tools.cli import UsageError
 
@@ -42,6 +43,35 @@ def _ms(fn) -> float:
 @triton.jit
 def _noop(X):
     pass
+
+
+def _triton_launcher(fn):
+    """``fn`` launching through Triton's own launcher (``common.launch`` without its cache)."""
+
+    def run():
+        common.FAST_LAUNCH = False
+        try:
+            return fn()
+        finally:
+            common.FAST_LAUNCH = True
+
+    return run
+
+
+class _Empty(torch.autograd.Function):
+    """The floor of a Python autograd op on these tensors: a view forward, ``dy`` passed back."""
+
+    @staticmethod
+    def forward(x, w, b):
+        return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, dy):
+        return dy, None, None
 
 
 def overhead(profile: bool) -> None:
@@ -62,7 +92,11 @@ def overhead(profile: bool) -> None:
         ),
         "torch add + layer_norm fwd+bwd": lambda: F.layer_norm(xg + r, (768,), wg, bg).sum().backward(),
     }
+    for name in [k for k in cases if k.startswith(("kernels", "addnorm"))]:
+        cases[name + " (Triton's launcher)"] = _triton_launcher(cases[name])
     cases["a Triton kernel of one argument"] = lambda: _noop[(1,)](x)  # the launch floor
+    cases["an empty autograd.Function fwd+bwd"] = lambda: _Empty.apply(xg, wg, bg).sum().backward()
+    cases["torch.empty"] = lambda: torch.empty((8, 768), device="cuda", dtype=x.dtype)
     for name, (median, _, _) in measure(cases, ROUNDS, "cuda").items():
         print(f"overhead 8x768 bf16  {name:32s} {median * 1e6:7.1f} us/call", flush=True)
     if profile:
@@ -78,7 +112,38 @@ def overhead(profile: bool) -> None:
             pstats.Stats(prof).sort_stats(key).print_stats(40)
 
 
-def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
+def branch_sweep(label: str, x, r, s, dy, w, b, mean, rstd, bwd_bytes: int, copy_gbps: float) -> None:
+    """The branch_backward launch at 16, 32 and 64 bytes per thread: a parallel block's backward
+    (a second norm's ``dy1`` and ``weight1`` besides) and the backward with dropout."""
+    m, n = x.shape
+    seed = torch.tensor(1, dtype=torch.int64, device=x.device)
+    cases = {
+        "parallel block": (
+            lambda: K.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True, second=(x, b, True)),
+            bwd_bytes + m * n * x.element_size(),  # and dy1
+        ),
+        "dropout 0.1": (
+            lambda: K.backward(
+                dy, None, (x, r), w, mean, rstd, rms=False, has_bias=True, branch=Branch(0.1, seed, None, None)
+            ),
+            bwd_bytes + 2 * m * n * x.element_size(),  # x and residual read, dx written besides
+        ),
+    }
+    base = config.TABLE
+    try:
+        for name, (fn, moved) in cases.items():
+            line = f"{label} bwd {name:14s}"
+            for bb in (16, 32, 64):
+                config.TABLE = base.updated("branch_backward", bytes_per_thread=bb)
+                warps = config.plan("branch_backward", n, x.device, x.element_size()).num_warps
+                t = _ms(fn)
+                line += f" | {bb}B/{warps:2d}w {t * 1e3:7.1f} us {moved / t / 1e6 / copy_gbps:4.2f}"
+            print(line, flush=True)
+    finally:
+        config.TABLE = base
+
+
+def sweep(shape: str, dtype: torch.dtype, copy_gbps: float, branch_only: bool = False) -> None:
     m, n = map(int, shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)
@@ -90,6 +155,10 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float) -> None:
     fwd_bytes = bytes_moved("add_layer_norm", m, n, dtype, "fwd+bwd") - bwd_bytes
     base = config.TABLE
     head = f"{shape:>11s} {str(dtype)[6:]:8s}"
+    if branch_only:
+        y, s, mean, rstd = K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
+        branch_sweep(head, x, r, s, dy, w, b, mean, rstd, bwd_bytes, copy_gbps)
+        return
     try:
         wide = n > base.backward.max_fused_n
         for chunk in [2048, 4096, 8192] if wide else [base.chunked.chunk_n]:
@@ -146,6 +215,9 @@ def main() -> None:
     p.add_argument("--max-fused-n", type=int, default=None, help="set the forward's and backward's max_fused_n first")
     p.add_argument("--no-overhead", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile the 8x768 fwd+bwd call")
+    p.add_argument(
+        "--branch-only", action="store_true", help="sweep only the branch backward (parallel block, dropout)"
+    )
     args = p.parse_args()
     try:
         parse_shapes(args.shapes)
@@ -168,7 +240,7 @@ def main() -> None:
         overhead(args.profile)
     for shape in args.shapes.split(","):
         for dtype in args.dtype.split(","):
-            sweep(shape, getattr(torch, dtype), copy_gbps)
+            sweep(shape, getattr(torch, dtype), copy_gbps, args.branch_only)
 
 
 if __name__ == "__main__":

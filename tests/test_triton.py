@@ -265,6 +265,49 @@ def test_a_kinds_bytes_per_thread_set_its_warps_on_a_gpu(monkeypatch):
     assert config.plan("backward", 65536, cuda, 2) == (1, chunk.chunk_n, warps, True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_launch_gives_the_bits_of_tritons_own_launcher(monkeypatch, dtype):
+    """``common.launch`` calls a kernel compiled earlier directly on a GPU (CPU tensors go through
+    the interpreter, and nothing is kept): forward and backward of a parallel block with dropout
+    on both branches, at 16-byte-aligned and unaligned addresses, give Triton's own launcher's
+    bits on the first call and on the calls that reuse a compiled kernel."""
+    from addnorm.kernels.triton import backward_kernels, dropped_kernels, forward_kernels
+
+    m, n = 37, 200
+    flat = rows_of(1, 3 * m * n + 1, dtype)[0]
+    aligned, unaligned = flat[: m * n].view(m, n), flat[1 : m * n + 1].view(m, n)
+    assert aligned.data_ptr() % 16 == 0 and unaligned.data_ptr() % 16 != 0
+    r, x1 = (rows_of(m, n, dtype, seed=i) for i in (1, 2))
+    params = [rows_of(1, n, dtype, seed=i)[0] for i in (3, 4, 5)]
+
+    def run() -> list:
+        results = []
+        for x in (aligned, unaligned, aligned):
+            x, x1g = x.detach().requires_grad_(), x1.clone().requires_grad_()
+            w, b, w1 = (p.clone().requires_grad_() for p in params)
+            g = torch.Generator(device=x.device).manual_seed(7)
+            y, y1, s = addnorm.add_layer_norm(
+                x, r, n, w, b, prenorm=True, dropout_p=0.25, generator=g, x1=x1g, weight1=w1, backend="triton"
+            )
+            (y.float().square().sum() + y1.float().sum() + s.float().sum()).backward()
+            results += [y, y1, s, x.grad, x1g.grad, w.grad, b.grad, w1.grad]
+        return results
+
+    monkeypatch.setattr(common, "_COMPILED", {})
+    monkeypatch.setattr(common, "FAST_LAUNCH", False)
+    expected = run()
+    monkeypatch.setattr(common, "FAST_LAUNCH", True)
+    for _ in range(2):
+        assert all(torch.equal(a, e) for a, e in zip(run(), expected, strict=True))
+    kernels = {key[0] for key in common._COMPILED}
+    if TEST_DEVICE.type == "cuda":
+        launched = (forward_kernels._forward_kernel, backward_kernels._backward_kernel)
+        launched += (backward_kernels._sum_partials_kernel, dropped_kernels._dropped_kernel)
+        assert kernels == set(launched)
+    else:
+        assert not kernels
+
+
 def test_strided_rows_are_read_in_place():
     """Rows with a stride (a slice of wider rows) run without a copy and match contiguous rows."""
     base = rows_of(40, 130, torch.float32)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ...backend import Grads, check_s_parts
 from . import config
-from .common import _branch, _branch_args, _centre, _device, _round, _row_scale, _rows, _xhat
+from .common import _branch, _branch_args, _centre, _device, _round, _row_scale, _rows, _xhat, launch
 
 # --------------------------------------------------------------------------- kernels
 
@@ -347,10 +347,14 @@ def _sum_partials(partials: Tensor, dtypes: list[torch.dtype]) -> list[Tensor]:
     grads, programs, n = partials.shape
     outs = [torch.empty((n,), dtype=dt, device=partials.device) for dt in dtypes]
     block_n = min(config.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
-    _sum_partials_kernel[(config.cdiv(n, block_n), grads)](
-        partials, *outs, *outs[:1] * (5 - grads), programs, n, BLOCK_P=64, BLOCK_N=block_n, num_warps=4,
-        enable_fp_fusion=False,
-    )  # fmt: skip
+    launch(
+        _sum_partials_kernel,
+        (config.cdiv(n, block_n), grads),
+        (partials, *outs, *outs[:1] * (5 - grads), programs, n),
+        num_warps=4,
+        BLOCK_P=64,
+        BLOCK_N=block_n,
+    )
     return outs
 
 
@@ -421,32 +425,35 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
     k = corr = c1 = c2 = None
     if chunked:
         k, corr, c1, c2 = (torch.empty((m,), dtype=cd, device=s.device) for _ in range(4))
-        _coef_kernel[(config.cdiv(m, block_m),)](
-            dy,
-            s,
-            residual,
-            weight,
-            mean,
-            rstd,
-            k,
-            corr,
-            c1,
-            c2,
-            m,
-            n,
-            dy.stride(0),
-            s.stride(0),
-            sr,
-            *branch_args,
-            *second_args,
+        launch(
+            _coef_kernel,
+            (config.cdiv(m, block_m),),
+            (
+                dy,
+                s,
+                residual,
+                weight,
+                mean,
+                rstd,
+                k,
+                corr,
+                c1,
+                c2,
+                m,
+                n,
+                dy.stride(0),
+                s.stride(0),
+                sr,
+                *branch_args,
+                *second_args,
+            ),
+            num_warps=num_warps,
             HAS_WEIGHT=weight is not None,
             IS_RMS=rms,
             BRANCH=branch is not None,
             SECOND=dy1 is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            num_warps=num_warps,
-            enable_fp_fusion=False,
         )
     programs = config.backward_programs(kind, m, num_warps, s.device)
     rows_per_program = config.cdiv(config.cdiv(m, programs), block_m) * block_m
@@ -456,36 +463,41 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
     buffer = torch.empty((sum(present), programs, n), dtype=cd, device=s.device)
     parts = iter(buffer)
     dw, db, dls, dw1, db1 = (next(parts) if here else None for here in present)
-    _backward_kernel[(programs, config.cdiv(n, block_n))](
-        dy,
-        dstream,
-        s,
-        residual,
-        weight,
-        mean,
-        rstd,
-        k,
-        corr,
-        c1,
-        c2,
-        ds,
-        dw,
-        db,
-        dx,
-        dls,
-        m,
-        n,
-        rows_per_program,
-        dy.stride(0),
-        dstream.stride(0) if dstream is not None else 0,
-        s.stride(0),
-        sr,
-        *branch_args,
-        dy1,
-        weight1,
-        dw1,
-        db1,
-        second_args[2],
+    launch(
+        _backward_kernel,
+        (programs, config.cdiv(n, block_n)),
+        (
+            dy,
+            dstream,
+            s,
+            residual,
+            weight,
+            mean,
+            rstd,
+            k,
+            corr,
+            c1,
+            c2,
+            ds,
+            dw,
+            db,
+            dx,
+            dls,
+            m,
+            n,
+            rows_per_program,
+            dy.stride(0),
+            dstream.stride(0) if dstream is not None else 0,
+            s.stride(0),
+            sr,
+            *branch_args,
+            dy1,
+            weight1,
+            dw1,
+            db1,
+            second_args[2],
+        ),
+        num_warps=num_warps,
         HAS_DSTREAM=dstream is not None,
         HAS_WEIGHT=weight is not None,
         HAS_BIAS=has_bias,
@@ -497,8 +509,6 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         HAS_BIAS1=has_bias1,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        num_warps=num_warps,
-        enable_fp_fusion=False,
     )
     dtypes = [dt for here, dt in zip(present, (pd, pd, cd, pd, pd)) if here]
     sums = iter(_sum_partials(buffer, dtypes) if len(buffer) else ())

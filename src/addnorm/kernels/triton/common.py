@@ -112,6 +112,58 @@ def _device(t: Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device) if t.is_cuda else INTERPRETER_LOCK
 
 
+# Whether :func:`launch` reuses a compiled kernel directly (benchmarks/triton_tune.py switches it
+# off to time Triton's own launcher beside it).
+FAST_LAUNCH = True
+_COMPILED: dict = {}  # specialization key -> (compiled kernel, the constexprs in parameter order)
+
+
+def _spec(a) -> object:
+    """What Triton specializes a kernel on for argument ``a`` (or finer): a tensor's dtype and
+    whether its address is 16-byte aligned; an int's value being 1, its divisibility by 16 and
+    its width; a float's type; None."""
+    if isinstance(a, Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool) or a is None:
+        return a
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a < 2**63
+    return type(a)
+
+
+def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)`` (the
+    current CUDA device must be the tensors'). On a GPU, once a specialization has compiled, the
+    next launch of it calls the compiled kernel directly: Triton's own launcher binds, specializes
+    and hashes every argument in Python on each call, several times the cost of the launch
+    itself, and a call of a few rows is bound by it (docs/benchmarks.md, "Per-call cost"). The
+    key (:func:`_spec`) holds everything Triton's specialization reads, so a launch reuses only
+    the kernel Triton itself would have picked. Launch hooks (a profiler's) take Triton's path."""
+    x = args[0]
+    hooks = getattr(triton.knobs.runtime, "launch_enter_hook", None) if x.is_cuda else None
+    if not (FAST_LAUNCH and x.is_cuda) or getattr(hooks, "calls", hooks):
+        kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
+        return
+    key = (kernel, x.device.index, num_warps, *constexprs.items(), *map(_spec, args))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            _COMPILED[key] = compiled, tuple(constexprs[name] for name in kernel.arg_names[len(args) :])
+        return
+    compiled, tail = hit
+    grid = (*grid, 1, 1)
+    stream = _current_stream(x.device.index)
+    compiled.run(
+        grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail
+    )
+
+
+def _current_stream(index: int) -> int:
+    return triton.runtime.driver.active.get_current_stream(index)
+
+
 def _rows(t: Tensor | None) -> Tensor | None:
     """``t`` with unit column stride (rows may keep any stride) and its lazy negation, if any,
     applied: copy only when needed."""

@@ -12,7 +12,7 @@ from torch import Tensor
 from ... import reference
 from ...backend import Branch
 from . import config
-from .common import _branch, _branch_args, _device, _round, _rows
+from .common import _branch, _branch_args, _device, _round, _rows, launch
 
 _BLOCK_M, _BLOCK_N, _WARPS = 4, 512, 4  # an elementwise tile: 2048 elements, 16 per thread
 
@@ -50,19 +50,22 @@ def dropped(src: Tensor, addend: Tensor | None, n: int, p: float, seed: Tensor, 
     addend = None if addend is None else _rows(addend.reshape(-1, n))
     cd = reference.stats_dtype(src.dtype)
     with _device(src):
-        _dropped_kernel[(config.cdiv(m, _BLOCK_M) * config.cdiv(n, _BLOCK_N),)](
-            src,
-            addend,
-            out,
-            m,
-            n,
-            src.stride(0),
-            0 if addend is None else addend.stride(0),
-            *_branch_args(Branch(p, seed, None, None), m, n, cd, src.device),
+        launch(
+            _dropped_kernel,
+            (config.cdiv(m, _BLOCK_M) * config.cdiv(n, _BLOCK_N),),
+            (
+                src,
+                addend,
+                out,
+                m,
+                n,
+                src.stride(0),
+                0 if addend is None else addend.stride(0),
+                *_branch_args(Branch(p, seed, None, None), m, n, cd, src.device),
+            ),
+            num_warps=_WARPS,
             HAS_ADDEND=addend is not None,
             BLOCK_M=_BLOCK_M,
             BLOCK_N=_BLOCK_N,
-            num_warps=_WARPS,
-            enable_fp_fusion=False,
         )
     return out

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ... import reference
 from . import config
-from .common import _branch, _branch_args, _centre, _constant, _device, _round, _row_scale, _rows, _xhat
+from .common import _branch, _branch_args, _centre, _constant, _device, _round, _row_scale, _rows, _xhat, launch
 
 _CANCEL = tl.constexpr(reference.CANCEL)  # pass 3 of the chunked forward's variance
 
@@ -306,22 +306,27 @@ def forward(
         return outputs
     block_m, block_n, num_warps, chunked = config.plan("forward", n, x.device, x.element_size())
     with _device(x):
-        _forward_kernel[(config.cdiv(m, block_m),)](
-            x,
-            residual,
-            _rows(weight),
-            _rows(bias),
-            y,
-            s,
-            mean,
-            rstd,
-            m,
-            n,
-            x.stride(0),
-            residual.stride(0) if residual is not None else 0,
-            _constant(1, cd, x.device, eps),
-            *_branch_args(branch, m, n, cd, x.device),
-            *((None, None, None) if second is None else (_rows(second[0]), _rows(second[1]), y1)),
+        launch(
+            _forward_kernel,
+            (config.cdiv(m, block_m),),
+            (
+                x,
+                residual,
+                _rows(weight),
+                _rows(bias),
+                y,
+                s,
+                mean,
+                rstd,
+                m,
+                n,
+                x.stride(0),
+                residual.stride(0) if residual is not None else 0,
+                _constant(1, cd, x.device, eps),
+                *_branch_args(branch, m, n, cd, x.device),
+                *((None, None, None) if second is None else (_rows(second[0]), _rows(second[1]), y1)),
+            ),
+            num_warps=num_warps,
             HAS_RESIDUAL=residual is not None,
             HAS_WEIGHT=weight is not None,
             HAS_BIAS=bias is not None,
@@ -332,7 +337,5 @@ def forward(
             HAS_BIAS1=second is not None and second[1] is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            num_warps=num_warps,
-            enable_fp_fusion=False,
         )
     return outputs
