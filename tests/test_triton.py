@@ -260,6 +260,14 @@ def test_a_kinds_bytes_per_thread_set_its_warps_on_a_gpu(monkeypatch):
     monkeypatch.setattr(config, "TABLE", table)
     assert config.plan("branch_backward", 4096, cuda, 2) == (1, 4096, 8, False)
     assert config.plan("backward", 4096, cuda, 2) == (1, 4096, 32, False)
+    # stacked short rows share the warps of one row: 4 rows of 768 (a 1024-wide tile) in bf16
+    # at 16 bytes per row per thread take 4 warps, and at most 64 bytes per thread in all
+    stacked = table.updated("branch_backward", bytes_per_thread=16, stacked_bytes_per_thread=64)
+    monkeypatch.setattr(config, "TABLE", stacked)
+    assert config.plan("branch_backward", 768, cuda, 2) == (4, 1024, 4, False)
+    assert config.plan("branch_backward", 2048, cuda, 2) == (2, 2048, 8, False)
+    assert config.plan("branch_backward", 64, cuda, 2) == (32, 64, 2, False)  # 64 bytes, not 16 * 32
+    monkeypatch.setattr(config, "TABLE", table)
     chunk = table.chunked  # one row per program, chunk_n columns of 2 bytes
     warps = chunk.chunk_n * 2 // (32 * chunk.bytes_per_thread)
     assert config.plan("backward", 65536, cuda, 2) == (1, chunk.chunk_n, warps, True)
