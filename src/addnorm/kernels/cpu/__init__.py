@@ -10,6 +10,7 @@ bottom up:
 - :mod:`.numerics`: the row sums and statistics (corrected mean, centred variance, row scaling).
 - :mod:`.branch`: the sublayer branch fused into the add (dropout hash, layer scale, rowscale).
 - :mod:`.rows`: the forward and backward loops over a block of rows.
+- :mod:`.pieces`: the row pieces those loops take, chosen by type when compiling.
 - :mod:`.blocks`: the parallel kernels, whose threads claim blocks of rows.
 - :mod:`.entry`: the C entry points and the argument slots they read.
 - :mod:`.launch`: the threads an entry runs on, and the tensors a call hands it.

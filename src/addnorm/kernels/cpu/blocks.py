@@ -24,7 +24,8 @@ from numba.extending import intrinsic, overload
 
 from .branch import dropped_row, prepare_branch
 from .floats import fence
-from .rows import backward_rows, backward_rows_branch, forward_rows, index_or_none
+from .pieces import index_or_none
+from .rows import backward_rows, backward_rows_branch, forward_rows
 
 
 @intrinsic
@@ -97,7 +98,7 @@ def _second_grad_block_impl(second, blk, lo, hi):
 
 def _added(x1, n, cd):
     """``(x1, its prepared dropout branch or None, a scratch row of x1's dtype, a gate row)`` for
-    :func:`.rows.residual_row`, or None without ``x1``."""
+    :func:`.pieces.residual_row`, or None without ``x1``."""
 
 
 @overload(_added)
@@ -147,7 +148,7 @@ def forward_blocks(
     with non-temporal stores, fenced before the block is counted done, else None; ``second``:
     ``(weight1, bias1, y1)`` of a second norm, or None; ``x1``: parallel blocks' second sublayer
     output and its dropout branch's arguments, ``(x1, br1 or None)`` (``entry.read_x1``), added
-    to the residual row by row (:func:`.rows.residual_row`), or None."""
+    to the residual row by row (:func:`.pieces.residual_row`), or None."""
     m, n = x.shape
     added = _added(x1, n, rstd.dtype)
     buf = np.empty((3, n), rstd.dtype)  # the row (two, alternating, when pipelined) and a scaled row

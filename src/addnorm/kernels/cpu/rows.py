@@ -13,36 +13,51 @@ pass, then ``ds`` (plus the stream's own gradient) and the row's share of ``dwei
 in another (:func:`gradient_pass`). ``xhat`` and ``g`` are recomputed in each pass (a
 multiply-add each) rather than stored by the first: fewer stores (docs/benchmarks.md, "Dispatch,
 threads, compile time, warm start": row cost in cache). For post-norm the stream ``s`` is itself
-recomputed from ``x`` and ``residual`` (:func:`stream_row`), bit for bit the forward's.
+recomputed from ``x`` and ``residual`` (:func:`.pieces.stream_row`), bit for bit the forward's.
 
 A second norm of the same rows (parallel blocks: ``weight1``, ``bias1``) costs no pass of its
 own: the loop that writes ``y`` writes ``y1`` from the same statistics, and the backward's
 passes take ``g = dy * weight + dy1 * weight1`` and add the row's share of ``dweight1`` and
-``dbias1`` (:func:`second_row`, :func:`second_grad_row`: None without one, pruned when compiling).
+``dbias1`` (:func:`.pieces.second_row`, :func:`.pieces.second_grad_row`: None without one,
+pruned when compiling).
 Parallel blocks' ``x1`` costs no pass of its own either where the forward takes it
 (``Capabilities.adds_x1``): each residual row is read as ``residual + dropout(x1)``, summed into
-a scratch row just before the row's own loops (:func:`residual_row`).
+a scratch row just before the row's own loops (:func:`.pieces.residual_row`).
 
 Large outputs that are not read back (``y``; ``ds``, or ``dx`` through a branch) are written
 with non-temporal stores when the launcher asks (``streamed``, :class:`.floats.Streamed`): the
 same values, straight to memory.
 
 Choices that depend on a dtype or on an argument being None are made by type when compiling
-(``@overload``, or a None argument), so that each case gets its own loops and each loop
-vectorizes; a runtime test inside a row loop would keep it from vectorizing.
+(the row pieces of :mod:`.pieces`, or a None argument), so that each case gets its own loops and
+each loop vectorizes; a runtime test inside a row loop would keep it from vectorizing.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
-from numba.extending import overload
 
 from . import config
-from .branch import dropped_row, stream_through_branch
-from .floats import Streamed, load, put, round_to
+from .branch import stream_through_branch
+from .floats import load, put
 from .numerics import SUM_MATH, add_row, centred_stats, dot, load_row, row_scale, row_stats, row_sum
+from .pieces import (
+    g_at,
+    index_or_none,
+    negative_zeros,
+    output_row,
+    plus_dstream,
+    put_second,
+    residual_row,
+    second_grad_row,
+    second_params,
+    second_params_pair,
+    second_row,
+    stream_at,
+    stream_row,
+    y_at,
+)
 
 PAIR_MIN_COLS = config.SETTINGS.pair_min_cols  # a constant of the compiled kernels
 
@@ -85,7 +100,7 @@ def forward_rows(
     ``streamed``: True to write ``y`` with non-temporal stores, else None. ``second``: the
     second norm of the same rows, ``(weight1, bias1, y1)`` (parallel blocks: ``y1`` from the same
     statistics, in the same loop as ``y``), or None. ``added``: parallel blocks' ``x1``, added to
-    each row of ``r`` first (:func:`residual_row`), or None."""
+    each row of ``r`` first (:func:`.pieces.residual_row`), or None."""
     if direct is not None and branch is None and has_residual and write_s:
         _forward_rows_pipelined(
             x, r, w, b, eps, nf, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second, added, first
@@ -182,25 +197,18 @@ def _row_statistics(row, total, eps, nf, rms, scaled, kbuf):
 
 
 @numba.njit(inline="always")
-def _y_at(row, j, mu, c, rs, w, b):
-    """Element ``j`` of the output: ``(row - mean) * rstd * weight + bias``, the mean corrected
-    by ``c`` in a subtraction of its own (:func:`.numerics.centred_stats`)."""
-    return ((row[j] - mu) - c) * rs * load(w, j) + load(b, j)
-
-
-@numba.njit(inline="always")
 def _output_row(row, mu, c, rs, w, b, yi, second_i):
     for j in range(row.shape[0]):
-        put(yi, j, _y_at(row, j, mu, c, rs, w, b))
-        _put_second(row, j, mu, c, rs, second_i)
+        put(yi, j, y_at(row, j, mu, c, rs, w, b))
+        put_second(row, j, mu, c, rs, second_i)
 
 
 @numba.njit(inline="always")
 def _output_row_and_add(row, mu, c, rs, w, b, yi, second_i, xn, rn, dest):
     """:func:`_output_row` of this row and the next row's stream into ``dest``, in one loop."""
     for j in range(row.shape[0]):
-        put(yi, j, _y_at(row, j, mu, c, rs, w, b))
-        _put_second(row, j, mu, c, rs, second_i)
+        put(yi, j, y_at(row, j, mu, c, rs, w, b))
+        put_second(row, j, mu, c, rs, second_i)
         dest[j] = stream_at(xn, rn, j)
 
 
@@ -211,195 +219,14 @@ def _store_stats(mean, rstd, i, mu, c, rs, k, rms):
     rstd[i] = rs * k
 
 
-def residual_row(r, i, added, first):
-    """Row ``i`` of the residual: ``r[i]``; with parallel blocks' ``x1`` (``added``: ``(x1, its
-    dropout branch or None, a scratch row of the stream dtype, a gate row)``), ``r[i] +
-    dropout1(x1[i])`` summed in the statistics dtype and rounded to the stream dtype, into the
-    scratch row: :func:`.branch.dropped_row`, the bits of the pass it replaces (``first``: the
-    index of row 0 in the call, for the keep mask). The scratch row is read before the next
-    row's sum overwrites it."""
-
-
-def stream_row(si, ri, sbuf):
-    """``(row, residual)`` with ``stream_at(row, residual, j)`` element ``j`` of the stream. When
-    the saved row ``si`` is ``x`` (``ri`` the residual, see ``CAPABILITIES``), the stream is the
-    forward's ``x + residual``, rounded as the forward rounded it: bit for bit its ``s``. For
-    16-bit rows it is recomputed once into ``sbuf`` (statistics dtype) rather than in each of the
-    backward's two passes, where the add and its rounding cost more instructions than the rest of
-    a pass; float32 and float64 rows add in place, in each pass, where the buffer costs more than
-    it saves (`python benchmarks/cpu_row_cost.py`; docs/benchmarks.md, "Dispatch, threads,
-    compile time, warm start": row cost in cache)."""
-
-
-def stream_at(si, ri, j):
-    """Element ``j`` of the stream: ``si[j]`` (``ri`` None), else ``si[j] + ri[j]`` rounded to the
-    dtype of ``si``."""
-
-
-def index_or_none(a, index):
-    """``a[index]``, or None when ``a`` is None."""
-
-
-def output_row(a, i, streamed):
-    """Row ``i`` of the output ``a`` as :func:`.floats.put` takes it: ``a[i]``, or
-    ``Streamed(a[i])`` (non-temporal stores) when ``streamed`` is not None. Made once per row,
-    outside the loop over its elements (inside, the loop would not vectorize)."""
-
-
-def second_row(second, i, streamed):
-    """Row ``i`` of the second norm's output: ``(weight1, bias1, y1 row)`` (the row as
-    :func:`output_row` makes it), or None without a second norm."""
-
-
-def _put_second(row, j, mu, c, rs, second_i):
-    """Element ``j`` of the second norm's output (``weight1``, ``bias1`` on the same ``xhat``), or
-    nothing when ``second_i`` is None."""
-
-
-def second_grad_row(second, i):
-    """``(dy1 row, weight1, dweight1, dbias1)`` of row ``i`` for the backward (``second`` the
-    whole ``(dy1, weight1, dweight1, dbias1)``), or None without a second norm."""
-
-
-def _g_at(dyi, w, sec, j):
-    """Element ``j`` of ``g = dy * weight``, plus ``dy1 * weight1`` with a second norm: the
-    gradient that reaches ``xhat`` from both outputs."""
-
-
-def _second_params(sec, xh, j):
-    """Row's share of ``dweight1``/``dbias1`` at ``j`` (nothing without a second norm)."""
-
-
-def _second_params_pair(sec_i, sec_j, xi, xj, j):
-    """:func:`_second_params` of two rows, each row's term added in row order."""
-
-
-def _plus_dstream(v, dsti, j):
-    """``v + dsti[j]`` (the gradient of the returned stream, pre-norm), or ``v`` when ``dsti`` is
-    None."""
-
-
-@overload(residual_row)
-def _residual_row_impl(r, i, added, first):
-    if isinstance(added, types.NoneType):
-        return lambda r, i, added, first: r[i]
-
-    def add(r, i, added, first):
-        x1, branch1, row, gate = added
-        dropped_row(x1[i], r[i], row, gate, branch1, first + i)
-        return row
-
-    return add
-
-
-@overload(stream_row)
-def _stream_row_impl(si, ri, sbuf):
-    if isinstance(ri, types.NoneType) or si.dtype == sbuf.dtype:
-        return lambda si, ri, sbuf: (si, ri)
-
-    def recompute(si, ri, sbuf):
-        for j in range(sbuf.shape[0]):
-            sbuf[j] = round_to(si, load(si, j) + load(ri, j))
-        return sbuf, None
-
-    return recompute
-
-
-@overload(stream_at)
-def _stream_at_impl(si, ri, j):
-    if isinstance(ri, types.NoneType):
-        return lambda si, ri, j: load(si, j)
-    return lambda si, ri, j: round_to(si, load(si, j) + load(ri, j))
-
-
-@overload(index_or_none)
-def _index_or_none_impl(a, index):
-    if isinstance(a, types.NoneType):
-        return lambda a, index: None
-    return lambda a, index: a[index]
-
-
-@overload(output_row)
-def _output_row_impl(a, i, streamed):
-    if isinstance(streamed, types.NoneType):
-        return lambda a, i, streamed: a[i]
-    return lambda a, i, streamed: Streamed(a[i])
-
-
-@overload(second_row)
-def _second_row_impl(second, i, streamed):
-    if isinstance(second, types.NoneType):
-        return lambda second, i, streamed: None
-    return lambda second, i, streamed: (second[0], second[1], output_row(second[2], i, streamed))
-
-
-@overload(_put_second)
-def _put_second_impl(row, j, mu, c, rs, second_i):
-    if isinstance(second_i, types.NoneType):
-        return lambda row, j, mu, c, rs, second_i: None
-
-    def write(row, j, mu, c, rs, second_i):
-        w1, b1, y1i = second_i
-        put(y1i, j, _y_at(row, j, mu, c, rs, w1, b1))
-
-    return write
-
-
-@overload(second_grad_row)
-def _second_grad_row_impl(second, i):
-    if isinstance(second, types.NoneType):
-        return lambda second, i: None
-    return lambda second, i: (second[0][i], second[1], second[2], second[3])
-
-
-@overload(_g_at)
-def _g_at_impl(dyi, w, sec, j):
-    if isinstance(sec, types.NoneType):
-        return lambda dyi, w, sec, j: load(dyi, j) * load(w, j)
-    return lambda dyi, w, sec, j: load(dyi, j) * load(w, j) + load(sec[0], j) * load(sec[1], j)
-
-
-@overload(_second_params)
-def _second_params_impl(sec, xh, j):
-    if isinstance(sec, types.NoneType):
-        return lambda sec, xh, j: None
-
-    def add(sec, xh, j):
-        d1 = load(sec[0], j)
-        sec[2][j] += d1 * xh
-        sec[3][j] += d1
-
-    return add
-
-
-@overload(_second_params_pair)
-def _second_params_pair_impl(sec_i, sec_j, xi, xj, j):
-    if isinstance(sec_i, types.NoneType):
-        return lambda sec_i, sec_j, xi, xj, j: None
-
-    def add(sec_i, sec_j, xi, xj, j):
-        di, dj = load(sec_i[0], j), load(sec_j[0], j)
-        sec_i[2][j] = (sec_i[2][j] + di * xi) + dj * xj
-        sec_i[3][j] = (sec_i[3][j] + di) + dj
-
-    return add
-
-
-@overload(_plus_dstream)
-def _plus_dstream_impl(v, dsti, j):
-    if isinstance(dsti, types.NoneType):
-        return lambda v, dsti, j: v
-    return lambda v, dsti, j: v + load(dsti, j)
-
-
 @numba.njit(fastmath=SUM_MATH)
 def _backward_sums(si, ri, dyi, w, sec, mu, rs_k):
-    """The row sums of ``d = s - mu``, of ``g = dy * weight`` (:func:`_g_at`) and of
+    """The row sums of ``d = s - mu``, of ``g = dy * weight`` (:func:`g_at`) and of
     ``g * d * rs_k``."""
     sum_d = sum_g = sum_gx = mu - mu
     for j in range(w.shape[0]):
         d = stream_at(si, ri, j) - mu
-        gj = _g_at(dyi, w, sec, j)
+        gj = g_at(dyi, w, sec, j)
         sum_d += d
         sum_g += gj
         sum_gx += gj * (d * rs_k)
@@ -442,16 +269,17 @@ def _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, k):
 def gradient_pass(si, ri, dyi, w, sec, dsti, coefs, rs, dsi, dw, db):
     """The backward's second pass over a row: ``ds`` (plus ``dsti``, the gradient of the returned
     stream, when not None) and the row's share of ``dweight`` and ``dbias`` (and of the second
-    norm's, ``sec``: :func:`second_grad_row`), from the row's ``coefs`` (:func:`_row_coefs`).
-    ``dsti`` and ``sec`` None or not are types: each case compiles to one vectorized loop."""
+    norm's, ``sec``: :func:`.pieces.second_grad_row`), from the row's ``coefs``
+    (:func:`_row_coefs`). ``dsti`` and ``sec`` None or not are types: each case compiles to one
+    vectorized loop."""
     mu, c, rs_k, mgx, mg = coefs
     for j in range(w.shape[0]):
         dj = load(dyi, j)
         xh = ((stream_at(si, ri, j) - mu) - c) * rs_k
         dw[j] += dj * xh
         db[j] += dj
-        _second_params(sec, xh, j)
-        put(dsi, j, _plus_dstream((_g_at(dyi, w, sec, j) - xh * mgx - mg) * rs, dsti, j))
+        second_params(sec, xh, j)
+        put(dsi, j, plus_dstream((g_at(dyi, w, sec, j) - xh * mgx - mg) * rs, dsti, j))
 
 
 @numba.njit(inline="always")
@@ -468,9 +296,9 @@ def _gradient_pair(rows, w, dw, db):
         xj = ((stream_at(sj, rj, j) - mu2) - c2) * rs_k2
         dw[j] = (dw[j] + di * xi) + dj * xj
         db[j] = (db[j] + di) + dj
-        _second_params_pair(seci, secj, xi, xj, j)
-        put(dsi, j, _plus_dstream((_g_at(dyi, w, seci, j) - xi * mgx - mg) * rs, dsti, j))
-        put(dsj, j, _plus_dstream((_g_at(dyj, w, secj, j) - xj * mgx2 - mg2) * rs2, dstj, j))
+        second_params_pair(seci, secj, xi, xj, j)
+        put(dsi, j, plus_dstream((g_at(dyi, w, seci, j) - xi * mgx - mg) * rs, dsti, j))
+        put(dsj, j, plus_dstream((g_at(dyj, w, secj, j) - xj * mgx2 - mg2) * rs2, dstj, j))
 
 
 @numba.njit
@@ -478,8 +306,8 @@ def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
     """``ds`` of the rows and their share of ``dweight`` (``dw``) and ``dbias`` (``db``): two
     passes over each row while it sits in cache; rows of PAIR_MIN_COLS or more take their
     second pass two at a time (:func:`_gradient_pair`), the same bits. ``r``: None (``s`` is
-    the stream), or the residual, ``s`` then being ``x`` (see :func:`stream_row`). ``sbuf``: two
-    rows of scratch. ``streamed``: True to write ``ds`` with non-temporal stores, else None.
+    the stream), or the residual, ``s`` then being ``x`` (see :func:`.pieces.stream_row`).
+    ``sbuf``: two rows of scratch. ``streamed``: True to write ``ds`` with non-temporal stores, else None.
     ``second``: ``(dy1, weight1, dweight1, dbias1)`` of a second norm of the same rows, or None.
     A row scaled for overflow (rstd below _SCALE_BELOW_RSTD) runs alone, from its scaled copy
     (:func:`_backward_row`); a pair with such a row runs as two rows, in row order: the same
@@ -554,22 +382,6 @@ def _row_passes(si, ri, k, args):
         gradient_pass(si, ri, dyi, w, sec, dsti, coefs, rstd[i], dsi, dw, db)
     else:
         gradient_pass(si, ri, dyi, w, sec, None, coefs, rstd[i], dsi, dw, db)
-
-
-def negative_zeros(ri, row):
-    """``row`` filled with -0.0 (None when ``ri`` is None): the identity of ``+``."""
-
-
-@overload(negative_zeros)
-def _negative_zeros_impl(ri, row):
-    if isinstance(ri, types.NoneType):
-        return lambda ri, row: None
-
-    def fill(ri, row):
-        row[:] = -0.0
-        return row
-
-    return fill
 
 
 @numba.njit
