@@ -49,11 +49,11 @@ def _triton_launcher(fn):
     """``fn`` launching through Triton's own launcher (``common.launch`` without its cache)."""
 
     def run():
-        common.FAST_LAUNCH = False
+        fast, common.FAST_LAUNCH = common.FAST_LAUNCH, False
         try:
             return fn()
         finally:
-            common.FAST_LAUNCH = True
+            common.FAST_LAUNCH = fast
 
     return run
 

@@ -266,7 +266,8 @@ def test_a_kinds_bytes_per_thread_set_its_warps_on_a_gpu(monkeypatch):
     monkeypatch.setattr(config, "TABLE", stacked)
     assert config.plan("branch_backward", 768, cuda, 2) == (4, 1024, 4, False)
     assert config.plan("branch_backward", 2048, cuda, 2) == (2, 2048, 8, False)
-    assert config.plan("branch_backward", 64, cuda, 2) == (32, 64, 2, False)  # 64 bytes, not 16 * 32
+    assert config.plan("branch_backward", 512, cuda, 2) == (8, 512, 4, False)  # 64 bytes, not 16 * 8
+    assert config.plan("branch_backward", 256, cuda, 2) == (16, 256, 16, False)  # narrower: per tile
     monkeypatch.setattr(config, "TABLE", table)
     chunk = table.chunked  # one row per program, chunk_n columns of 2 bytes
     warps = chunk.chunk_n * 2 // (32 * chunk.bytes_per_thread)
@@ -314,6 +315,23 @@ def test_every_launch_gives_the_bits_of_tritons_own_launcher(monkeypatch, dtype)
         assert kernels == set(launched)
     else:
         assert not kernels
+
+
+def test_hooks_and_triton_settings_reach_the_direct_launch(monkeypatch):
+    """A launch hook (a profiler's) sends every launch through Triton's own launcher; a setting
+    that changes what Triton compiles (debug mode) changes the direct launch's key."""
+    import triton
+
+    base = common._settings(K.forward_kernels._forward_kernel)
+    assert base is not None
+    monkeypatch.setattr(triton.knobs.runtime, "debug", not triton.knobs.runtime.debug)
+    assert common._settings(K.forward_kernels._forward_kernel) not in (None, base)
+    hook = triton.knobs.runtime.launch_exit_hook
+    hook.add(print)
+    try:
+        assert common._settings(K.forward_kernels._forward_kernel) is None
+    finally:
+        hook.remove(print)
 
 
 def test_strided_rows_are_read_in_place():

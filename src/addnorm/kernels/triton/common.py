@@ -136,15 +136,17 @@ def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> No
     current CUDA device must be the tensors'). On a GPU, once a specialization has compiled, the
     next launch of it calls the compiled kernel directly: Triton's own launcher binds, specializes
     and hashes every argument in Python on each call, several times the cost of the launch
-    itself, and a call of a few rows is bound by it (docs/benchmarks.md, "Per-call cost"). The
-    key (:func:`_spec`) holds everything Triton's specialization reads, so a launch reuses only
-    the kernel Triton itself would have picked. Launch hooks (a profiler's) take Triton's path."""
+    itself, and a call of a few rows is bound by it (docs/benchmarks.md, "On an NVIDIA H200: the
+    direct launcher"). The key holds everything Triton's specialization reads (:func:`_spec`) and
+    the settings its own key holds (:func:`_settings`), so a launch reuses only the kernel Triton
+    itself would have picked. Hooks (a profiler's, a kernel's pre-run hooks) and Triton before
+    3.4 (no ``triton.knobs``) take Triton's path."""
     x = args[0]
-    hooks = getattr(triton.knobs.runtime, "launch_enter_hook", None) if x.is_cuda else None
-    if not (FAST_LAUNCH and x.is_cuda) or getattr(hooks, "calls", hooks):
+    settings = _settings(kernel) if FAST_LAUNCH and x.is_cuda else None
+    if settings is None:
         kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
         return
-    key = (kernel, x.device.index, num_warps, *constexprs.items(), *map(_spec, args))
+    key = (kernel, x.device.index, num_warps, settings, *constexprs.items(), *map(_spec, args))
     hit = _COMPILED.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
@@ -157,6 +159,25 @@ def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> No
     stream = _current_stream(x.device.index)
     compiled.run(
         grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail
+    )
+
+
+def _settings(kernel) -> tuple | None:
+    """The Triton settings a compiled kernel depends on besides its arguments (debug mode,
+    instrumentation, float sanitizing), or None where the direct launch would skip something:
+    a launch, pre-run or compile-stage hook is set, or ``triton.knobs`` is missing."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or getattr(kernel, "pre_run_hooks", None):
+        return None
+    runtime, compilation = knobs.runtime, knobs.compilation
+    for name in ("launch_enter_hook", "launch_exit_hook", "add_stages_inspection_hook"):
+        hook = getattr(runtime, name, None)
+        if getattr(hook, "calls", hook):
+            return None
+    return (
+        runtime.debug,
+        getattr(compilation, "instrumentation_mode", None),
+        getattr(compilation, "fpsan_homomorphic_casts", None),
     )
 
 

@@ -17,8 +17,8 @@ branch the backward also keeps ``x`` and the keep mask live, so it fuses narrowe
 bytes per thread, a setting chosen to compile without register spills under Triton 3.9
 (``python benchmarks/triton_registers.py`` prints registers and spills for sm_90 without a GPU;
 docs/gpu.md, "Launch heuristics", lists where Triton 3.6 spills with the same table). Its short
-rows, stacked, share their warps (``stacked_bytes_per_thread``): a tile of four rows of 768
-given as many warps as four rows' bytes ran 4-10 times slower on an H200.
+rows, stacked, share their warps (``stacked_bytes_per_thread``, rows of 512 and wider): a tile
+of four rows of 768 given as many warps as four rows' bytes ran 4-10 times slower on an H200.
 The values come from ``python benchmarks/triton_tune.py`` (docs/gpu.md, "Launch heuristics"; the
 timings are in docs/benchmarks.md, "On an NVIDIA H100").
 
@@ -46,9 +46,11 @@ class KernelLaunch:
     tile_elems: int = 4096  # elements per program tile when short rows are stacked
     max_block_m: int = 32  # at most this many rows per tile
     warps_in_flight: int | None = None  # backward kinds: max(1, this // num_warps) programs
-    # stacked short rows: bytes_per_thread for each row of the tile, up to this many in all (so
-    # stacking adds bytes per thread, not warps); None: bytes_per_thread for the whole tile
+    # stacked short rows of at least stacked_min_n columns: bytes_per_thread for each row of the
+    # tile, up to this many in all (stacking adds bytes per thread, not warps); None, or narrower
+    # rows: bytes_per_thread for the whole tile
     stacked_bytes_per_thread: int | None = None
+    stacked_min_n: int = 512  # the widths timed (docs/benchmarks.md); narrower rows would spill
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def plan(kind: str, n: int, device: torch.device, elem_size: int) -> Launch:
         tile, max_m = TABLE.interpreter.tile_elems, TABLE.interpreter.max_block_m
     block_m = 1 if chunked else max(1, min(max_m, tile // block_n))
     bytes_per_thread = TABLE.chunked.bytes_per_thread if chunked else entry.bytes_per_thread
-    if not chunked and entry.stacked_bytes_per_thread:
+    if not chunked and entry.stacked_bytes_per_thread and n >= entry.stacked_min_n:
         bytes_per_thread = max(bytes_per_thread, min(entry.stacked_bytes_per_thread, bytes_per_thread * block_m))
     num_warps = max(1, min(32, block_m * block_n * elem_size // (32 * bytes_per_thread)))
     return Launch(block_m, block_n, next_power_of_2(num_warps), chunked)
