@@ -24,6 +24,8 @@ Triton's interpreter (that is how CI tests them), otherwise they need CUDA tenso
 
 from __future__ import annotations
 
+import functools
+
 from torch import Tensor
 
 from ...backend import Capabilities
@@ -33,6 +35,7 @@ from .forward_kernels import _forward_kernel, forward
 __all__ = ["CAPABILITIES", "backward", "forward", "unavailable_reason"]
 
 
+@functools.cache
 def _interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 

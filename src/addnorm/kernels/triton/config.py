@@ -117,18 +117,31 @@ class Launch(NamedTuple):
     chunked: bool
 
 
+# (id(TABLE), kind, n, device type, elem_size) -> (TABLE, its Launch): each entry holds its
+# table, so an id stays that table's while cached, and a swapped-in table plans anew
+_PLANS: dict = {}
+
+
 def plan(kind: str, n: int, device: torch.device, elem_size: int) -> Launch:
     """The launch of kernel ``kind`` (one of :data:`KINDS`) on rows of ``n`` features of
     ``elem_size`` bytes on ``device``, from :data:`TABLE` as it is now (module docstring)."""
-    entry = getattr(TABLE, kind)
+    key = (id(TABLE), kind, n, device.type, elem_size)
+    cached = _PLANS.get(key)
+    if cached is None:
+        cached = _PLANS[key] = TABLE, _plan(TABLE, kind, n, device, elem_size)
+    return cached[1]
+
+
+def _plan(table: LaunchTable, kind: str, n: int, device: torch.device, elem_size: int) -> Launch:
+    entry = getattr(table, kind)
     chunked = n > entry.max_fused_n
-    block_n = TABLE.chunked.chunk_n if chunked else next_power_of_2(n)
+    block_n = table.chunked.chunk_n if chunked else next_power_of_2(n)
     if device.type == "cuda":
         tile, max_m = entry.tile_elems, entry.max_block_m
     else:
-        tile, max_m = TABLE.interpreter.tile_elems, TABLE.interpreter.max_block_m
+        tile, max_m = table.interpreter.tile_elems, table.interpreter.max_block_m
     block_m = 1 if chunked else max(1, min(max_m, tile // block_n))
-    bytes_per_thread = TABLE.chunked.bytes_per_thread if chunked else entry.bytes_per_thread
+    bytes_per_thread = table.chunked.bytes_per_thread if chunked else entry.bytes_per_thread
     if not chunked and entry.stacked_bytes_per_thread and n >= entry.stacked_min_n:
         bytes_per_thread = max(bytes_per_thread, min(entry.stacked_bytes_per_thread, bytes_per_thread * block_m))
     num_warps = max(1, min(32, block_m * block_n * elem_size // (32 * bytes_per_thread)))
