@@ -84,6 +84,9 @@ def forward(
         "EPS": PTR[cd],
         **branch_sig(branch, cd),
         **second_sig(second, ("W1", "B1", "Y1"), (PTR[dtype], "constexpr" if rms else PTR[dtype], PTR[dtype])),
+        # a parallel block's forward adds x1 through its dropout too (Capabilities.adds_x1)
+        **second_sig(second, ("X1", "sx1", "SEED1", "SCALE1"), (PTR[stream], "i64", "*i64", PTR[cd])),
+        "threshold1": "i64",
     }
     const = {
         "HAS_RESIDUAL": True,
@@ -94,6 +97,8 @@ def forward(
         "BRANCH": branch,
         "SECOND": second,
         "HAS_BIAS1": second and not rms,
+        "ADDED": second,
+        "DROPPED1": second,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }

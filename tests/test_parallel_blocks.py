@@ -216,36 +216,45 @@ def test_x1_dropout_runs_compiled_on_cpu_with_the_torch_ops_bits(monkeypatch, dt
         assert torch.equal(a, c)
 
 
-@pytest.mark.usefixtures("on_cpu")  # the cpu backend runs on CPU tensors alone
+def _adds_x1_backend(name: str, request):
+    """The backend module whose forward adds ``x1``, with its tensors' device in force (as
+    :func:`_dropped_kernels`), and the shape its tests run at: several threads' blocks of rows on
+    the cpu backend, fewer rows through Triton's interpreter."""
+    if name == "cpu":
+        request.getfixturevalue("on_cpu")
+        return pytest.importorskip("addnorm.kernels.cpu", reason="numba is not installed"), (300, 1024)
+    pytest.importorskip("triton")
+    return importlib.import_module("addnorm.kernels.triton"), (37, 200) if interpreted(name) else (300, 1024)
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("second", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_inference_adds_x1_in_the_norm_pass_with_the_separate_pass_bits(monkeypatch, dtype, second, p):
-    """In inference on the cpu backend (and "auto"), ``x1`` (and its dropout) is added to each
-    residual row as the norm reads it (``Capabilities.adds_x1``): no pass of its own before the
-    norm, and every output the bits of that separate pass followed by the norm (the path a
-    training call, or a backend without the capability, takes), pre- and post-norm (the stream
-    written only when returned), LayerNorm and RMSNorm, with a stream dtype of its own, a layer
-    scale, no residual, and over several threads' blocks of rows."""
-    from addnorm.kernels import cpu
-
-    m, n = 300, 1024  # above the threading threshold: several blocks of rows
+def test_inference_adds_x1_in_the_norm_pass_with_the_separate_pass_bits(monkeypatch, request, name, dtype, second, p):
+    """In inference on the cpu and triton backends (and "auto" where it runs either), ``x1`` (and
+    its dropout) is added to each residual row as the norm reads it (``Capabilities.adds_x1``):
+    one forward with ``x1`` in it, and every output the bits of the separate pass followed by the
+    norm (the path a training call, or a backend without the capability, takes), pre- and
+    post-norm (the stream written only when returned), LayerNorm and RMSNorm, with a stream dtype
+    of its own, a layer scale, no residual."""
+    impl, (m, n) = _adds_x1_backend(name, request)
     x, r, x1, w, b, w1, b1, ls = _tensors(m, n, dtype, seed=7, count=8)
+    names = (name, "auto") if addnorm.backend.auto_name(x) == name else (name,)
     cases = [
         {"prenorm": prenorm, "residual": res, "residual_dtype": rd, "layer_scale": lsc, "kind": kind}
         for prenorm in (False, True)
         for kind in ("layer", "rms")
         for res, rd, lsc in ((r, None, None), (r, torch.float32, None), (None, None, None), (r, None, ls))
     ]
-    calls, streams, real_forward, real_dropped = [], [], cpu.forward, cpu.dropped
+    calls, streams, real_forward = [], [], impl.forward
 
     def forward(*a, **k):
         calls.append("x1" in k)
         streams.append(k["write_stream"])
         return real_forward(*a, **k)
 
-    monkeypatch.setattr(cpu, "forward", forward)
-    monkeypatch.setattr(cpu, "dropped", lambda *a: calls.append("dropped") or real_dropped(*a))
+    monkeypatch.setattr(impl, "forward", forward)
 
     def run(case, backend):
         kw = {"weight1": w1, "bias1": b1} if second else {}
@@ -258,47 +267,63 @@ def test_cpu_inference_adds_x1_in_the_norm_pass_with_the_separate_pass_bits(monk
         return out if isinstance(out, tuple) else (out,)
 
     for case in cases:
-        fused = [run(case, backend) for backend in ("cpu", "auto")]
-        assert calls == [True, True], case  # one forward each, x1 in it
-        assert streams == [case["prenorm"]] * 2, case  # the stream written only when returned
+        fused = [run(case, backend) for backend in names]
+        assert calls == [True] * len(names), case  # one forward each, x1 in it
+        assert streams == [case["prenorm"]] * len(names), case  # the stream written only when returned
         calls.clear()
         streams.clear()
         with monkeypatch.context() as patched:
-            patched.setattr(cpu, "CAPABILITIES", dataclasses.replace(cpu.CAPABILITIES, adds_x1=False))
-            separate = run(case, "cpu")
-        assert calls[-1] is False and (p == 0 or "dropped" in calls), case  # x1's own pass, then the norm
+            patched.setattr(impl, "CAPABILITIES", dataclasses.replace(impl.CAPABILITIES, adds_x1=False))
+            separate = run(case, name)
+        assert calls == [False], case  # x1's own pass, then the norm
         calls.clear()
         streams.clear()
         for outputs in fused:
             assert len(outputs) == len(separate)
             for ours, theirs in zip(outputs, separate):
                 assert _same_bits(ours, theirs), case
-    (y, *_), (oracle, *_) = run(cases[0], "cpu"), _oracle_post_norm(x, r, x1, w, b, p, dtype)
+    (y, *_), (oracle, *_) = run(cases[0], name), _oracle_post_norm(x, r, x1, w, b, p, dtype)
     assert_matches_oracle(y, oracle, _oracle_post_norm(x, r, x1, w, b, p, dtype, in_dtype=True))
 
 
 @pytest.mark.usefixtures("on_cpu")  # the cpu backend runs on CPU tensors alone
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_cpu_x1_dropout_takes_no_pass_of_its_own_in_inference(monkeypatch, p):
+    """With the capability, the cpu backend's separate dropout pass (``cpu.dropped``) is not run
+    in inference; without it, it is (where there is dropout)."""
+    cpu = pytest.importorskip("addnorm.kernels.cpu", reason="numba is not installed")
+    x, r, x1, w, b = _tensors(300, 1024, torch.float32, seed=7, count=5)
+    calls, real_dropped = [], cpu.dropped
+    monkeypatch.setattr(cpu, "dropped", lambda *a: calls.append("dropped") or real_dropped(*a))
+    for adds in (True, False):
+        monkeypatch.setattr(cpu, "CAPABILITIES", dataclasses.replace(cpu.CAPABILITIES, adds_x1=adds))
+        with torch.no_grad():
+            addnorm.add_layer_norm(x, r, 1024, w, b, x1=x1, dropout_p=p, generator=torch.Generator().manual_seed(1))
+        assert calls == ([] if adds or p == 0 else ["dropped"])
+        calls.clear()
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton"])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_training_adds_x1_in_the_norm_pass_where_the_backward_needs_no_sum(monkeypatch, dtype, kind):
+def test_training_adds_x1_in_the_norm_pass_where_the_backward_needs_no_sum(monkeypatch, request, name, dtype, kind):
     """In training, ``x1`` is added in the norm's pass only for a pre-norm parallel block with both
     norms and no branch (the stream is saved; ``dx1`` is ``ds``): outputs and every gradient the
-    bits of the separate pass. With dropout, a layer scale, post-norm or no second norm, the
-    separate pass stays (the backward takes the summed residual)."""
-    from addnorm.kernels import cpu
-
-    m, n = 300, 1024
+    bits of the separate pass, on the cpu and triton backends. With dropout, a layer scale,
+    post-norm or no second norm, the separate pass stays (the backward takes the summed
+    residual)."""
+    impl, (m, n) = _adds_x1_backend(name, request)
     x, r, x1, w, b, w1, b1, ls = _tensors(m, n, dtype, seed=9, count=8)
     dys = [torch.randn(m, n, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(3)]
-    calls, real_forward = [], cpu.forward
-    monkeypatch.setattr(cpu, "forward", lambda *a, **k: calls.append("x1" in k) or real_forward(*a, **k))
+    calls, real_forward = [], impl.forward
+    monkeypatch.setattr(impl, "forward", lambda *a, **k: calls.append("x1" in k) or real_forward(*a, **k))
 
     def run(residual=r, prenorm=True, second=True, **kw):
         leaves = [t.clone().requires_grad_() for t in (x, residual if residual is not None else r, x1, w, b, w1, b1)]
         extra = {"weight1": leaves[5], "bias1": leaves[6]} if second else {}
         outs = _call(
             kind, leaves[0], None if residual is None else leaves[1], leaves[3], leaves[4], x1=leaves[2],
-            prenorm=prenorm, generator=torch.Generator().manual_seed(3), **extra, **kw,
+            prenorm=prenorm, generator=torch.Generator().manual_seed(3), backend=name, **extra, **kw,
         )  # fmt: skip
         outs = outs if isinstance(outs, tuple) else (outs,)
         sum((o.float() * dy.float()).sum() for o, dy in zip(outs, dys)).backward()
@@ -309,7 +334,7 @@ def test_cpu_training_adds_x1_in_the_norm_pass_where_the_backward_needs_no_sum(m
         assert calls == [True], case
         calls.clear()
         with monkeypatch.context() as patched:
-            patched.setattr(cpu, "CAPABILITIES", dataclasses.replace(cpu.CAPABILITIES, adds_x1=False))
+            patched.setattr(impl, "CAPABILITIES", dataclasses.replace(impl.CAPABILITIES, adds_x1=False))
             separate = run(**case)
         calls.clear()
         # y, y1, s; dx, dx1, dweight, dweight1, and dresidual, dbias and dbias1 where there are

@@ -473,3 +473,33 @@ def test_the_backward_program_count_is_the_shape_s_not_the_gpu_s(monkeypatch):
                 programs = config.backward_programs(kind, m, warps, cuda)
                 warps_in_flight = getattr(config.TABLE, kind).warps_in_flight
                 assert programs == min(m, max(1, warps_in_flight // warps))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_forward_adds_x1_with_the_separate_pass_bits(chunked, dtype, p):
+    """Parallel blocks' ``x1`` (and its dropout) added in the chunked forward, whose passes read
+    the stream again (x1 added again, the same bits): every output the separate pass's, and the
+    stream's values ``residual + dropout1(x1) + x`` in float64 within the dtype's rounding."""
+    import dataclasses
+
+    m, n = 5, 600  # three chunks of 256, the last cut
+    x, r, x1 = (rows_of(m, n, dtype, seed=i) for i in range(3))
+    w, b, w1 = (rows_of(1, n, dtype, seed=5 + i)[0] for i in range(3))
+
+    def run():
+        with torch.no_grad():
+            return addnorm.add_layer_norm(
+                x, r, n, w, b, x1=x1, weight1=w1, prenorm=True, dropout_p=p, return_dropout_mask=p > 0,
+                generator=torch.Generator().manual_seed(2), backend="triton",
+            )  # fmt: skip
+
+    fused = run()
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(K, "CAPABILITIES", dataclasses.replace(K.CAPABILITIES, adds_x1=False))
+        separate = run()
+    assert all(torch.equal(a, c) for a, c in zip(fused, separate, strict=True))
+    keep1 = fused[-1] if p > 0 else torch.ones_like(x1, dtype=torch.bool)
+    s64 = r.double() + x1.double() * keep1 / (1 - p) + x.double() * (fused[3] if p > 0 else 1) / (1 - p)
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(fused[2].double(), s64, rtol=rtol, atol=atol)

@@ -43,7 +43,7 @@ def _interpreted() -> bool:
 
 
 # CUDA tensors; CPU tensors only through Triton's interpreter (how CI runs these kernels)
-CAPABILITIES = Capabilities(device_types=("cuda", "cpu"), second_norm=True)
+CAPABILITIES = Capabilities(device_types=("cuda", "cpu"), second_norm=True, adds_x1=True)
 
 
 def unavailable_reason(x: Tensor | None) -> str | None:

@@ -44,18 +44,24 @@ def _fmix32(h):
 
 
 @triton.jit
-def _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
-    """``(t, gate)`` of one tile: ``gate = keep ? scale : 0`` with ``keep`` the hash of ``(seed,
-    row, column)`` at least ``threshold``, ``t = x * (gate * layer_scale) * rowscale``:
-    reference.branch_terms and reference.mask_hash, bit for bit. A missing factor is a tensor of
-    ones (``* 1`` is exact)."""
+def _gate(rows, cols, SEED, SCALE, threshold, CD: tl.constexpr):
+    """The dropout gate of one tile: ``keep ? scale : 0`` with ``keep`` the hash of ``(seed, row,
+    column)`` at least ``threshold`` (reference.mask_hash, bit for bit)."""
     seed = tl.load(SEED)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     a = _fmix32(_fmix32(rows.to(tl.uint32) ^ k0) + k1)
     b = _fmix32(_fmix32(cols.to(tl.uint32) ^ k1) + (k0 ^ 0x9E3779B9))
     keep = _fmix32(a[:, None] + b[None, :]).to(tl.int64) >= threshold
-    gate = tl.where(keep, tl.load(SCALE).to(CD), 0.0)
+    return tl.where(keep, tl.load(SCALE).to(CD), 0.0)
+
+
+@triton.jit
+def _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
+    """``(t, gate)`` of one tile: ``gate`` of :func:`_gate`, ``t = x * (gate * layer_scale) *
+    rowscale``: reference.branch_terms, bit for bit. A missing factor is a tensor of ones (``* 1``
+    is exact)."""
+    gate = _gate(rows, cols, SEED, SCALE, threshold, CD)
     factor = gate * tl.load(LS + cols, mask=cols < N, other=1.0).to(CD)[None, :]
     t = x * factor * tl.load(RSC + rows, mask=rows < M, other=1.0).to(CD)[:, None]
     return t, gate
@@ -202,16 +208,23 @@ def _constant(n: int, dtype: torch.dtype, device: torch.device, value: float) ->
     return torch.full((n,), value, dtype=dtype, device=device)
 
 
+def _dropout_args(p: float, seed: Tensor | None, cd: torch.dtype, device: torch.device) -> tuple:
+    """``(SEED, SCALE, threshold)`` of dropout with probability ``p`` for the kernels (see
+    ``_gate``); at ``p = 0`` a zero seed, unused (every element kept)."""
+    seed = seed if p > 0 else _constant(1, torch.int64, device, 0)
+    return seed, _constant(1, cd, device, reference.dropout_scale(p)), reference.keep_threshold(p)
+
+
 def _branch_args(branch, m: int, n: int, cd: torch.dtype, device: torch.device) -> tuple:
     """``(SEED, SCALE, LS, RSC, threshold)`` for the kernels (see ``_branch``): a missing factor is
     a row of ones; all None (and threshold 0) without a branch."""
     if branch is None:
         return None, None, None, None, 0
-    p = branch.p
+    seed, scale, threshold = _dropout_args(branch.p, branch.seed, cd, device)
     return (
-        branch.seed if p > 0 else _constant(1, torch.int64, device, 0),
-        _constant(1, cd, device, reference.dropout_scale(p)),
+        seed,
+        scale,
         _rows(branch.layer_scale) if branch.layer_scale is not None else _constant(n, cd, device, 1.0),
         _rows(branch.rowscale) if branch.rowscale is not None else _constant(m, cd, device, 1.0),
-        reference.keep_threshold(p),
+        threshold,
     )

@@ -23,7 +23,20 @@ from torch import Tensor
 
 from ... import reference
 from . import config
-from .common import _branch, _branch_args, _centre, _constant, _device, _round, _row_scale, _rows, _xhat, launch
+from .common import (
+    _branch,
+    _branch_args,
+    _centre,
+    _constant,
+    _device,
+    _dropout_args,
+    _gate,
+    _round,
+    _row_scale,
+    _rows,
+    _xhat,
+    launch,
+)
 
 _CANCEL = tl.constexpr(reference.CANCEL)  # pass 3 of the chunked forward's variance
 
@@ -57,15 +70,30 @@ def _load_stream(
     LS,
     RSC,
     threshold,
+    X1,
+    sx1,
+    SEED1,
+    SCALE1,
+    threshold1,
     CD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BRANCH: tl.constexpr,
+    ADDED: tl.constexpr,
+    DROPPED1: tl.constexpr,
 ):
     """``s = x + residual`` rounded to the stream dtype (``S``'s), returned in ``CD``; with
-    ``BRANCH``, ``x`` goes through :func:`_branch` first."""
+    ``BRANCH``, ``x`` goes through :func:`_branch` first. With ``ADDED`` the residual is first
+    ``residual + dropout1(x1)`` (parallel blocks' ``x1``, with ``DROPPED1`` through its dropout),
+    summed in ``CD`` and rounded to the stream dtype: the bits of the separate pass
+    (:mod:`.dropped_kernels`)."""
     x = tl.load(X + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(CD)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(CD)
+        if ADDED:
+            a = tl.load(X1 + rows[:, None] * sx1 + cols[None, :], mask=mask, other=0.0).to(CD)
+            if DROPPED1:
+                a = a * _gate(rows, cols, SEED1, SCALE1, threshold1, CD)
+            r = _round(r + a, S.dtype.element_ty).to(CD)
         if BRANCH:
             x = _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)[0]
         x = _round(x + r, S.dtype.element_ty).to(CD)
@@ -99,16 +127,47 @@ def _stream_chunk_k(
     LS,
     RSC,
     threshold,
+    X1,
+    sx1,
+    SEED1,
+    SCALE1,
+    threshold1,
     CD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BRANCH: tl.constexpr,
+    ADDED: tl.constexpr,
+    DROPPED1: tl.constexpr,
 ):
     """Columns ``start + cols`` of the stream (:func:`_load_stream`) times the row scale ``k``,
     and their mask: a chunk of the chunked forward's second and third passes."""
     ccols = start + cols
     mask = (rows < M)[:, None] & (ccols < N)[None, :]
     s = _load_stream(
-        X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+        X,
+        R,
+        S,
+        rows,
+        ccols,
+        mask,
+        sx,
+        sr,
+        M,
+        N,
+        SEED,
+        SCALE,
+        LS,
+        RSC,
+        threshold,
+        X1,
+        sx1,
+        SEED1,
+        SCALE1,
+        threshold1,
+        CD,
+        HAS_RESIDUAL,
+        BRANCH,
+        ADDED,
+        DROPPED1,
     )
     return s * k[:, None], mask
 
@@ -155,6 +214,11 @@ def _forward_kernel(
     W1,
     B1,
     Y1,
+    X1,
+    sx1,
+    SEED1,
+    SCALE1,
+    threshold1,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -163,11 +227,14 @@ def _forward_kernel(
     BRANCH: tl.constexpr,
     SECOND: tl.constexpr,
     HAS_BIAS1: tl.constexpr,
+    ADDED: tl.constexpr,
+    DROPPED1: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``y`` (``s``, the statistics) of a tile of rows; with ``SECOND`` also ``y1`` from the same
-    ``xhat`` with ``W1``/``B1`` (a second norm of the same stream: parallel blocks)."""
+    ``xhat`` with ``W1``/``B1`` (a second norm of the same stream: parallel blocks); with
+    ``ADDED``, parallel blocks' ``x1`` added to the residual as it is read (:func:`_load_stream`)."""
     CD: tl.constexpr = RSTD.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
@@ -177,7 +244,31 @@ def _forward_kernel(
     if not CHUNKED:  # the whole row is in registers: every pass is over registers
         mask = row_ok[:, None] & (cols < N)[None, :]
         s = _load_stream(
-            X, R, S, rows, cols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+            X,
+            R,
+            S,
+            rows,
+            cols,
+            mask,
+            sx,
+            sr,
+            M,
+            N,
+            SEED,
+            SCALE,
+            LS,
+            RSC,
+            threshold,
+            X1,
+            sx1,
+            SEED1,
+            SCALE1,
+            threshold1,
+            CD,
+            HAS_RESIDUAL,
+            BRANCH,
+            ADDED,
+            DROPPED1,
         )
         w = _load_param(W, cols, N, CD, HAS_WEIGHT)  # issued now: latency hidden by the reductions
         b = _load_param(B, cols, N, CD, HAS_BIAS)
@@ -201,7 +292,31 @@ def _forward_kernel(
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
             s = _load_stream(
-                X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+                X,
+                R,
+                S,
+                rows,
+                ccols,
+                mask,
+                sx,
+                sr,
+                M,
+                N,
+                SEED,
+                SCALE,
+                LS,
+                RSC,
+                threshold,
+                X1,
+                sx1,
+                SEED1,
+                SCALE1,
+                threshold1,
+                CD,
+                HAS_RESIDUAL,
+                BRANCH,
+                ADDED,
+                DROPPED1,
             )
             _store_stream(s, S, rows, ccols, mask, N, HAS_RESIDUAL)
             amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
@@ -213,7 +328,32 @@ def _forward_kernel(
         m2 = tl.zeros([BLOCK_M], dtype=CD)
         for start in range(0, N, BLOCK_N):
             c, mask = _stream_chunk_k(
-                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+                X,
+                R,
+                S,
+                rows,
+                start,
+                cols,
+                k,
+                sx,
+                sr,
+                M,
+                N,
+                SEED,
+                SCALE,
+                LS,
+                RSC,
+                threshold,
+                X1,
+                sx1,
+                SEED1,
+                SCALE1,
+                threshold1,
+                CD,
+                HAS_RESIDUAL,
+                BRANCH,
+                ADDED,
+                DROPPED1,
             )
             if not IS_RMS:
                 c = tl.where(mask, c - mean_k[:, None], 0.0)
@@ -229,7 +369,32 @@ def _forward_kernel(
         m3 = tl.zeros([BLOCK_M], dtype=CD)
         for start in range(0, N * tl.max(redo.to(tl.int32), axis=0), BLOCK_N):
             c, mask = _stream_chunk_k(
-                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+                X,
+                R,
+                S,
+                rows,
+                start,
+                cols,
+                k,
+                sx,
+                sr,
+                M,
+                N,
+                SEED,
+                SCALE,
+                LS,
+                RSC,
+                threshold,
+                X1,
+                sx1,
+                SEED1,
+                SCALE1,
+                threshold1,
+                CD,
+                HAS_RESIDUAL,
+                BRANCH,
+                ADDED,
+                DROPPED1,
             )
             c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
             m3 += tl.sum(c * c, axis=1)
@@ -250,7 +415,31 @@ def _forward_kernel(
             mask = row_ok[:, None] & (ccols < N)[None, :]
             sk = (
                 _load_stream(
-                    X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD, HAS_RESIDUAL, BRANCH
+                    X,
+                    R,
+                    S,
+                    rows,
+                    ccols,
+                    mask,
+                    sx,
+                    sr,
+                    M,
+                    N,
+                    SEED,
+                    SCALE,
+                    LS,
+                    RSC,
+                    threshold,
+                    X1,
+                    sx1,
+                    SEED1,
+                    SCALE1,
+                    threshold1,
+                    CD,
+                    HAS_RESIDUAL,
+                    BRANCH,
+                    ADDED,
+                    DROPPED1,
                 )
                 * k[:, None]
             )
@@ -281,10 +470,13 @@ def forward(
     residual_out: Tensor | None = None,
     branch=None,
     second=None,
+    x1=None,
 ) -> tuple:
     """:func:`addnorm.kernels.torch.forward`, fused: one read of the inputs, one write of the
     outputs. ``second``: ``(weight1, bias1)`` of a second norm of the same stream (parallel
-    blocks), whose ``y1`` the same kernel writes and which is returned fifth."""
+    blocks), whose ``y1`` the same kernel writes and which is returned fifth. ``x1``: an
+    :class:`~addnorm.backend.X1` (parallel blocks), added to each row of ``residual`` (which must
+    be given) as it is read."""
     shape, n = x.shape, x.shape[-1]
     y_dtype = x.dtype
     sd = reference.stream_dtype(x, residual, residual_dtype)
@@ -294,6 +486,13 @@ def forward(
     residual = _rows(residual.reshape(-1, n)) if residual is not None else None
     m = x.shape[0]
     cd = reference.stats_dtype(sd)
+    x1_args, dropped1 = (None, 0, None, None, 0), False
+    if x1 is not None:  # in the stream dtype, as the separate pass takes it
+        x1, p1, seed1 = x1
+        if residual is None or x1.shape != shape:
+            raise ValueError(f"x1 is added to the residual: it needs one, and x's shape {tuple(shape)}")
+        x1 = _rows((x1 if x1.dtype is sd else x1.to(sd)).reshape(-1, n))
+        x1_args, dropped1 = (x1, x1.stride(0), *_dropout_args(p1, seed1, cd, x.device)), p1 > 0
     y = out if out is not None else torch.empty(shape, dtype=y_dtype, device=x.device)
     s = None
     if residual is not None:
@@ -325,6 +524,7 @@ def forward(
                 _constant(1, cd, x.device, eps),
                 *_branch_args(branch, m, n, cd, x.device),
                 *((None, None, None) if second is None else (_rows(second[0]), _rows(second[1]), y1)),
+                *x1_args,
             ),
             num_warps=num_warps,
             HAS_RESIDUAL=residual is not None,
@@ -335,6 +535,8 @@ def forward(
             BRANCH=branch is not None,
             SECOND=second is not None,
             HAS_BIAS1=second is not None and second[1] is not None,
+            ADDED=x1 is not None,
+            DROPPED1=dropped1,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
         )
