@@ -429,23 +429,8 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
             _coef_kernel,
             (config.cdiv(m, block_m),),
             (
-                dy,
-                s,
-                residual,
-                weight,
-                mean,
-                rstd,
-                k,
-                corr,
-                c1,
-                c2,
-                m,
-                n,
-                dy.stride(0),
-                s.stride(0),
-                sr,
-                *branch_args,
-                *second_args,
+                dy, s, residual, weight, mean, rstd, k, corr, c1, c2, m, n, dy.stride(0), s.stride(0), sr,
+                *branch_args, *second_args,
             ),
             num_warps=num_warps,
             HAS_WEIGHT=weight is not None,
@@ -454,7 +439,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
             SECOND=dy1 is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-        )
+        )  # fmt: skip
     programs = config.backward_programs(kind, m, num_warps, s.device)
     rows_per_program = config.cdiv(config.cdiv(m, programs), block_m) * block_m
     programs = config.cdiv(m, rows_per_program)
@@ -467,35 +452,9 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         _backward_kernel,
         (programs, config.cdiv(n, block_n)),
         (
-            dy,
-            dstream,
-            s,
-            residual,
-            weight,
-            mean,
-            rstd,
-            k,
-            corr,
-            c1,
-            c2,
-            ds,
-            dw,
-            db,
-            dx,
-            dls,
-            m,
-            n,
-            rows_per_program,
-            dy.stride(0),
-            dstream.stride(0) if dstream is not None else 0,
-            s.stride(0),
-            sr,
-            *branch_args,
-            dy1,
-            weight1,
-            dw1,
-            db1,
-            second_args[2],
+            dy, dstream, s, residual, weight, mean, rstd, k, corr, c1, c2, ds, dw, db, dx, dls, m, n,
+            rows_per_program, dy.stride(0), dstream.stride(0) if dstream is not None else 0, s.stride(0), sr,
+            *branch_args, dy1, weight1, dw1, db1, second_args[2],
         ),
         num_warps=num_warps,
         HAS_DSTREAM=dstream is not None,
@@ -509,7 +468,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         HAS_BIAS1=has_bias1,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-    )
+    )  # fmt: skip
     dtypes = [dt for here, dt in zip(present, (pd, pd, cd, pd, pd)) if here]
     sums = iter(_sum_partials(buffer, dtypes) if len(buffer) else ())
     dw, db, dls, dw1, db1 = (next(sums) if here else None for here in present)

@@ -143,32 +143,9 @@ def _stream_chunk_k(
     ccols = start + cols
     mask = (rows < M)[:, None] & (ccols < N)[None, :]
     s = _load_stream(
-        X,
-        R,
-        S,
-        rows,
-        ccols,
-        mask,
-        sx,
-        sr,
-        M,
-        N,
-        SEED,
-        SCALE,
-        LS,
-        RSC,
-        threshold,
-        X1,
-        sx1,
-        SEED1,
-        SCALE1,
-        threshold1,
-        CD,
-        HAS_RESIDUAL,
-        BRANCH,
-        ADDED,
-        DROPPED1,
-    )
+        X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+        X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
+    )  # fmt: skip
     return s * k[:, None], mask
 
 
@@ -244,32 +221,9 @@ def _forward_kernel(
     if not CHUNKED:  # the whole row is in registers: every pass is over registers
         mask = row_ok[:, None] & (cols < N)[None, :]
         s = _load_stream(
-            X,
-            R,
-            S,
-            rows,
-            cols,
-            mask,
-            sx,
-            sr,
-            M,
-            N,
-            SEED,
-            SCALE,
-            LS,
-            RSC,
-            threshold,
-            X1,
-            sx1,
-            SEED1,
-            SCALE1,
-            threshold1,
-            CD,
-            HAS_RESIDUAL,
-            BRANCH,
-            ADDED,
-            DROPPED1,
-        )
+            X, R, S, rows, cols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+            X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
+        )  # fmt: skip
         w = _load_param(W, cols, N, CD, HAS_WEIGHT)  # issued now: latency hidden by the reductions
         b = _load_param(B, cols, N, CD, HAS_BIAS)
         _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL)  # now: s need not stay live
@@ -292,32 +246,9 @@ def _forward_kernel(
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
             s = _load_stream(
-                X,
-                R,
-                S,
-                rows,
-                ccols,
-                mask,
-                sx,
-                sr,
-                M,
-                N,
-                SEED,
-                SCALE,
-                LS,
-                RSC,
-                threshold,
-                X1,
-                sx1,
-                SEED1,
-                SCALE1,
-                threshold1,
-                CD,
-                HAS_RESIDUAL,
-                BRANCH,
-                ADDED,
-                DROPPED1,
-            )
+                X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+                X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
+            )  # fmt: skip
             _store_stream(s, S, rows, ccols, mask, N, HAS_RESIDUAL)
             amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
             k_new = _row_scale(amax)
@@ -328,33 +259,9 @@ def _forward_kernel(
         m2 = tl.zeros([BLOCK_M], dtype=CD)
         for start in range(0, N, BLOCK_N):
             c, mask = _stream_chunk_k(
-                X,
-                R,
-                S,
-                rows,
-                start,
-                cols,
-                k,
-                sx,
-                sr,
-                M,
-                N,
-                SEED,
-                SCALE,
-                LS,
-                RSC,
-                threshold,
-                X1,
-                sx1,
-                SEED1,
-                SCALE1,
-                threshold1,
-                CD,
-                HAS_RESIDUAL,
-                BRANCH,
-                ADDED,
-                DROPPED1,
-            )
+                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+                X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
+            )  # fmt: skip
             if not IS_RMS:
                 c = tl.where(mask, c - mean_k[:, None], 0.0)
                 corr += tl.sum(c, axis=1)
@@ -369,33 +276,9 @@ def _forward_kernel(
         m3 = tl.zeros([BLOCK_M], dtype=CD)
         for start in range(0, N * tl.max(redo.to(tl.int32), axis=0), BLOCK_N):
             c, mask = _stream_chunk_k(
-                X,
-                R,
-                S,
-                rows,
-                start,
-                cols,
-                k,
-                sx,
-                sr,
-                M,
-                N,
-                SEED,
-                SCALE,
-                LS,
-                RSC,
-                threshold,
-                X1,
-                sx1,
-                SEED1,
-                SCALE1,
-                threshold1,
-                CD,
-                HAS_RESIDUAL,
-                BRANCH,
-                ADDED,
-                DROPPED1,
-            )
+                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+                X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
+            )  # fmt: skip
             c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
             m3 += tl.sum(c * c, axis=1)
         var_k = tl.where(redo, m3 / N, var_k)
@@ -413,36 +296,10 @@ def _forward_kernel(
         for start in range(0, N, BLOCK_N):
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
-            sk = (
-                _load_stream(
-                    X,
-                    R,
-                    S,
-                    rows,
-                    ccols,
-                    mask,
-                    sx,
-                    sr,
-                    M,
-                    N,
-                    SEED,
-                    SCALE,
-                    LS,
-                    RSC,
-                    threshold,
-                    X1,
-                    sx1,
-                    SEED1,
-                    SCALE1,
-                    threshold1,
-                    CD,
-                    HAS_RESIDUAL,
-                    BRANCH,
-                    ADDED,
-                    DROPPED1,
-                )
-                * k[:, None]
-            )
+            sk = _load_stream(
+                X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+                X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
+            ) * k[:, None]  # fmt: skip
             w = _load_param(W, ccols, N, CD, HAS_WEIGHT)
             b = _load_param(B, ccols, N, CD, HAS_BIAS)
             xhat = _xhat(_centre(sk, mask, mean_k, IS_RMS), corr, rstd_k, IS_RMS)
