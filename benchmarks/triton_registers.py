@@ -64,13 +64,22 @@ def second_sig(second: bool, names: tuple[str, ...], kinds: tuple[str, ...]) -> 
 
 
 def forward(
-    n: int, dtype: torch.dtype, stream: torch.dtype, rms: bool, branch: bool = False, second: bool = False
+    n: int,
+    dtype: torch.dtype,
+    stream: torch.dtype,
+    rms: bool,
+    branch: bool = False,
+    second: bool = False,
+    x1: bool = False,
 ) -> str:
+    """The forward kernel's resources; ``x1``: parallel blocks' ``x1`` added as the residual is
+    read (in the stream dtype, as the residual then is), through its dropout when ``branch`` (one
+    ``dropout_p`` for both)."""
     cd = torch.float64 if stream == torch.float64 else torch.float32
     block_m, block_n, warps, chunked = config.plan("forward", n, torch.device("cuda"), dtype.itemsize)
     sig = {
         "X": PTR[dtype],
-        "R": PTR[dtype],
+        "R": PTR[stream] if x1 else PTR[dtype],
         "W": PTR[dtype],
         "B": "constexpr" if rms else PTR[dtype],
         "Y": PTR[dtype],
@@ -84,8 +93,7 @@ def forward(
         "EPS": PTR[cd],
         **branch_sig(branch, cd),
         **second_sig(second, ("W1", "B1", "Y1"), (PTR[dtype], "constexpr" if rms else PTR[dtype], PTR[dtype])),
-        # a parallel block's forward adds x1 through its dropout too (Capabilities.adds_x1)
-        **second_sig(second, ("X1", "sx1", "SEED1", "SCALE1"), (PTR[stream], "i64", "*i64", PTR[cd])),
+        **second_sig(x1, ("X1", "sx1", "SEED1", "SCALE1"), (PTR[stream], "i64", "*i64", PTR[cd])),
         "threshold1": "i64",
     }
     const = {
@@ -97,8 +105,8 @@ def forward(
         "BRANCH": branch,
         "SECOND": second,
         "HAS_BIAS1": second and not rms,
-        "ADDED": second,
-        "DROPPED1": second,
+        "ADDED": x1,
+        "DROPPED1": x1 and branch,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
@@ -215,6 +223,10 @@ def main(widths: list[int]) -> None:
             print(f"  {str(dtype)[6:]:8s} fwd add_ln+dropout  {forward(n, dtype, stream, False, branch=True)}")
             print(f"  {str(dtype)[6:]:8s} bwd add_ln+dropout  {backward(n, dtype, False, branch=True)}")
             print(f"  {str(dtype)[6:]:8s} fwd parallel block  {forward(n, dtype, stream, False, second=True)}")
+            x1 = forward(n, dtype, stream, False, second=True, x1=True)
+            print(f"  {str(dtype)[6:]:8s} fwd parallel + x1   {x1}")
+            x1 = forward(n, dtype, stream, False, branch=True, second=True, x1=True)
+            print(f"  {str(dtype)[6:]:8s} fwd parallel + x1, dropout {x1}")
             print(f"  {str(dtype)[6:]:8s} bwd parallel block  {backward(n, dtype, False, second=True)}")
 
 
