@@ -72,9 +72,9 @@ def forward(
     second: bool = False,
     x1: bool = False,
 ) -> str:
-    """The forward kernel's resources; ``x1``: parallel blocks' ``x1`` added as the residual is
-    read (in the stream dtype, as the residual then is), through its dropout when ``branch`` (one
-    ``dropout_p`` for both)."""
+    """The forward kernel's resources; ``x1``: parallel blocks' ``x1`` (of x's dtype) added as the
+    residual (in the stream dtype) is read, through its dropout when ``branch`` (one ``dropout_p``
+    for both)."""
     cd = torch.float64 if stream == torch.float64 else torch.float32
     block_m, block_n, warps, chunked = config.plan("forward", n, torch.device("cuda"), dtype.itemsize)
     sig = {
@@ -93,7 +93,7 @@ def forward(
         "EPS": PTR[cd],
         **branch_sig(branch, cd),
         **second_sig(second, ("W1", "B1", "Y1"), (PTR[dtype], "constexpr" if rms else PTR[dtype], PTR[dtype])),
-        **second_sig(x1, ("X1", "sx1", "SEED1", "SCALE1"), (PTR[stream], "i64", "*i64", PTR[cd])),
+        **second_sig(x1, ("X1", "sx1", "SEED1", "SCALE1"), (PTR[dtype], "i64", "*i64", PTR[cd])),
         "threshold1": "i64",
     }
     const = {

@@ -89,8 +89,11 @@ def _load_stream(
     x = tl.load(X + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(CD)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(CD)
-        if ADDED:
-            a = tl.load(X1 + rows[:, None] * sx1 + cols[None, :], mask=mask, other=0.0).to(CD)
+        if ADDED:  # x1 rounded to the stream dtype first (exact when it widens), as x1.to(sd)
+            a = tl.load(X1 + rows[:, None] * sx1 + cols[None, :], mask=mask, other=0.0)
+            if X1.dtype.element_ty != S.dtype.element_ty:
+                a = _round(a, S.dtype.element_ty)
+            a = a.to(CD)
             if DROPPED1:
                 a = a * _gate(rows, cols, SEED1, SCALE1, threshold1, CD)
             r = _round(r + a, S.dtype.element_ty).to(CD)
@@ -344,11 +347,11 @@ def forward(
     m = x.shape[0]
     cd = reference.stats_dtype(sd)
     x1_args, dropped1 = (None, 0, None, None, 0), False
-    if x1 is not None:  # in the stream dtype, as the separate pass takes it
+    if x1 is not None:  # in its own dtype: the kernel rounds it to the stream dtype as it reads it
         x1, p1, seed1 = x1
         if residual is None or x1.shape != shape:
             raise ValueError(f"x1 is added to the residual: it needs one, and x's shape {tuple(shape)}")
-        x1 = _rows((x1 if x1.dtype is sd else x1.to(sd)).reshape(-1, n))
+        x1 = _rows(x1.reshape(-1, n))
         x1_args, dropped1 = (x1, x1.stride(0), *_dropout_args(p1, seed1, cd, x.device)), p1 > 0
     y = out if out is not None else torch.empty(shape, dtype=y_dtype, device=x.device)
     s = None
