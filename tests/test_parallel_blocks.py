@@ -350,6 +350,39 @@ def test_training_adds_x1_in_the_norm_pass_where_the_backward_needs_no_sum(monke
         calls.clear()
 
 
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+@pytest.mark.parametrize(
+    "x1_dtype,sd",
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float64, torch.float16),
+        (torch.float16, torch.float32),
+        (torch.float64, torch.float32),
+    ],
+)
+def test_x1_of_another_dtype_is_rounded_to_the_stream_dtype_as_it_is_read(request, name, x1_dtype, sd):
+    """A backend's forward reads ``x1`` in its own dtype and rounds it to the stream dtype first:
+    the bits of ``x1.to(sd)`` added by the reference's stream (dropout included), then the norm,
+    inf, NaN and a bf16 tie included; no conversion pass of its own."""
+    impl, _ = _adds_x1_backend(name, request)
+    m, n = 9, 40
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(m, n, generator=g).to(sd) for _ in range(2))
+    x1 = (torch.randn(m, n, generator=g, dtype=torch.float64) * 3).to(x1_dtype)
+    x1[0, 0], x1[1, 1], x1[2, 2] = float("inf"), float("nan"), 1 + 2**-9
+    w = torch.randn(n, generator=g).to(sd)
+    seed = torch.tensor(12345, dtype=torch.int64)
+    for p in (0.0, 0.3):
+        x1_arg = addnorm.backend.X1(x1, p, seed if p else None)
+        fused = impl.forward(x, r, w, None, eps=1e-5, rms=False, residual_dtype=sd, x1=x1_arg)
+        branch = addnorm.backend.Branch(p, seed, None, None) if p else None
+        summed = addnorm.reference.stream(x1.to(sd), r, sd, branch)
+        separate = impl.forward(x, summed, w, None, eps=1e-5, rms=False, residual_dtype=sd)
+        for a, c in zip(fused[:2], separate[:2]):
+            assert _same_bits(a, c), (p, a.dtype)
+
+
 def _oracle_post_norm(x, r, x1, w, b, p, dtype, in_dtype=False):
     """``layer_norm(r + dropout1(x1) + dropout(x))`` by torch's ops (float64, or in ``dtype`` when
     ``in_dtype``) with the call's keep masks: their seeds drawn from a generator seeded 11,

@@ -515,34 +515,3 @@ def test_chunked_forward_adds_x1_with_the_separate_pass_bits(monkeypatch, chunke
     s64 = r.double() + x1.double() * keep1 / (1 - p) + x.double() * (fused[3] if p > 0 else 1) / (1 - p)
     rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(fused[2].double(), s64, rtol=rtol, atol=atol)
-
-
-@pytest.mark.parametrize(
-    "x1_dtype,sd",
-    [
-        (torch.bfloat16, torch.float32),
-        (torch.float32, torch.bfloat16),
-        (torch.float64, torch.float16),
-        (torch.float16, torch.float32),
-        (torch.float64, torch.float32),
-    ],
-)
-def test_x1_of_another_dtype_is_rounded_to_the_stream_dtype_as_it_is_read(x1_dtype, sd):
-    """The forward reads ``x1`` in its own dtype and rounds it to the stream dtype first: the bits
-    of ``x1.to(sd)`` added by the reference's stream (dropout included), then the norm, inf and
-    NaN included; no conversion pass of its own."""
-    m, n = 9, 40
-    x, r = rows_of(m, n, sd, seed=1), rows_of(m, n, sd, seed=2)
-    x1 = rows_of(m, n, x1_dtype, seed=3) * 3
-    x1[0, 0], x1[1, 1], x1[2, 2] = float("inf"), float("nan"), 1 + 2**-9  # a tie in bf16
-    w = rows_of(1, n, sd, seed=4)[0]
-    seed = torch.tensor(12345, dtype=torch.int64)
-    for p in (0.0, 0.3):
-        x1_arg = addnorm.backend.X1(x1, p, seed if p else None)
-        fused = K.forward(x, r, w, None, eps=1e-5, rms=False, residual_dtype=sd, x1=x1_arg)
-        branch = addnorm.backend.Branch(p, seed, None, None) if p else None
-        summed = addnorm.reference.stream(x1.to(sd), r, sd, branch)
-        separate = K.forward(x, summed, w, None, eps=1e-5, rms=False, residual_dtype=sd)
-        for a, c in zip(fused[:2], separate[:2]):
-            nan = a.isnan()
-            assert torch.equal(nan, c.isnan()) and torch.equal(a[~nan], c[~nan])

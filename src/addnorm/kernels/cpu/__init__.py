@@ -156,11 +156,11 @@ def forward(
             # compiled kernel per dtype serves; y then goes through the statistics dtype
             x, residual = x.to(sd), residual.to(sd)
         residual = contiguous_rows(residual)
-    if x1 is not None:  # in the stream dtype, as x (the rounding dropped_add's x1.to(sd) makes)
+    if x1 is not None:  # in its own dtype: the kernel rounds each row to the stream dtype first
         x1, p1, seed1 = x1
         if residual is None or x1.shape != x.shape:
             raise ValueError(f"x1 is added to the residual: it needs one, and x's shape {tuple(x.shape)}")
-        x1 = contiguous_rows(x1 if x1.dtype is sd else x1.to(sd))
+        x1 = contiguous_rows(x1)
     cd = torch.float64 if sd is torch.float64 else torch.float32
     if not x.is_contiguous():
         x = x.contiguous()
@@ -212,9 +212,9 @@ def forward(
         # y straight to memory when it is the output itself (not a float32 y cast afterwards)
         moved = x.nbytes * (2 + (residual is not None) + write_s + (y1 is not None) + (x1 is not None))
         stream_y = direct and streamed(y, moved) and (y1 is None or streamed(y1, moved))
-        added, dropped = x1 is not None, x1 is not None and p1 > 0
+        x1_dtype, dropped = (None, False) if x1 is None else (x1.dtype, p1 > 0)
         entry = forward_entry(
-            sd, y.dtype, pd, branch is not None, streamed=stream_y, second=y1 is not None, added=added, dropped=dropped
+            sd, y.dtype, pd, branch is not None, stream_y, y1 is not None, x1_dtype=x1_dtype, dropped=dropped
         )
         run_on_threads(entry, threads, args, branch_slots)
         del held

@@ -96,16 +96,16 @@ def _second_grad_block_impl(second, blk, lo, hi):
     return block
 
 
-def _added(x1, n, cd):
-    """``(x1, its prepared dropout branch or None, a scratch row of x1's dtype, a gate row)`` for
-    :func:`.pieces.residual_row`, or None without ``x1``."""
+def _added(x1, r, n, cd):
+    """``(x1, its prepared dropout branch or None, a scratch row of the stream dtype (``r``'s), a
+    gate row)`` for :func:`.pieces.residual_row`, or None without ``x1``."""
 
 
 @overload(_added)
-def _added_impl(x1, n, cd):
+def _added_impl(x1, r, n, cd):
     if isinstance(x1, types.NoneType):
-        return lambda x1, n, cd: None
-    return lambda x1, n, cd: (x1[0], prepare_branch(x1[1], n), np.empty_like(x1[0][0]), np.empty(n, cd))
+        return lambda x1, r, n, cd: None
+    return lambda x1, r, n, cd: (x1[0], prepare_branch(x1[1], n), np.empty_like(r[0]), np.empty(n, cd))
 
 
 def _added_block(added, lo, hi):
@@ -150,7 +150,7 @@ def forward_blocks(
     output and its dropout branch's arguments, ``(x1, br1 or None)`` (``entry.read_x1``), added
     to the residual row by row (:func:`.pieces.residual_row`), or None."""
     m, n = x.shape
-    added = _added(x1, n, rstd.dtype)
+    added = _added(x1, r, n, rstd.dtype)
     buf = np.empty((3, n), rstd.dtype)  # the row (two, alternating, when pipelined) and a scaled row
     kbuf = np.empty(1, rstd.dtype)
     branch = prepare_branch(br, n)

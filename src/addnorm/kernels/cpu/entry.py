@@ -237,23 +237,23 @@ def _read_second_impl(a, m, n, pd, yd, second):
     return read
 
 
-def read_x1(a, f, m, n, sd, cd, added, dropped):
-    """Parallel blocks' ``x1`` and its dropout branch's arguments (as :func:`read_branch`'s, no
-    layer scale or rowscale; None without dropout), or None without ``x1`` (pruned when
-    compiling)."""
+def read_x1(a, f, m, n, xd, cd, dropped):
+    """Parallel blocks' ``x1`` (of numpy dtype ``xd``) and its dropout branch's arguments (as
+    :func:`read_branch`'s, no layer scale or rowscale; None without dropout), or None without
+    ``x1`` (``xd`` None; pruned when compiling)."""
 
 
 @overload(read_x1)
-def _read_x1_impl(a, f, m, n, sd, cd, added, dropped):
-    if isinstance(added, types.NoneType):
-        return lambda a, f, m, n, sd, cd, added, dropped: None
+def _read_x1_impl(a, f, m, n, xd, cd, dropped):
+    if isinstance(xd, types.NoneType):
+        return lambda a, f, m, n, xd, cd, dropped: None
     if isinstance(dropped, types.NoneType):
-        return lambda a, f, m, n, sd, cd, added, dropped: (carray(_pointer(a[ForwardSlot.X1]), (m, n), sd), None)
+        return lambda a, f, m, n, xd, cd, dropped: (carray(_pointer(a[ForwardSlot.X1]), (m, n), xd), None)
 
-    def read(a, f, m, n, sd, cd, added, dropped):
+    def read(a, f, m, n, xd, cd, dropped):
         none = np.empty(0, cd)  # (no layer scale, no rowscale: only the keep mask and scale are read)
         br = (a[ForwardSlot.X1_SEED], a[ForwardSlot.X1_KEEP_THRESHOLD], cd(f[ForwardSlot.X1_SCALE]), none, none, False)
-        return carray(_pointer(a[ForwardSlot.X1]), (m, n), sd), br
+        return carray(_pointer(a[ForwardSlot.X1]), (m, n), xd), br
 
     return read
 
@@ -307,13 +307,14 @@ def _write_sums(a, n, od, pairs):
                 put(out, j, sums[j])
 
 
-def _compile_forward(sd, yd, pd, branched, streamed, second, added, dropped):
+def _compile_forward(sd, yd, pd, branched, streamed, second, xd, dropped):
     """The forward entry (ForwardSlot); ``sd``: the dtype of x, residual and s, ``yd`` that of
     y, ``pd`` that of weight and bias (numpy dtypes; 16-bit floats as uint16/int16, see
     NUMPY_DTYPES); ``branched``: True, or None without a branch; ``streamed``: True (y written
     with non-temporal stores), or None; ``second``: True (a second norm: ``weight1``, ``bias1``,
-    ``y1``), or None; ``added``: True (parallel blocks' ``x1``, of dtype ``sd``, added to the
-    residual), or None; ``dropped``: True (``x1`` through its dropout), or None."""
+    ``y1``), or None; ``xd``: the dtype of parallel blocks' ``x1``, added to the residual (rounded
+    to ``sd`` first), or None without one; ``dropped``: True (``x1`` through its dropout), or
+    None."""
     cd = _stats_dtype(sd)
     direct = True if sd == cd else None  # see rows.forward_rows
     source_digest = SOURCE_DIGEST
@@ -345,7 +346,7 @@ def _compile_forward(sd, yd, pd, branched, streamed, second, added, dropped):
             read_branch(a, f, ForwardSlot.BRANCH, m, n, cd, branched),
             streamed,
             read_second(a, m, n, pd, yd, second),
-            read_x1(a, f, m, n, sd, cd, added, dropped),
+            read_x1(a, f, m, n, xd, cd, dropped),
         )
 
     return _compile_entry(entry)
@@ -449,15 +450,16 @@ def forward_entry(
     branched: bool = False,
     streamed: bool = False,
     second: bool = False,
-    added: bool = False,
+    x1_dtype: torch.dtype | None = None,
     dropped: bool = False,
 ):
-    key = (sd, yd, pd, branched, streamed, second, added, dropped)
+    key = (sd, yd, pd, branched, streamed, second, x1_dtype, dropped)
     entry = FORWARD_ENTRIES.get(key)
     if entry is None:
         dtypes = (NUMPY_DTYPES[d] for d in (sd, yd, pd))
-        flags = map(_flag, (branched, streamed, second, added, dropped))
-        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, *flags)
+        flags = map(_flag, (branched, streamed, second))
+        xd = None if x1_dtype is None else NUMPY_DTYPES[x1_dtype]
+        entry = FORWARD_ENTRIES[key] = _compile_forward(*dtypes, *flags, xd, _flag(dropped))
     return entry
 
 

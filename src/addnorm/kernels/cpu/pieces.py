@@ -34,8 +34,9 @@ def residual_row(r, i, added, first):
     dropout branch or None, a scratch row of the stream dtype, a gate row)``), ``r[i] +
     dropout1(x1[i])`` summed in the statistics dtype and rounded to the stream dtype, into the
     scratch row: :func:`.branch.dropped_row`, the bits of the pass it replaces (``first``: the
-    index of row 0 in the call, for the keep mask). The scratch row is read before the next
-    row's sum overwrites it."""
+    index of row 0 in the call, for the keep mask). ``x1`` of another dtype than the stream's is
+    rounded to it first, in the scratch row (``x1.to(sd)``'s bits, with no pass of its own). The
+    scratch row is read before the next row's sum overwrites it."""
 
 
 def stream_row(si, ri, sbuf):
@@ -101,6 +102,18 @@ def plus_dstream(v, dsti, j):
 def _residual_row_impl(r, i, added, first):
     if isinstance(added, types.NoneType):
         return lambda r, i, added, first: r[i]
+
+    if added[0].dtype != r.dtype:
+
+        def convert_and_add(r, i, added, first):
+            x1, branch1, row, gate = added
+            x1i = x1[i]
+            for j in range(row.shape[0]):
+                put(row, j, load(x1i, j))
+            dropped_row(row, r[i], row, gate, branch1, first + i)  # (each element read, then written)
+            return row
+
+        return convert_and_add
 
     def add(r, i, added, first):
         x1, branch1, row, gate = added
