@@ -214,7 +214,14 @@ def forward(
         stream_y = direct and streamed(y, moved) and (y1 is None or streamed(y1, moved))
         x1_dtype, dropped = (None, False) if x1 is None else (x1.dtype, p1 > 0)
         entry = forward_entry(
-            sd, y.dtype, pd, branch is not None, stream_y, y1 is not None, x1_dtype=x1_dtype, dropped=dropped
+            sd,
+            y.dtype,
+            pd,
+            branch is not None,
+            streamed=stream_y,
+            second=y1 is not None,
+            x1_dtype=x1_dtype,
+            dropped=dropped,
         )
         run_on_threads(entry, threads, args, branch_slots)
         del held
