@@ -149,15 +149,14 @@ def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> No
     3.4 (no ``triton.knobs``) take Triton's path."""
     x = args[0]
     settings = _settings(kernel) if FAST_LAUNCH and x.is_cuda else None
-    if settings is None:
-        kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
-        return
-    key = (kernel, x.device.index, num_warps, settings, *constexprs.items(), *map(_spec, args))
-    hit = _COMPILED.get(key)
-    if hit is None:
+    key = None
+    if settings is not None:
+        key = (kernel, x.device.index, num_warps, settings, *constexprs.items(), *map(_spec, args))
+    hit = None if key is None else _COMPILED.get(key)
+    if hit is None:  # Triton's own launcher (which compiles the specialization if it has not)
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
-        if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        if key is not None and all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             _COMPILED[key] = compiled, tuple(constexprs[name] for name in kernel.arg_names[len(args) :])
         return
     compiled, tail = hit
