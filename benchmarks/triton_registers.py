@@ -198,7 +198,9 @@ def dropped(dtype: torch.dtype, added: bool) -> str:
         "N": "i32",
         "s_src": "i64",
         "s_add": "i64",
-        **branch_sig(True, cd),
+        "SEED": "*i64",
+        "SCALE": PTR[cd],
+        "threshold": "i64",
     }
     const = {"HAS_ADDEND": added, "BLOCK_M": dropped_kernels._BLOCK_M, "BLOCK_N": dropped_kernels._BLOCK_N}
     kernel = dropped_kernels._dropped_kernel

@@ -1,6 +1,6 @@
 """Parallel blocks' ``x1``: ``addend + dropout(src)`` on tiles, one launch (and its gradient,
 ``dropout(ds)``): :func:`addnorm.reference.stream` of a dropout-only branch, bit for bit, the
-keep mask from the same hash as the norms' (``common._branch``)."""
+keep mask from the same hash as the norms' (``common._gate``)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,15 @@ import triton.language as tl
 from torch import Tensor
 
 from ... import reference
-from ...backend import Branch
 from . import config
-from .common import _branch, _branch_args, _device, _round, _rows, launch
+from .common import _device, _dropout_args, _gate, _round, _rows, launch
 
 _BLOCK_M, _BLOCK_N, _WARPS = 4, 512, 4  # an elementwise tile: 2048 elements, 16 per thread
 
 
 @triton.jit
 def _dropped_kernel(
-    SRC, ADDEND, OUT, M, N, s_src, s_add, SEED, SCALE, LS, RSC, threshold,
+    SRC, ADDEND, OUT, M, N, s_src, s_add, SEED, SCALE, threshold,
     HAS_ADDEND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     CD: tl.constexpr = SCALE.dtype.element_ty  # the statistics dtype
@@ -30,7 +29,7 @@ def _dropped_kernel(
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     v = tl.load(SRC + r64 * s_src + cols[None, :], mask=mask, other=0.0).to(CD)
-    t, _ = _branch(v, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)
+    t = v * _gate(rows, cols, SEED, SCALE, threshold, CD)
     if HAS_ADDEND:
         t = tl.load(ADDEND + r64 * s_add + cols[None, :], mask=mask, other=0.0).to(CD) + t
     tl.store(OUT + r64 * N + cols[None, :], _round(t, OUT.dtype.element_ty), mask=mask)
@@ -61,7 +60,7 @@ def dropped(src: Tensor, addend: Tensor | None, n: int, p: float, seed: Tensor, 
                 n,
                 src.stride(0),
                 0 if addend is None else addend.stride(0),
-                *_branch_args(Branch(p, seed, None, None), m, n, cd, src.device),
+                *_dropout_args(p, seed, cd, src.device),
             ),
             num_warps=_WARPS,
             HAS_ADDEND=addend is not None,
