@@ -190,20 +190,8 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float, branch_only: bool = 
                     line += f" | {per_sm:3d} warps/SM {t * 1e3:7.1f} us {bwd_bytes / t / 1e6 / copy_gbps:4.2f}"
                 print(line, flush=True)
             if n <= base.branch_backward.max_fused_n:
-                # a parallel block's backward (a second norm's dy1 and weight1 besides): the
-                # branch_backward launch, which also serves the backward with dropout
-                line = f"{label} bwd parallel block"
-                for bb in (16, 32, 64):
-                    config.TABLE = chunk_table.updated("branch_backward", bytes_per_thread=bb)
-                    warps = config.plan("branch_backward", n, x.device, size).num_warps
-                    t = _ms(
-                        lambda s=s, mean=mean, rstd=rstd: K.backward(
-                            dy, None, (s,), w, mean, rstd, rms=False, has_bias=True, second=(x, b, True)
-                        )
-                    )
-                    moved = bwd_bytes + m * n * size  # and dy1
-                    line += f" | {bb}B/{warps}w {t * 1e3:7.1f} us {moved / t / 1e6 / copy_gbps:4.2f}"
-                print(line, flush=True)
+                config.TABLE = chunk_table
+                branch_sweep(label, x, r, s, dy, w, b, mean, rstd, bwd_bytes, copy_gbps)
     finally:
         config.TABLE = base
 
