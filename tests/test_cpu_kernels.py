@@ -593,24 +593,34 @@ def test_non_temporal_stores_through_the_branch_write_the_same_bits(monkeypatch,
     assert {("forward", True), ("forward", False), ("backward", True), ("backward", False)} == set(asked)
 
 
-def test_streamed_rows_compile_to_non_temporal_vector_stores(tmp_path):
+def test_streamed_rows_compile_to_non_temporal_vector_stores_of_the_widest_vectors(tmp_path):
     """The streamed entries' loops store whole vectors marked non-temporal (what makes them fast:
     a scalar or plain store would pass the bit-for-bit tests too): the forward's and backward's
-    float32 entries, compiled afresh (a cached entry keeps no code to read), in a subprocess."""
+    float32 entries, compiled afresh (a cached entry keeps no code to read), in a subprocess.
+    Every function asks LLVM for vectors of ``jit.VECTOR_BITS`` (``"prefer-vector-width"``), and on
+    a CPU with AVX-512 those stores are 512 bits wide (LLVM's own tuning would make them 256)."""
     code = (
         "import re, torch\n"
-        "from addnorm.kernels.cpu import entry\n"
+        "import llvmlite.binding as llvm\n"
+        "from addnorm.kernels.cpu import entry, jit\n"
         "f32 = torch.float32\n"
+        "print(jit.VECTOR_BITS, int('+avx512f' in llvm.get_host_cpu_features().flatten().split(',')))\n"
         "for e in (entry.forward_entry(f32, f32, f32, False, streamed=True),"
         " entry.backward_entry(f32, f32, f32, f32, f32, True, False, streamed=True),"
         " entry.backward_entry(f32, f32, f32, f32, f32, True, True, streamed=True)):\n"
-        "    print(len(re.findall(r'store <\\d+ x float>[^\\n]*!nontemporal', e.inspect_llvm())))\n"
+        "    ll = e.inspect_llvm()\n"
+        "    widths = [int(w) for w in re.findall(r'store <(\\d+) x float>[^\\n]*!nontemporal', ll)]\n"
+        '    asked = f\'"prefer-vector-width"="{jit.VECTOR_BITS}"\' in ll\n'
+        "    print(len(widths), max(widths, default=0) * 32, int(asked))\n"
     )
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr
-    counts = [int(v) for v in done.stdout.split()]
-    assert len(counts) == 3 and all(c > 0 for c in counts), counts
+    (bits, avx512), *entries = [[int(v) for v in line.split()] for line in done.stdout.splitlines()]
+    assert bits == 512 and len(entries) == 3, done.stdout
+    for stores, widest, asked in entries:
+        assert stores > 0 and asked == 1, done.stdout
+        assert widest == 512 if avx512 else 0 < widest <= 256, done.stdout
 
 
 def test_auto_streams_a_training_step_above_the_default_threshold(monkeypatch):

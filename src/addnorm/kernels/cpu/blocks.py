@@ -15,7 +15,6 @@ any thread count (docs/reliability.md, "3. Determinism and the reduction contrac
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -24,6 +23,7 @@ from numba.extending import intrinsic, overload
 
 from .branch import dropped_row, prepare_branch
 from .floats import fence
+from .jit import njit
 from .pieces import index_or_none
 from .rows import backward_rows, backward_rows_branch, forward_rows
 
@@ -119,7 +119,7 @@ def _added_block_impl(added, lo, hi):
     return lambda added, lo, hi: (added[0][lo:hi], added[1], added[2], added[3])
 
 
-@numba.njit
+@njit
 def _claim_block(counters, block_rows, m):
     """``(block, lo, hi)``: the next unclaimed block of rows, or block -1 when none is left."""
     blk = _atomic_increment(counters, _NEXT_BLOCK)
@@ -129,7 +129,7 @@ def _claim_block(counters, block_rows, m):
     return blk, lo, min(m, lo + block_rows)
 
 
-@numba.njit
+@njit
 def _wait_all_blocks(counters, block_rows, m):
     """Return once every block is done: the results are then complete, whether or not the other
     threads ever got a block."""
@@ -138,7 +138,7 @@ def _wait_all_blocks(counters, block_rows, m):
         pass
 
 
-@numba.njit(nogil=True, error_model="numpy")
+@njit(nogil=True, error_model="numpy")
 def forward_blocks(
     x, r, w, b, eps, nf, has_residual, write_s, write_stats, rms, y, s, mean, rstd,
     counters, block_rows, direct, br, streamed, second, x1,
@@ -188,7 +188,7 @@ def forward_blocks(
     _wait_all_blocks(counters, block_rows, m)
 
 
-@numba.njit(nogil=True, error_model="numpy")
+@njit(nogil=True, error_model="numpy")
 def backward_blocks(
     dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, counters, block_rows, br, dx, dls, streamed,
     second,
@@ -261,7 +261,7 @@ def backward_blocks(
     _wait_all_blocks(counters, block_rows, m)
 
 
-@numba.njit(nogil=True, error_model="numpy")
+@njit(nogil=True, error_model="numpy")
 def dropped_blocks(src, addend, out, counters, block_rows, br, cd):
     """:func:`.branch.dropped_row` over the rows of the blocks this thread claims. ``addend``:
     None (``out = dropout(src)``) or the rows added; ``br``: the dropout branch's arguments

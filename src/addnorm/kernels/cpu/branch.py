@@ -10,7 +10,6 @@ column keys depend only on the seed and the column, so each thread computes them
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -18,6 +17,7 @@ from numba.extending import intrinsic, overload
 
 from ... import reference
 from .floats import load, put, round_to
+from .jit import njit
 
 _M32 = np.uint64(0xFFFFFFFF)
 _GOLDEN = np.uint64(reference._GOLDEN)
@@ -70,7 +70,7 @@ def _prepare_branch_impl(args, n):
     return prepare
 
 
-@numba.njit
+@njit
 def _keys(seed, n):
     """``(k0, k1, column keys)`` of :func:`addnorm.reference.mask_hash` for the int64 ``seed``."""
     k0, k1 = np.uint64(seed) & _M32, (np.uint64(seed) >> _U32) & _M32
@@ -81,7 +81,7 @@ def _keys(seed, n):
     return k0, k1, cols
 
 
-@numba.njit(nogil=True)
+@njit(nogil=True)
 def keep_rows(seed, threshold, out):
     """``out`` (bool, rows x columns) = :func:`addnorm.reference.keep_mask` of rows ``0..`` for
     ``threshold < 2**32``: the kernels' hash, one vectorized loop per row."""
@@ -95,7 +95,7 @@ def keep_rows(seed, threshold, out):
             row[j] = _fmix32_add(a, cols[j]) >= t
 
 
-@numba.njit
+@njit
 def gate_row(branch, row, gate):
     """``gate`` = ``keep ? scale : 0`` over row ``row`` (its index in the call) of the branch
     (from :func:`prepare_branch`): :func:`addnorm.reference.branch_terms`' gate, bit for bit."""
@@ -106,7 +106,7 @@ def gate_row(branch, row, gate):
         gate[j] = scale if _fmix32_add(a, cols[j]) >= threshold else zero
 
 
-@numba.njit
+@njit
 def stream_through_branch(xi, ri, sbuf, gates, branch, row):
     """``sbuf`` = the stream of row ``row`` (its index in the call) through the branch (from
     :func:`prepare_branch`), rounded to the residual's dtype, in the statistics dtype:
@@ -156,7 +156,7 @@ def _gated_impl(src, j, gate, branch):
     return lambda src, j, gate, branch: load(src, j) * gate[j]
 
 
-@numba.njit
+@njit
 def dropped_row(src, addend, out, gate, branch, row):
     """``out`` = ``addend + dropout(src)`` of row ``row``, summed in the statistics dtype and
     rounded to ``out``'s: :func:`addnorm.reference.stream` of a dropout-only branch, bit for bit

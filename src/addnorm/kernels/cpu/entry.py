@@ -28,7 +28,6 @@ import warnings
 from enum import IntEnum, auto
 from pathlib import Path
 
-import numba
 import numpy as np
 import torch
 from llvmlite import ir
@@ -38,6 +37,7 @@ from numba.extending import intrinsic, overload
 from ... import reference
 from .blocks import backward_blocks, dropped_blocks, forward_blocks
 from .floats import put
+from .jit import cfunc, njit
 
 COUNTERS = 2  # slots 0 and 1: next block to claim, blocks done (see .blocks); each call zeroes them
 
@@ -175,7 +175,7 @@ def _stats_dtype(sd):
     return np.float64 if sd == np.float64 else np.float32
 
 
-@numba.njit(inline="always")
+@njit(inline="always")
 def _slots(block):
     """The argument block as its two views: int64 slots and float64 slots (the same memory)."""
     return carray(block, SLOTS, np.int64), carray(block, SLOTS, np.float64)
@@ -185,12 +185,12 @@ def _compile_entry(fn):
     """``fn(block)`` compiled as a C function ``void fn(int64 *block)``, cached on disk."""
     sig = types.void(types.voidptr)
     try:
-        return numba.cfunc(sig, cache=True)(fn)
+        return cfunc(sig, cache=True)(fn)
     except RuntimeError as err:  # no writable cache directory: compile per process instead
         warnings.warn(
             f"addnorm: numba cache unavailable ({err}); kernels compile on first use", RuntimeWarning, stacklevel=3
         )
-        return numba.cfunc(sig)(fn)
+        return cfunc(sig)(fn)
 
 
 def read_branch(a, f, at, m, n, cd, branched):
@@ -297,7 +297,7 @@ def _write_second_sums_impl(a, n, od, sec):
     return write
 
 
-@numba.njit
+@njit
 def _write_sums(a, n, od, pairs):
     """Each ``(slot, sums)`` of ``pairs`` rounded to ``od`` into the slot's address, unless 0."""
     for at, sums in pairs:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
+
+from .jit import njit
 
 
 @intrinsic
@@ -57,7 +58,7 @@ def half_from_f32(typingctx, value):
     return types.int16(types.float32), codegen
 
 
-@numba.njit
+@njit
 def bf16_bits(v):
     """float32 -> bfloat16 bits, round to nearest-even, NaN stays a quiet NaN (as torch)."""
     if v != v:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 
 from ... import reference
 from .floats import load, put, round_to
+from .jit import njit
 
 SUM_MATH = {"reassoc"}  # the one fastmath flag, for the row sums only
 
@@ -30,7 +30,7 @@ _SUM_BLOCK = 1024
 _CANCEL = reference.CANCEL  # a third pass once c*c exceeds mean(d*d) / _CANCEL
 
 
-@numba.njit(fastmath=SUM_MATH)
+@njit(fastmath=SUM_MATH)
 def row_sum(a):
     """Sum of a row, rounded to its dtype: lane sums of blocks of _SUM_BLOCK, added in float64."""
     n = a.shape[0]
@@ -44,7 +44,7 @@ def row_sum(a):
     return round_to(a, total)
 
 
-@numba.njit(fastmath=SUM_MATH)
+@njit(fastmath=SUM_MATH)
 def deviation_sums(a, mu):
     """Sum of ``d = a - mu`` and of ``d * d`` in one pass."""
     total = sq = mu - mu
@@ -55,7 +55,7 @@ def deviation_sums(a, mu):
     return total, sq
 
 
-@numba.njit(fastmath=SUM_MATH)
+@njit(fastmath=SUM_MATH)
 def dot(a, b):
     total = a[0] * b[0]
     for j in range(1, a.shape[0]):
@@ -63,7 +63,7 @@ def dot(a, b):
     return total
 
 
-@numba.njit(fastmath=SUM_MATH)
+@njit(fastmath=SUM_MATH)
 def load_row(xi, ri, si, buf, has_residual, write_s, rms):
     """``buf`` = the row of ``s`` in the statistics dtype: ``x + residual`` rounded to the stream
     dtype (both already in it), written to ``si`` when ``write_s``; else ``x``. Returns the sum of
@@ -80,14 +80,14 @@ def load_row(xi, ri, si, buf, has_residual, write_s, rms):
     return total
 
 
-@numba.njit
+@njit
 def add_row(xi, ri, si):
     """``si = xi + ri``, all three in the statistics dtype."""
     for j in range(si.shape[0]):
         si[j] = xi[j] + ri[j]
 
 
-@numba.njit
+@njit
 def row_scale(a, k):
     """:func:`addnorm.reference.row_scale`: the power of two ``k <= 1`` with ``max|a * k| < 1``
     (statistics on ``a * k`` cannot overflow; the scaling is exact, so rows that need no
@@ -102,7 +102,7 @@ def row_scale(a, k):
     return k[0]
 
 
-@numba.njit  # not SUM_MATH: reassociation would turn (a - mu) - c into a - (mu + c), rounded
+@njit  # not SUM_MATH: reassociation would turn (a - mu) - c into a - (mu + c), rounded
 def corrected_square_sum(a, mu, c):
     """Sum of ``((a - mu) - c)**2``, the squared deviations from the corrected mean, summed
     pairwise: such a row is often a few large squares among many tiny ones, which added one by
@@ -124,7 +124,7 @@ def corrected_square_sum(a, mu, c):
     return t[0]
 
 
-@numba.njit
+@njit
 def centred_stats(row, total, nf):
     """``(mu, c, var)`` of a row whose sum is ``total``: var of the deviations from ``mu + c``.
 
@@ -143,7 +143,7 @@ def centred_stats(row, total, nf):
     return mu, c, max(sq / nf - c * c, nf - nf)
 
 
-@numba.njit
+@njit
 def row_stats(buf, nf, rms):
     """``(mu, c, var)`` of a row: var of the deviations from ``mu + c`` (:func:`centred_stats`)."""
     if rms:

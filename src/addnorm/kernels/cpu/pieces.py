@@ -14,15 +14,15 @@ inside a row loop would keep it from vectorizing.
 
 from __future__ import annotations
 
-import numba
 from numba import types
 from numba.extending import overload
 
 from .branch import dropped_row
 from .floats import Streamed, load, put, round_to
+from .jit import njit
 
 
-@numba.njit(inline="always")
+@njit(inline="always")
 def y_at(row, j, mu, c, rs, w, b):
     """Element ``j`` of the output: ``(row - mean) * rstd * weight + bias``, the mean corrected
     by ``c`` in a subtraction of its own (:func:`.numerics.centred_stats`)."""

@@ -35,12 +35,12 @@ each loop vectorizes; a runtime test inside a row loop would keep it from vector
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from . import config
 from .branch import stream_through_branch
 from .floats import load, put
+from .jit import njit
 from .numerics import SUM_MATH, add_row, centred_stats, dot, load_row, row_scale, row_stats, row_sum
 from .pieces import (
     g_at,
@@ -66,7 +66,7 @@ PAIR_MIN_COLS = config.SETTINGS.pair_min_cols  # a constant of the compiled kern
 _SCALE_BELOW_RSTD = 1e-18
 
 
-@numba.njit
+@njit
 def forward_rows(
     x,
     r,
@@ -134,7 +134,7 @@ def forward_rows(
             _store_stats(mean, rstd, i, mu, c, rs, k, rms)
 
 
-@numba.njit
+@njit
 def _forward_rows_pipelined(
     x, r, w, b, eps, nf, write_stats, rms, y, s, mean, rstd, buf, kbuf, streamed, second, added, first
 ):
@@ -174,7 +174,7 @@ def _forward_rows_pipelined(
             _store_stats(mean, rstd, i, mu, c, rs, k, rms)
 
 
-@numba.njit(inline="always")
+@njit(inline="always")
 def _row_statistics(row, total, eps, nf, rms, scaled, kbuf):
     """``(row, mu, c, rs, k)``: the row's mean, its correction and ``rstd / k``. A row whose
     variance overflows (bf16 beyond ~1e19) is done again on ``row * k`` (``k <= 1``, a power of
@@ -196,14 +196,14 @@ def _row_statistics(row, total, eps, nf, rms, scaled, kbuf):
     return row, mu, c, one / np.sqrt(var + eps * k * k), k
 
 
-@numba.njit(inline="always")
+@njit(inline="always")
 def _output_row(row, mu, c, rs, w, b, yi, second_i):
     for j in range(row.shape[0]):
         put(yi, j, y_at(row, j, mu, c, rs, w, b))
         put_second(row, j, mu, c, rs, second_i)
 
 
-@numba.njit(inline="always")
+@njit(inline="always")
 def _output_row_and_add(row, mu, c, rs, w, b, yi, second_i, xn, rn, dest):
     """:func:`_output_row` of this row and the next row's stream into ``dest``, in one loop."""
     for j in range(row.shape[0]):
@@ -212,14 +212,14 @@ def _output_row_and_add(row, mu, c, rs, w, b, yi, second_i, xn, rn, dest):
         dest[j] = stream_at(xn, rn, j)
 
 
-@numba.njit(inline="always")
+@njit(inline="always")
 def _store_stats(mean, rstd, i, mu, c, rs, k, rms):
     if not rms:
         mean[i] = (mu + c) / k
     rstd[i] = rs * k
 
 
-@numba.njit(fastmath=SUM_MATH)
+@njit(fastmath=SUM_MATH)
 def _backward_sums(si, ri, dyi, w, sec, mu, rs_k):
     """The row sums of ``d = s - mu``, of ``g = dy * weight`` (:func:`g_at`) and of
     ``g * d * rs_k``."""
@@ -233,7 +233,7 @@ def _backward_sums(si, ri, dyi, w, sec, mu, rs_k):
     return sum_d, sum_g, sum_gx
 
 
-@numba.njit
+@njit
 def scaled_row(si, ri, sbuf, kbuf):
     """The row scale ``k`` of a row whose rstd is below _SCALE_BELOW_RSTD
     (:func:`.numerics.row_scale` of the stream, the forward's ``k`` where the forward scaled the
@@ -247,7 +247,7 @@ def scaled_row(si, ri, sbuf, kbuf):
     return k
 
 
-@numba.njit
+@njit
 def _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, k):
     """``(mu, c, rs_k, mean(g * xhat), mean(g))`` of row ``i``, ``xhat = (s - mu - c) * rs_k``,
     the row ``s`` already scaled by ``k`` (:func:`scaled_row`; 1 for all other rows, whose
@@ -265,7 +265,7 @@ def _row_coefs(si, ri, dyi, w, sec, mean, rstd, i, nf, rms, k):
     return mu, c, rs_k, (sum_gx - c * rs_k * sum_g) / nf, (zero if rms else sum_g / nf)
 
 
-@numba.njit(inline="always")  # into each caller: as a call of its own, one case vectorized worse
+@njit(inline="always")  # into each caller: as a call of its own, one case vectorized worse
 def gradient_pass(si, ri, dyi, w, sec, dsti, coefs, rs, dsi, dw, db):
     """The backward's second pass over a row: ``ds`` (plus ``dsti``, the gradient of the returned
     stream, when not None) and the row's share of ``dweight`` and ``dbias`` (and of the second
@@ -282,7 +282,7 @@ def gradient_pass(si, ri, dyi, w, sec, dsti, coefs, rs, dsi, dw, db):
         put(dsi, j, plus_dstream((g_at(dyi, w, sec, j) - xh * mgx - mg) * rs, dsti, j))
 
 
-@numba.njit(inline="always")
+@njit(inline="always")
 def _gradient_pair(rows, w, dw, db):
     """:func:`gradient_pass` of two rows in one pass: ``dweight``/``dbias`` loaded and stored
     once per pair, each row's term added in row order as two passes would (the same bits).
@@ -301,7 +301,7 @@ def _gradient_pair(rows, w, dw, db):
         put(dsj, j, plus_dstream((g_at(dyj, w, secj, j) - xj * mgx2 - mg2) * rs2, dstj, j))
 
 
-@numba.njit
+@njit
 def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed, second):
     """``ds`` of the rows and their share of ``dweight`` (``dw``) and ``dbias`` (``db``): two
     passes over each row while it sits in cache; rows of PAIR_MIN_COLS or more take their
@@ -356,7 +356,7 @@ def backward_rows(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
             gradient_pass(si, ri, dyi, w, sec, None, coefs, rstd[i], output_row(ds, i, streamed), dw, db)
 
 
-@numba.njit
+@njit
 def _backward_row(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw, db, sbuf, kbuf, streamed, second, i):
     """Row ``i`` of :func:`backward_rows` alone. A row scaled for overflow is read from its
     scaled copy in ``sbuf[0]`` (:func:`scaled_row`), plus a row of -0.0 in ``sbuf[1]`` in place
@@ -372,7 +372,7 @@ def _backward_row(dy, dstream, s, r, w, mean, rstd, nf, has_dstream, rms, ds, dw
         _row_passes(si, ri, nf / nf, args)
 
 
-@numba.njit
+@njit
 def _row_passes(si, ri, k, args):
     """Both passes of one row (:func:`_row_coefs`, :func:`gradient_pass`), the row ``si`` (plus
     ``ri``) already scaled by ``k``; ``dsti`` read only when ``has_dstream``."""
@@ -384,7 +384,7 @@ def _row_passes(si, ri, k, args):
         gradient_pass(si, ri, dyi, w, sec, None, coefs, rstd[i], dsi, dw, db)
 
 
-@numba.njit
+@njit
 def backward_rows_branch(
     dy,
     dstream,
