@@ -549,16 +549,32 @@ def test_non_temporal_stores_only_where_they_fit(monkeypatch):
     assert asked == [("forward", False), ("forward", True)]
 
 
-def test_last_level_cache_size_reads_linux_or_falls_back(monkeypatch, tmp_path):
-    """``streaming_min_bytes`` defaults to the largest cache Linux lists for cpu0, or 32 MiB."""
-    for level, size in [(1, "48K"), (2, "2048K"), (3, "16M")]:
-        (tmp_path / f"index{level}").mkdir()
-        (tmp_path / f"index{level}" / "size").write_text(size + "\n")
+def test_streaming_threshold_reads_the_caches_linux_lists_or_falls_back(monkeypatch, tmp_path):
+    """``streaming_min_bytes`` defaults to four times the L2 cache Linux lists for cpu0, at most
+    its last-level cache (instruction caches left out), or 32 MiB where it lists none."""
+    caches = [(1, "48K", "Data"), (1, "32K", "Instruction"), (2, "2048K", "Unified"), (3, "300M", "Unified")]
+
+    def listed(case, entries):
+        for k, (level, size, kind) in enumerate(entries):
+            index = tmp_path / str(case) / f"index{k}"
+            index.mkdir(parents=True)
+            for name, text in (("level", level), ("size", size), ("type", kind)):
+                (index / name).write_text(f"{text}\n")
+        return str(tmp_path / str(case) / "index*")
+
     real_glob = cpu.config.glob.glob
-    monkeypatch.setattr(cpu.config.glob, "glob", lambda pattern: real_glob(str(tmp_path / "index*" / "size")))
-    assert cpu.config.last_level_cache_bytes() == 16 << 20
-    monkeypatch.setattr(cpu.config.glob, "glob", lambda pattern: [])
-    assert cpu.config.last_level_cache_bytes() == 32 << 20
+    for case, (entries, want) in enumerate(
+        [
+            (caches, 8 << 20),  # 4 x 2 MiB
+            (caches[:3] + [(3, "4M", "Unified")], 4 << 20),  # no more than the last level
+            (caches[:2] + [(2, "1M", "Unified")], 1 << 20),  # L2 the last level
+            (caches[:2], 48 << 10),  # no L2: the largest listed
+            ([], 32 << 20),
+        ]
+    ):
+        pattern = listed(case, entries)
+        monkeypatch.setattr(cpu.config.glob, "glob", lambda p, pattern=pattern: real_glob(pattern))
+        assert cpu.config.streaming_threshold_bytes() == want, entries
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -625,7 +641,7 @@ def test_streamed_rows_compile_to_non_temporal_vector_stores_of_the_widest_vecto
 
 def test_auto_streams_a_training_step_above_the_default_threshold(monkeypatch):
     """Through ``backend="auto"`` with the default settings, a float32 training step whose
-    forward moves more than ``streaming_min_bytes`` (the machine's last-level cache: 4096x1024 or
+    forward moves more than ``streaming_min_bytes`` (four times the machine's L2: 4096x1024 or
     more rows) streams its outputs, forward and backward, and gives the bits of plain stores."""
     n = 1024
     m = max(4096, cpu.config.SETTINGS.streaming_min_bytes // (3 * n * 4) + 1)  # x, residual, y

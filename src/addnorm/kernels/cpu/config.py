@@ -18,22 +18,36 @@ import dataclasses
 import glob
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # as /sys writes cache sizes
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache Linux reports (``/sys/devices/system/cpu/cpu0/cache``), else 32 MiB."""
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+def cache_sizes() -> dict[int, int]:
+    """The data caches Linux lists for cpu0 (``/sys/devices/system/cpu/cpu0/cache``), as
+    ``{level: bytes}``; empty where it lists none."""
+    sizes: dict[int, int] = {}
+    for index in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
         try:
-            with open(path) as f:
-                text = f.read().strip()
+            fields = {name: (Path(index) / name).read_text().strip() for name in ("level", "size", "type")}
         except OSError:
             continue
-        if text[:-1].isdigit() and text[-1] in _SIZE_UNITS:
-            sizes.append(int(text[:-1]) * _SIZE_UNITS[text[-1]])
-    return max(sizes, default=32 << 20)
+        level, size = fields["level"], fields["size"]
+        if fields["type"] != "Instruction" and level.isdigit() and size[:-1].isdigit() and size[-1] in _SIZE_UNITS:
+            sizes[int(level)] = max(sizes.get(int(level), 0), int(size[:-1]) * _SIZE_UNITS[size[-1]])
+    return sizes
+
+
+def streaming_threshold_bytes() -> int:
+    """The default ``streaming_min_bytes``: four times a core's L2 cache, at most the last-level
+    cache; 32 MiB where Linux lists neither. A shared last-level cache is no measure of what a
+    call keeps there (a VM may list a whole socket's, shared with every other guest): past a few
+    times the private caches its outputs leave them before they are read again."""
+    sizes = cache_sizes()
+    if not sizes:
+        return 32 << 20
+    last = sizes[max(sizes)]
+    return min(4 * sizes[2], last) if 2 in sizes else last
 
 
 @dataclass(frozen=True)
@@ -56,9 +70,9 @@ class Settings:
     huge_pages_min_bytes: int = 32 << 20
     # A call that moves at least this many bytes (its inputs and outputs together) writes y, or
     # ds, with non-temporal stores, which skip reading each cache line in before writing it: by
-    # the end of such a call the cache holds little of its output anyway. The last-level
-    # cache's size (docs/benchmarks.md, "Non-temporal stores").
-    streaming_min_bytes: int = dataclasses.field(default_factory=last_level_cache_bytes)
+    # the end of such a call the cache holds little of its output anyway. Four times a core's
+    # L2 (docs/benchmarks.md, "Non-temporal stores").
+    streaming_min_bytes: int = dataclasses.field(default_factory=streaming_threshold_bytes)
     # Rows at least this wide take the backward's second pass two rows at a time, which loads
     # and stores dweight/dbias once per pair; narrower rows one at a time, where the pair loop's
     # setup weighs more. Where pairs start to pay depends on the machine (docs/benchmarks.md,
