@@ -3,7 +3,8 @@
     python benchmarks/cpu_backward_parts.py [ROWSxCOLS ...] [--threads T] [--rounds 15]
 
 fp32, post-norm (the stream recomputed as ``x + residual``, as the kernel does). Each variant is
-the kernel's row loop with something left out, written here in a few lines of numba; each thread
+the kernel's row loop with something left out (or one rearranged), written here in a few lines of
+numba compiled as the kernels are (``addnorm.kernels.cpu.jit``); each thread
 runs a contiguous share of the rows (nogil), all variants timed interleaved by addnorm's harness
 (``addnorm.tools.bench.measure``) beside the kernel itself (``addnorm.kernels.cpu.backward``) and
 the copy bandwidth of the same run:
@@ -16,7 +17,10 @@ the copy bandwidth of the same run:
   gradients;
 - ``backward``: the kernel's two passes, ``dweight``/``dbias`` added row after row;
 - ``backward, rows paired``: the second pass over two rows at a time, ``dweight``/``dbias``
-  loaded and stored once per pair (the kernel's ``rows._gradient_pair``).
+  loaded and stored once per pair (the kernel's ``rows._gradient_pair``);
+- ``backward, next row's sums``: one row ahead, as the forward runs: the loop of row i's second
+  pass also takes row i+1's sums (from its saved mean and rstd), so that the next row's loads
+  run under this row's arithmetic and stores.
 
 Each line: median ms, the fraction of the copy bandwidth (four tensor passes), and the time over
 ``stream``'s. The variants compute what the kernel computes without its mean correction, dtype
@@ -28,18 +32,18 @@ from __future__ import annotations
 import argparse
 from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
 import torch
 
 from addnorm.kernels import cpu
+from addnorm.kernels.cpu.jit import njit
 from addnorm.tools.bench import Copy, measure, parse_shapes
 from addnorm.tools.cli import UsageError
 
 SUM = {"reassoc"}
 
 
-@numba.njit(nogil=True)
+@njit(nogil=True)
 def stream(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
     for i in range(lo, hi):
         xi, ri, dyi, dsi = x[i], r[i], dy[i], ds[i]
@@ -47,7 +51,7 @@ def stream(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
             dsi[j] = dyi[j] + xi[j] + ri[j]
 
 
-@numba.njit(nogil=True, fastmath=SUM)
+@njit(nogil=True, fastmath=SUM)
 def two_passes(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
     for i in range(lo, hi):
         xi, ri, dyi, dsi = x[i], r[i], dy[i], ds[i]
@@ -58,7 +62,7 @@ def two_passes(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
             dsi[j] = dyi[j] + xi[j] + ri[j] + total
 
 
-@numba.njit(fastmath=SUM)  # not inline="always": inlined, it would compile with its caller's flags
+@njit(fastmath=SUM)  # not inline="always": inlined, it would compile with its caller's flags
 def _sums(xi, ri, dyi, w, mu, rs):
     sg = sgx = np.float32(0)
     for j in range(w.shape[0]):
@@ -69,7 +73,7 @@ def _sums(xi, ri, dyi, w, mu, rs):
     return sg / n, sgx / n
 
 
-@numba.njit(nogil=True)
+@njit(nogil=True)
 def no_param_grads(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
     for i in range(lo, hi):
         xi, ri, dyi, dsi, mu, rs = x[i], r[i], dy[i], ds[i], mean[i], rstd[i]
@@ -79,7 +83,7 @@ def no_param_grads(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
             dsi[j] = (dyi[j] * w[j] - xh * mgx - mg) * rs
 
 
-@numba.njit(nogil=True)
+@njit(nogil=True)
 def backward(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
     for i in range(lo, hi):
         xi, ri, dyi, dsi, mu, rs = x[i], r[i], dy[i], ds[i], mean[i], rstd[i]
@@ -92,7 +96,34 @@ def backward(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
             dsi[j] = (d * w[j] - xh * mgx - mg) * rs
 
 
-@numba.njit(nogil=True)
+@njit(fastmath=SUM)  # the sums reassociated, as the kernel's own: here in the whole loop
+def _pass_and_next_sums(xi, ri, dyi, dsi, w, dw, db, mu, rs, mg, mgx, xk, rk, dyk, mu2, rs2):
+    sg = sgx = np.float32(0)
+    for j in range(w.shape[0]):
+        d = dyi[j]
+        xh = ((xi[j] + ri[j]) - mu) * rs
+        dw[j] += d * xh
+        db[j] += d
+        dsi[j] = (d * w[j] - xh * mgx - mg) * rs
+        g = dyk[j] * w[j]
+        sg += g
+        sgx += g * (((xk[j] + rk[j]) - mu2) * rs2)
+    n = w.shape[0]
+    return sg / n, sgx / n
+
+
+@njit(nogil=True)
+def ahead(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
+    if hi <= lo:
+        return
+    mg, mgx = _sums(x[lo], r[lo], dy[lo], w, mean[lo], rstd[lo])
+    for i in range(lo, hi):
+        xi, ri, dyi, dsi, mu, rs = x[i], r[i], dy[i], ds[i], mean[i], rstd[i]
+        k = min(i + 1, hi - 1)  # the last row takes its own sums again, unused
+        mg, mgx = _pass_and_next_sums(xi, ri, dyi, dsi, w, dw, db, mu, rs, mg, mgx, x[k], r[k], dy[k], mean[k], rstd[k])
+
+
+@njit(nogil=True)
 def paired(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
     for i in range(lo, hi - 1, 2):
         xi, ri, dyi, dsi, mu, rs = x[i], r[i], dy[i], ds[i], mean[i], rstd[i]
@@ -115,6 +146,7 @@ VARIANTS = {
     "no dweight/dbias": no_param_grads,
     "backward": backward,
     "backward, rows paired": paired,
+    "backward, next row's sums": ahead,
 }
 
 

@@ -26,7 +26,7 @@ def test_the_rebuilt_loops_compute_the_kernels_backward():
     _, _, mean, rstd = cpu.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None, write_stream=False)
     want = cpu.backward(dy, None, (x, r), w, mean, rstd, rms=False, has_bias=True)
     arrays = [t.numpy() for t in (x, r, dy, w, mean, rstd)]
-    for name in ("no dweight/dbias", "backward", "backward, rows paired"):
+    for name in ("no dweight/dbias", "backward", "backward, rows paired", "backward, next row's sums"):
         ds, dw, db = np.empty((m, n), np.float32), np.zeros(n, np.float32), np.zeros(n, np.float32)
         parts.VARIANTS[name](*arrays, ds, dw, db, 0, m)
         rows = m - m % 2 if name.endswith("paired") else m  # the pair loop leaves an odd last row
