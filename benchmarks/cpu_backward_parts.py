@@ -62,13 +62,30 @@ def two_passes(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
             dsi[j] = dyi[j] + xi[j] + ri[j] + total
 
 
+@njit(inline="always")
+def _sum_terms(xi, ri, dyi, w, mu, rs, j):
+    """Element j's terms of the row sums: ``g = dy * w`` and ``g * xhat``."""
+    g = dyi[j] * w[j]
+    return g, g * (((xi[j] + ri[j]) - mu) * rs)
+
+
+@njit(inline="always")
+def _gradient_element(xi, ri, dyi, dsi, w, dw, db, mu, rs, mg, mgx, j):
+    """Element j of the second pass: ``ds``, and its terms of ``dweight``/``dbias``."""
+    d = dyi[j]
+    xh = ((xi[j] + ri[j]) - mu) * rs
+    dw[j] += d * xh
+    db[j] += d
+    dsi[j] = (d * w[j] - xh * mgx - mg) * rs
+
+
 @njit(fastmath=SUM)  # not inline="always": inlined, it would compile with its caller's flags
 def _sums(xi, ri, dyi, w, mu, rs):
     sg = sgx = np.float32(0)
     for j in range(w.shape[0]):
-        g = dyi[j] * w[j]
+        g, gx = _sum_terms(xi, ri, dyi, w, mu, rs, j)
         sg += g
-        sgx += g * (((xi[j] + ri[j]) - mu) * rs)
+        sgx += gx
     n = w.shape[0]
     return sg / n, sgx / n
 
@@ -89,25 +106,17 @@ def backward(x, r, dy, w, mean, rstd, ds, dw, db, lo, hi):
         xi, ri, dyi, dsi, mu, rs = x[i], r[i], dy[i], ds[i], mean[i], rstd[i]
         mg, mgx = _sums(xi, ri, dyi, w, mu, rs)
         for j in range(w.shape[0]):
-            d = dyi[j]
-            xh = ((xi[j] + ri[j]) - mu) * rs
-            dw[j] += d * xh
-            db[j] += d
-            dsi[j] = (d * w[j] - xh * mgx - mg) * rs
+            _gradient_element(xi, ri, dyi, dsi, w, dw, db, mu, rs, mg, mgx, j)
 
 
 @njit(fastmath=SUM)  # the sums reassociated, as the kernel's own: here in the whole loop
 def _pass_and_next_sums(xi, ri, dyi, dsi, w, dw, db, mu, rs, mg, mgx, xk, rk, dyk, mu2, rs2):
     sg = sgx = np.float32(0)
     for j in range(w.shape[0]):
-        d = dyi[j]
-        xh = ((xi[j] + ri[j]) - mu) * rs
-        dw[j] += d * xh
-        db[j] += d
-        dsi[j] = (d * w[j] - xh * mgx - mg) * rs
-        g = dyk[j] * w[j]
+        _gradient_element(xi, ri, dyi, dsi, w, dw, db, mu, rs, mg, mgx, j)
+        g, gx = _sum_terms(xk, rk, dyk, w, mu2, rs2, j)
         sg += g
-        sgx += g * (((xk[j] + rk[j]) - mu2) * rs2)
+        sgx += gx
     n = w.shape[0]
     return sg / n, sgx / n
 
