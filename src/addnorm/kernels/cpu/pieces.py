@@ -80,9 +80,9 @@ def second_grad_row(second, i):
     whole ``(dy1, weight1, dweight1, dbias1)``), or None without a second norm."""
 
 
-def g_at(dyi, w, sec, j):
-    """Element ``j`` of ``g = dy * weight``, plus ``dy1 * weight1`` with a second norm: the
-    gradient that reaches ``xhat`` from both outputs."""
+def g_at(dj, w, sec, j):
+    """Element ``j`` of ``g = dy * weight`` (``dj``: ``dy[j]`` as loaded), plus ``dy1 * weight1``
+    with a second norm: the gradient that reaches ``xhat`` from both outputs."""
 
 
 def second_params(sec, xh, j):
@@ -184,10 +184,10 @@ def _second_grad_row_impl(second, i):
 
 
 @overload(g_at)
-def _g_at_impl(dyi, w, sec, j):
+def _g_at_impl(dj, w, sec, j):
     if isinstance(sec, types.NoneType):
-        return lambda dyi, w, sec, j: load(dyi, j) * load(w, j)
-    return lambda dyi, w, sec, j: load(dyi, j) * load(w, j) + load(sec[0], j) * load(sec[1], j)
+        return lambda dj, w, sec, j: dj * load(w, j)
+    return lambda dj, w, sec, j: dj * load(w, j) + load(sec[0], j) * load(sec[1], j)
 
 
 @overload(second_params)

@@ -226,7 +226,7 @@ def _backward_sums(si, ri, dyi, w, sec, mu, rs_k):
     sum_d = sum_g = sum_gx = mu - mu
     for j in range(w.shape[0]):
         d = stream_at(si, ri, j) - mu
-        gj = g_at(dyi, w, sec, j)
+        gj = g_at(load(dyi, j), w, sec, j)
         sum_d += d
         sum_g += gj
         sum_gx += gj * (d * rs_k)
@@ -279,7 +279,7 @@ def gradient_pass(si, ri, dyi, w, sec, dsti, coefs, rs, dsi, dw, db):
         dw[j] += dj * xh
         db[j] += dj
         second_params(sec, xh, j)
-        put(dsi, j, plus_dstream((g_at(dyi, w, sec, j) - xh * mgx - mg) * rs, dsti, j))
+        put(dsi, j, plus_dstream((g_at(dj, w, sec, j) - xh * mgx - mg) * rs, dsti, j))
 
 
 @njit(inline="always")
@@ -297,8 +297,8 @@ def _gradient_pair(rows, w, dw, db):
         dw[j] = (dw[j] + di * xi) + dj * xj
         db[j] = (db[j] + di) + dj
         second_params_pair(seci, secj, xi, xj, j)
-        put(dsi, j, plus_dstream((g_at(dyi, w, seci, j) - xi * mgx - mg) * rs, dsti, j))
-        put(dsj, j, plus_dstream((g_at(dyj, w, secj, j) - xj * mgx2 - mg2) * rs2, dstj, j))
+        put(dsi, j, plus_dstream((g_at(di, w, seci, j) - xi * mgx - mg) * rs, dsti, j))
+        put(dsj, j, plus_dstream((g_at(dj, w, secj, j) - xj * mgx2 - mg2) * rs2, dstj, j))
 
 
 @njit
