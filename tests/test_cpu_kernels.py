@@ -551,7 +551,8 @@ def test_non_temporal_stores_only_where_they_fit(monkeypatch):
 
 def test_streaming_threshold_reads_the_caches_linux_lists_or_falls_back(monkeypatch, tmp_path):
     """``streaming_min_bytes`` defaults to four times the L2 cache Linux lists for cpu0, at most
-    its last-level cache (instruction caches left out), or 32 MiB where it lists none."""
+    its last-level cache (instruction caches and caches of size 0 left out), or 32 MiB where it
+    lists none beyond L1."""
     caches = [(1, "48K", "Data"), (1, "32K", "Instruction"), (2, "2048K", "Unified"), (3, "300M", "Unified")]
 
     def listed(case, entries):
@@ -568,7 +569,9 @@ def test_streaming_threshold_reads_the_caches_linux_lists_or_falls_back(monkeypa
             (caches, 8 << 20),  # 4 x 2 MiB
             (caches[:3] + [(3, "4M", "Unified")], 4 << 20),  # no more than the last level
             (caches[:2] + [(2, "1M", "Unified")], 1 << 20),  # L2 the last level
-            (caches[:2], 48 << 10),  # no L2: the largest listed
+            (caches[:2] + [(3, "16M", "Unified")], 16 << 20),  # no L2: the last level
+            (caches[:2] + [(2, "0K", "Unified"), (3, "300M", "Unified")], 300 << 20),  # an L2 of size 0
+            (caches[:2], 32 << 20),  # L1 alone
             ([], 32 << 20),
         ]
     ):

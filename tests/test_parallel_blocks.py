@@ -364,13 +364,14 @@ def test_training_adds_x1_in_the_norm_pass_where_the_backward_needs_no_sum(monke
 def test_x1_of_another_dtype_is_rounded_to_the_stream_dtype_as_it_is_read(request, name, x1_dtype, sd):
     """A backend's forward reads ``x1`` in its own dtype and rounds it to the stream dtype first:
     the bits of ``x1.to(sd)`` added by the reference's stream (dropout included), then the norm,
-    inf, NaN and a bf16 tie included, in the first, a middle and the last row; no conversion
-    pass of its own."""
+    inf, NaN and a tie of the stream dtype included (where x1's dtype holds it), in the first, a
+    middle and the last row; no conversion pass of its own."""
     impl, (m, n) = _adds_x1_backend(name, request)  # the cpu backend: several threads' blocks
     g = torch.Generator().manual_seed(1)
     x, r = (torch.randn(m, n, generator=g).to(sd) for _ in range(2))
     x1 = (torch.randn(m, n, generator=g, dtype=torch.float64) * 3).to(x1_dtype)
-    x1[0, 0], x1[m // 2, 1], x1[m - 1, n - 1] = float("inf"), float("nan"), 1 + 2**-9
+    tie = 1 + torch.finfo(sd).eps / 2  # halfway between 1 and the stream dtype's next value
+    x1[0, 0], x1[m // 2, 1], x1[m - 1, n - 1] = float("inf"), float("nan"), tie
     w = torch.randn(n, generator=g).to(sd)
     seed = torch.tensor(12345, dtype=torch.int64)
     for p in (0.0, 0.3):

@@ -19,11 +19,11 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from .branch import dropped_row, prepare_branch
 from .floats import fence
-from .jit import njit
+from .jit import njit, overload
 from .pieces import index_or_none
 from .rows import backward_rows, backward_rows_branch, forward_rows
 

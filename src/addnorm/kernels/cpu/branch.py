@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from ... import reference
 from .floats import load, put, round_to
-from .jit import njit
+from .jit import njit, overload
 
 _M32 = np.uint64(0xFFFFFFFF)
 _GOLDEN = np.uint64(reference._GOLDEN)

@@ -34,17 +34,19 @@ def cache_sizes() -> dict[int, int]:
             continue
         level, size = fields["level"], fields["size"]
         if fields["type"] != "Instruction" and level.isdigit() and size[:-1].isdigit() and size[-1] in _SIZE_UNITS:
-            sizes[int(level)] = max(sizes.get(int(level), 0), int(size[:-1]) * _SIZE_UNITS[size[-1]])
+            if int(size[:-1]) > 0:  # some VMs list caches of size 0
+                sizes[int(level)] = max(sizes.get(int(level), 0), int(size[:-1]) * _SIZE_UNITS[size[-1]])
     return sizes
 
 
 def streaming_threshold_bytes() -> int:
     """The default ``streaming_min_bytes``: four times a core's L2 cache, at most the last-level
-    cache; 32 MiB where Linux lists neither. A shared last-level cache is no measure of what a
-    call keeps there (a VM may list a whole socket's, shared with every other guest): past a few
-    times the private caches its outputs leave them before they are read again."""
+    cache; that cache where no L2 is listed, 32 MiB where no cache beyond L1 is. A shared
+    last-level cache is no measure of what a call keeps there (a VM may list a whole socket's,
+    shared with every other guest): past a few times the private caches its outputs leave them
+    before they are read again."""
     sizes = cache_sizes()
-    if not sizes:
+    if max(sizes, default=1) < 2:
         return 32 << 20
     last = sizes[max(sizes)]
     return min(4 * sizes[2], last) if 2 in sizes else last

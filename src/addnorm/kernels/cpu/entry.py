@@ -32,12 +32,12 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import carray, types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from ... import reference
 from .blocks import backward_blocks, dropped_blocks, forward_blocks
 from .floats import put
-from .jit import cfunc, njit
+from .jit import cfunc, njit, overload
 
 COUNTERS = 2  # slots 0 and 1: next block to claim, blocks done (see .blocks); each call zeroes them
 

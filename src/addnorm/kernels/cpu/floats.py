@@ -21,9 +21,9 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
-from .jit import njit
+from .jit import njit, overload
 
 
 @intrinsic

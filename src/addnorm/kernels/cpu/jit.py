@@ -1,16 +1,20 @@
-"""numba's ``njit`` and ``cfunc`` for the CPU kernels, asking LLVM for vectors of VECTOR_BITS.
+"""numba's ``njit``, ``cfunc`` and ``overload`` for the CPU kernels, asking LLVM for vectors of
+VECTOR_BITS.
 
-LLVM's x86 tuning for recent Intel CPUs with AVX-512 (Ice Lake server to Emerald Rapids) prefers
-256-bit vectors, a guard against the clock drop of the first AVX-512 CPUs, so numba's loops use
-half the registers' width there. Every function of the kernels is compiled with the function
+LLVM's x86 tuning for Intel CPUs with AVX-512 (Skylake server to Emerald Rapids) prefers 256-bit
+vectors, a guard against the clock drop of the first AVX-512 CPUs, so numba's loops use half
+the registers' width there. Every function of the kernels is compiled with the function
 attribute ``"prefer-vector-width"`` (clang's ``-mprefer-vector-width``) instead: on the Intel
 Xeon (Emerald Rapids) 512 bits made the bf16 kernels faster and the fp32 ones no slower
-(docs/benchmarks.md, "CPU: 512-bit vectors"). On a CPU without AVX-512 the attribute changes
-nothing: the vectors stay the widest it has.
+(docs/benchmarks.md, "CPU: 512-bit vectors"). Measured there alone: on Skylake or Cascade Lake
+servers, whose clocks drop with 512-bit code, and on the AMD EPYC it was not timed. On a CPU
+without AVX-512 the attribute changes nothing: the vectors stay the widest it has.
 
 The attribute goes on each function as numba lowers it (a lowering pass of numba's own
-pipeline, subclassed): LLVM vectorizes a loop in the function that holds it, and ``inline=
-"always"`` functions are lowered into their callers. The width changes the order of a row sum's
+pipeline, subclassed): LLVM vectorizes a loop in the function that holds it. ``inline=
+"always"`` functions are lowered into their callers; ``@overload`` implementations are
+optimized in libraries of their own before their callers inline them, so they take the
+pipeline too (:func:`overload`). The width changes the order of a row sum's
 lanes, so results differ in the last bits from a build with another width, as they do between
 CPU kinds (docs/reliability.md); every path of a build uses the same width, so the bitwise
 promises (thread counts, batch sizes, plain against non-temporal stores) are unchanged.
@@ -19,6 +23,7 @@ promises (thread counts, batch sizes, plain against non-temporal stores) are unc
 from __future__ import annotations
 
 import numba
+from numba import extending
 from numba.core import compiler, lowering, typed_passes
 from numba.core.compiler_machinery import register_pass
 
@@ -48,6 +53,8 @@ class Pipeline(compiler.CompilerBase):
     def define_pipelines(self):
         pm = compiler.DefaultPassBuilder.define_nopython_pipeline(self.state)
         pm.passes = [(_Lowering if p is typed_passes.NativeLowering else p, d) for p, d in pm.passes]
+        if not any(p is _Lowering for p, _ in pm.passes):
+            raise RuntimeError("numba's nopython pipeline has no NativeLowering pass to replace")
         pm.finalize()
         return [pm]
 
@@ -62,3 +69,8 @@ def njit(fn=None, **options):
 def cfunc(sig, **options):
     """``numba.cfunc`` through :class:`Pipeline`."""
     return numba.cfunc(sig, pipeline_class=Pipeline, **options)
+
+
+def overload(func, **options):
+    """``numba.extending.overload`` whose implementations compile through :class:`Pipeline`."""
+    return extending.overload(func, jit_options={"pipeline_class": Pipeline}, **options)

@@ -15,11 +15,10 @@ inside a row loop would keep it from vectorizing.
 from __future__ import annotations
 
 from numba import types
-from numba.extending import overload
 
 from .branch import dropped_row
 from .floats import Streamed, load, put, round_to
-from .jit import njit
+from .jit import njit, overload
 
 
 @njit(inline="always")
