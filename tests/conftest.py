@@ -7,8 +7,14 @@ import os
 import types
 from pathlib import Path
 
-import pytest
-import torch
+# pytest-xdist's workers share the cores: OpenMP threads that spin after each parallel region
+# (libgomp's default wait policy) take the cores the other workers need, which made the suite
+# several times slower on two cores. Passive threads sleep instead. Read when torch loads libgomp.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from hypothesis import HealthCheck, settings
 
 # ADDNORM_TEST_DEVICE=cuda runs the suite on CUDA tensors: tensors and generators made without an
