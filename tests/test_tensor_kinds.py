@@ -1,7 +1,8 @@
 """Tensors that are not plain strided tensors never reach a kernel's raw pointers.
 
-Each kind gets a correct result or a clear error saying what is supported: jagged nested
-tensors (normalized over their last dim, as torch's layer_norm), FakeTensor, DTensor (sharding rules),
+Each kind gets a correct result or a clear error saying what is supported: strided and
+expanded views (the results of their contiguous copies), jagged nested tensors (normalized over
+their last dim, as torch's layer_norm), FakeTensor, DTensor (sharding rules),
 ``torch.jit.trace`` and ``torch.jit.script``, a pickled model. Sizes past 2**20 elements where
 a size threshold could change the path.
 """
@@ -20,6 +21,61 @@ import torch
 import torch.nn.functional as TF
 
 import addnorm
+
+
+def _views(*shape, generator):
+    """A tensor of ``shape`` as a view that is not contiguous: every other element of a wider
+    tensor (the last dim strided), or for 2-D shapes a transposed one."""
+    if len(shape) == 2:
+        return torch.randn(*shape[::-1], generator=generator).t()
+    return torch.randn(*shape[:-1], 2 * shape[-1], generator=generator)[..., ::2]
+
+
+@pytest.mark.parametrize("call", ["branch", "parallel"])
+def test_strided_and_expanded_inputs_give_the_results_of_contiguous_copies(backend, call):
+    """Every tensor argument as a view (strided, transposed, sliced out of a 2-D tensor, a weight
+    expanded from one value): the same bits as the call on contiguous copies, outputs and
+    gradients."""
+    g = torch.Generator().manual_seed(3)
+    m, n = 6, 64
+    args = {
+        "x": _views(m, n, generator=g),
+        "residual": torch.randn(m, 2 * n, generator=g)[:, n:],
+        "weight": _views(n, generator=g),
+        "bias": torch.randn(1, generator=g).expand(n),
+    }
+    if call == "branch":
+        args["layer_scale"] = _views(n, generator=g)
+        args["rowscale"] = torch.rand(m, 2, generator=g)[:, 0]
+    else:
+        args["x1"] = _views(m, n, generator=g)
+        args["weight1"] = torch.ones(1).expand(n)
+        args["bias1"] = _views(n, generator=g)
+    assert not any(t.is_contiguous() for t in args.values())
+    dy = [torch.randn(m, n, generator=g) for _ in range(3)]
+
+    def run(tensors):
+        leaves = {k: t.detach().requires_grad_(k != "rowscale") for k, t in tensors.items()}
+        kwargs = {k: v for k, v in leaves.items() if k not in ("x", "residual", "weight", "bias")}
+        outs = addnorm.add_layer_norm(
+            leaves["x"],
+            leaves["residual"],
+            n,
+            leaves["weight"],
+            leaves["bias"],
+            prenorm=True,
+            dropout_p=0.25,
+            generator=torch.Generator().manual_seed(5),
+            backend=backend,
+            **kwargs,
+        )
+        wanted = [t for k, t in leaves.items() if k != "rowscale"]
+        return outs, torch.autograd.grad(outs, wanted, dy[: len(outs)])
+
+    outs, grads = run(args)
+    want_outs, want_grads = run({k: t.contiguous() for k, t in args.items()})
+    for got, want in zip((*outs, *grads), (*want_outs, *want_grads), strict=True):
+        assert torch.equal(got, want)
 
 
 def test_jagged_nested_tensor_matches_torch_forward_and_backward(backend):

@@ -146,7 +146,9 @@ def param_row(p: Tensor | None, n: int, dtype: torch.dtype, fill: float) -> Tens
         return _constant_row(n, dtype, fill)
     if p.dtype is dtype and p.is_contiguous():
         return p
-    return p.detach().to(dtype, memory_format=torch.contiguous_format)
+    # (.to() of the same dtype returns a strided or expanded 1-D tensor as it is, whatever its
+    # memory_format: the kernels read n contiguous values)
+    return p.detach().to(dtype).contiguous()
 
 
 def kernel_param_dtype(sd: torch.dtype, cd: torch.dtype, *params: Tensor | None) -> torch.dtype:
