@@ -62,6 +62,43 @@ def test_second_derivative_matches_torch(backend):
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("branch", [False, True], ids=["plain", "branch"])
+def test_second_derivative_of_rows_in_leading_dims_matches_torch(backend, rms, branch):
+    """x of shape (2, 3, 8): the rows sit in two leading dims, as a Transformer's (batch, seq,
+    hidden) activations. The gradients taken with ``create_graph=True`` (each row with its own
+    statistics) and their gradients match torch's ops on the same formula: pre-norm with the
+    stream's gradient, and through the branch (layer scale, a rowscale per row)."""
+    g = torch.Generator().manual_seed(2)
+    f64 = dict(generator=g, dtype=torch.float64)
+    x, r = (torch.randn(2, 3, 8, **f64).requires_grad_() for _ in range(2))
+    w, b, ls = (torch.randn(8, **f64).requires_grad_() for _ in range(3))
+    rowscale = torch.rand(2, 3, **f64) + 0.5
+    c, c2 = torch.randn(2, 3, 8, **f64), torch.randn(2, 3, 8, **f64)
+    extra = {"layer_scale": ls, "rowscale": rowscale} if branch else {}
+
+    def ours():
+        if rms:
+            return addnorm.add_rms_norm(x, r, 8, w, 1e-5, prenorm=True, backend=backend, **extra)
+        return addnorm.add_layer_norm(x, r, 8, w, b, prenorm=True, backend=backend, **extra)
+
+    def theirs():
+        s = r + (x * ls * rowscale[..., None] if branch else x)
+        y = TF.rms_norm(s, (8,), w, 1e-5) if rms else TF.layer_norm(s, (8,), w, b)
+        return y, s
+
+    leaves = (x, r, w, b, ls)
+    results = []
+    for fn in (ours, theirs):
+        y, s = fn()
+        first = torch.autograd.grad((y * c).sum() + (s * c2).sum(), leaves, create_graph=True, allow_unused=True)
+        penalty = sum((gr**2).sum() for gr in first if gr is not None and gr.requires_grad)
+        second = torch.autograd.grad(penalty, leaves, allow_unused=True, materialize_grads=True)
+        results.append([gr for gr in first if gr is not None] + list(second))
+    for a, e in zip(*results, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-9)
+
+
 # --------------------------------------------------------------------------- torch.func
 
 

@@ -175,14 +175,19 @@ def differentiable_backward(
 ) -> Grads:
     """:func:`backward` on all rows at once as differentiable torch ops, for a second derivative
     (``create_graph=True``): the statistics are recomputed from ``s`` by the forward formulas, so
-    that the gradient's dependence on ``s`` through ``mean`` and ``rstd`` is part of the graph."""
+    that the gradient's dependence on ``s`` through ``mean`` and ``rstd`` is part of the graph.
+    The formulas take rows: the tensors are viewed as ``(rows, N)``, the gradients returned in
+    their shape."""
+    shape, n = s_parts[0].shape, s_parts[0].shape[-1]
+    s_parts = tuple(part.reshape(-1, n) for part in s_parts)
+    dy, dstream = (None if t is None else t.reshape(-1, n) for t in (dy, dstream))
     s = s_parts[0] if len(s_parts) == 1 else reference.stream(*s_parts, s_parts[1].dtype, branch)
     st = reference.forward_steps(s, None, None, None, eps, rms, None)
     bt = reference.backward_steps(dy, dstream, s, weight, st["mean"], st["rstd"], rms=rms, has_bias=has_bias)
     ds = bt["ds"].to(s.dtype)
     if branch is None:
-        return Grads(ds, bt["dweight"], bt["dbias"])
-    x = s_parts[0]
-    rows = torch.arange(x.numel() // x.shape[-1], device=x.device).view(x.shape[:-1])
-    dx, dlayer_scale = reference.branch_backward(ds.to(st["rstd"].dtype), x.to(st["rstd"].dtype), branch, rows)
-    return Grads(ds, bt["dweight"], bt["dbias"], dx.to(s.dtype), dlayer_scale)
+        return Grads(ds.view(shape), bt["dweight"], bt["dbias"])
+    x, cd = s_parts[0], st["rstd"].dtype
+    rows = torch.arange(x.shape[0], device=x.device)
+    dx, dlayer_scale = reference.branch_backward(ds.to(cd), x.to(cd), branch, rows)
+    return Grads(ds.view(shape), bt["dweight"], bt["dbias"], dx.to(s.dtype).view(shape), dlayer_scale)
