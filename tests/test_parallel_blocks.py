@@ -60,6 +60,22 @@ def test_without_a_residual_the_stream_takes_residual_dtype(backend):
     assert torch.equal(y, addnorm.layer_norm(x, 64, w, b, backend=backend))
 
 
+@pytest.mark.parametrize("weight1", [False, True], ids=["x1", "x1-weight1"])
+def test_without_a_residual_x1_starts_the_stream_in_residual_dtype(backend, weight1):
+    """``s = x1 + x`` in ``residual_dtype`` (flash-attn's ``residual_in_fp32`` with ``x1`` and no
+    residual): each summand widened, their sum rounded once to float32, never to x's bfloat16."""
+    x, _, x1, w, b, *_ = _tensors(5, 64, torch.bfloat16)
+    extra = {"weight1": w.flip(0), "bias1": b} if weight1 else {}
+    out = addnorm.add_layer_norm(
+        x, None, 64, w, b, prenorm=True, residual_dtype=torch.float32, x1=x1, backend=backend, **extra
+    )
+    s = out[-1]
+    assert s.dtype == torch.float32 and torch.equal(s, x1.float() + x.float())
+    assert torch.equal(out[0], addnorm.layer_norm(s, 64, w, b, backend=backend).to(torch.bfloat16))
+    if weight1:
+        assert torch.equal(out[1], addnorm.layer_norm(s, 64, w.flip(0), b, backend=backend).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_without_a_residual_the_branch_applies_to_x(backend, kind):
     x = torch.rand(33, 128) + 0.5  # no zeros: a zero in s is a dropped element

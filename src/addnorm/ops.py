@@ -375,7 +375,7 @@ def _parallel(
     p = float(sublayer.dropout_p)
     masks, added = (), None
     if x1 is not None:
-        sd = reference.stream_dtype(x, residual, residual_dtype)
+        sd = residual_dtype or reference.stream_dtype(x, residual, None)  # (in residual_dtype without a residual)
         seed1 = draw_seed(sublayer.generator, x.device) if p > 0 else None
         base = torch.zeros_like(x1, dtype=sd) if residual is None else residual.to(sd)
         if _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer, prenorm):
