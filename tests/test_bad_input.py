@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import addnorm
+from addnorm.compat.flash_attn import layer_norm_fn, rms_norm_fn
 from addnorm.tools import cli
 
 X = torch.randn(4, 8)
@@ -227,6 +228,80 @@ FUNCTION_CASES = [
         lambda b: addnorm.add_rms_norm(X, X, 8, prenorm=None, backend=b),
         TypeError,
         r"^prenorm must be True or False",
+    ),
+    # the same arguments where the stream starts in the call (residual=None) or with parallel blocks
+    (
+        "prenorm str, no residual",
+        lambda b: addnorm.add_layer_norm(X, None, 8, prenorm="no", backend=b),
+        TypeError,
+        r"^prenorm must be True or False",
+    ),
+    (
+        "prenorm str, x1",
+        lambda b: addnorm.add_layer_norm(X, X, 8, x1=X, prenorm="no", backend=b),
+        TypeError,
+        r"^prenorm must be True or False",
+    ),
+    (
+        "residual_dtype str, no residual",
+        lambda b: addnorm.add_layer_norm(X, None, 8, residual_dtype="float32", prenorm=True, backend=b),
+        TypeError,
+        r"^residual_dtype must be",
+    ),
+    (
+        "residual_dtype int, no residual",
+        lambda b: addnorm.add_rms_norm(X, None, 8, residual_dtype=torch.int32, prenorm=True, backend=b),
+        TypeError,
+        r"^residual_dtype must be.*int32",
+    ),
+    (
+        "generator str, x1",
+        lambda b: addnorm.add_layer_norm(X, X, 8, x1=X, dropout_p=0.1, generator="g", backend=b),
+        TypeError,
+        r"^generator must be a torch.Generator",
+    ),
+    # addnorm.compat.flash_attn
+    (
+        "compat is_rms_norm str",
+        lambda b: layer_norm_fn(X, W, None, is_rms_norm="no", backend=b),
+        TypeError,
+        r"^is_rms_norm must be True or False",
+    ),
+    (
+        "compat residual_in_fp32 str",
+        lambda b: layer_norm_fn(X, W, None, residual_in_fp32="no", backend=b),
+        TypeError,
+        r"^residual_in_fp32 must be True or False",
+    ),
+    (
+        "compat out_dtype int",
+        lambda b: layer_norm_fn(X, W, None, out_dtype=torch.int32, backend=b),
+        TypeError,
+        r"^out_dtype must be.*int32",
+    ),
+    (
+        "compat out_dtype str",
+        lambda b: rms_norm_fn(X, W, None, out_dtype="float16", backend=b),
+        TypeError,
+        r"^out_dtype must be",
+    ),
+    (
+        "compat out with out_dtype",
+        lambda b: layer_norm_fn(X, W, None, out_dtype=torch.float16, out=torch.empty(4, 8), backend=b),
+        ValueError,
+        r"^out= with out_dtype",
+    ),
+    (
+        "compat x 0-d",
+        lambda b: layer_norm_fn(torch.tensor(1.0), W, None, backend=b),
+        ValueError,
+        r"^x must have the hidden size as its last dim",
+    ),
+    (
+        "compat rowscale rows",
+        lambda b: layer_norm_fn(X, W, None, rowscale=torch.ones(3), backend=b),
+        ValueError,
+        r"^rowscale must have x's leading dims",
     ),
     # backend (the fixture's backend is not used: these rows are about the name itself)
     ("backend unknown", lambda b: addnorm.layer_norm(X, 8, backend="cuda"), ValueError, r"^backend must be one of"),

@@ -119,6 +119,18 @@ def _acceptance_rule(hidden, dtypes, wdtype, has_residual, rms, prenorm, p, para
         assert err <= allowed, f"result {i} ({ours.dtype}): error {err:.3g} beyond one rounding > {allowed:.3g}"
 
 
+def test_rowscale_is_taken_flat_as_flash_attn_takes_it():
+    """flash-attn flattens the rows and its ``rowscale`` with them: ``(rows,)`` for a 3-D x gives
+    what x's leading dims give."""
+    x, r, w = torch.randn(2, 3, 32), torch.randn(2, 3, 32), torch.randn(32)
+    rowscale = torch.rand(2, 3)
+    flat = layer_norm_fn(x, w, None, residual=r, rowscale=rowscale.reshape(-1), prenorm=True)
+    lead = layer_norm_fn(x, w, None, residual=r, rowscale=rowscale, prenorm=True)
+    for a, e in zip(flat, lead, strict=True):
+        assert torch.equal(a, e)
+    torch.testing.assert_close(flat[1], r + x * rowscale[..., None])
+
+
 def test_results_come_in_flash_attn_order():
     x, r, w, b = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32), torch.randn(32)
     assert isinstance(layer_norm_fn(x, w, b, residual=r), torch.Tensor)

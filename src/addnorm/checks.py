@@ -83,10 +83,15 @@ def check_flag(name: str, value: object) -> bool:
     return value
 
 
+def check_dtype(name: str, dtype: object) -> torch.dtype | None:
+    """A dtype argument (``residual_dtype``, ``out_dtype``): None or a supported float dtype."""
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be None or a torch dtype ({_FLOAT_DTYPES}), got {dtype!r}")
+    return dtype
+
+
 def check_residual_dtype(residual_dtype: object) -> torch.dtype | None:
-    if residual_dtype is not None and residual_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"residual_dtype must be None or a torch dtype ({_FLOAT_DTYPES}), got {residual_dtype!r}")
-    return residual_dtype
+    return check_dtype("residual_dtype", residual_dtype)
 
 
 def check_inputs(

@@ -61,6 +61,7 @@ from .checks import (
     check_inputs,
     check_out,
     check_parallel,
+    check_residual_dtype,
     check_sublayer,
     normalize_shape,
 )
@@ -128,6 +129,10 @@ def add_norm(
     (:func:`_stream_starts_here`); ``parallel`` adds ``x1`` and a second norm (:func:`_parallel`)."""
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
         eps = _RMS_DEFAULT_EPS.get(getattr(x, "dtype", None), 0.0)
+    if type(prenorm) is not bool:  # (before the routes below, whose results it decides)
+        check_flag("prenorm", prenorm)
+    if residual_dtype is not None:
+        check_residual_dtype(residual_dtype)
     if isinstance(x, Tensor) and x.is_nested:
         if sublayer != NO_SUBLAYER or parallel is not NO_PARALLEL:
             raise TypeError(
@@ -150,8 +155,6 @@ def add_norm(
             return _parallel(*call, out, residual_out, sublayer, parallel)
         return _stream_starts_here(*call, out, residual_out, sublayer)
     shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
-    if type(prenorm) is not bool:
-        check_flag("prenorm", prenorm)
     if backend != "auto":
         check_backend(backend)
     dropout_p, seed, layer_scale, rowscale = 0.0, None, None, None
@@ -371,6 +374,7 @@ def _parallel(
     x = check_float_tensor("x", x)
     norm_shape, eps_checked = check_inputs(x, residual, shape, weight, bias, eps, residual_dtype)
     check_parallel(x, norm_shape, parallel, sublayer, out, residual_out)
+    check_sublayer(x, residual, norm_shape, weight, sublayer)  # (before x1's seed is drawn)
     n = math.prod(norm_shape)
     p = float(sublayer.dropout_p)
     masks, added = (), None

@@ -14,7 +14,9 @@ The arguments and the order of the results are flash-attn's; the numerics are ad
   (:func:`addnorm.add_layer_norm`); flash-attn sums the three in float32 before one rounding;
 - ``out_dtype`` converts the result of the input dtype (flash-attn writes it in ``out_dtype``
   directly, so a wider ``out_dtype`` than ``x``'s keeps more bits there);
-- ``out=`` / ``residual_out=`` are for calls without autograd, as everywhere in addnorm.
+- ``out=`` / ``residual_out=`` are for calls without autograd, as everywhere in addnorm; ``out``
+  has ``x``'s dtype (not with an ``out_dtype`` of another), and neither combines with ``x1`` or
+  ``weight1``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..checks import check_dtype, check_flag
 from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
 
@@ -54,7 +57,20 @@ def layer_norm_fn(
     masks when ``return_dropout_mask`` (``None`` without dropout; the second ``None`` without
     ``x1``). ``s`` is kept in ``residual``'s dtype, or in float32 when there is no residual and
     ``residual_in_fp32``; it is ``x`` itself when nothing is added, dropped or converted.
-    ``backend`` (keyword-only, addnorm's own) picks the backend, ``"auto"`` by default."""
+    ``backend`` (keyword-only, addnorm's own) picks the backend, ``"auto"`` by default.
+    ``rowscale`` holds one factor per row, in x's leading dims or flat (flash-attn's ``(rows,)``)."""
+    check_flag("is_rms_norm", is_rms_norm)
+    check_flag("residual_in_fp32", residual_in_fp32)
+    check_dtype("out_dtype", out_dtype)
+    if out is not None and out_dtype is not None and isinstance(x, Tensor) and out_dtype != x.dtype:
+        raise ValueError(
+            f"out= with out_dtype={out_dtype}: addnorm writes out in x's dtype ({x.dtype}) and converts after; "
+            "pass out without out_dtype, or out_dtype without out"
+        )
+    if isinstance(x, Tensor) and x.dim() == 0:
+        raise ValueError("x must have the hidden size as its last dim, got a 0-d tensor")
+    if isinstance(x, Tensor) and isinstance(rowscale, Tensor) and rowscale.numel() == x.numel() // max(x.shape[-1], 1):
+        rowscale = rowscale.reshape(x.shape[:-1])  # flash-attn takes the rows flat
     if residual is not None:
         residual_dtype = residual.dtype
     else:
@@ -63,7 +79,7 @@ def layer_norm_fn(
     if dropout_p or rowscale is not None or zero_centered_weight or return_dropout_mask:
         sublayer = Sublayer(dropout_p, None, None, rowscale, zero_centered_weight, return_dropout_mask)
     parallel = NO_PARALLEL if x1 is None and weight1 is None and bias1 is None else Parallel(x1, weight1, bias1)
-    n = x.shape[-1] if isinstance(x, Tensor) and x.dim() else 0
+    n = x.shape[-1] if isinstance(x, Tensor) else 0
     result = add_norm(
         x,
         residual,
