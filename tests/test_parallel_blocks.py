@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as TF
 
 import addnorm
 from conftest import TOLERANCES, assert_matches_oracle, interpreted
@@ -477,6 +478,30 @@ def test_parallel_block_under_compile_and_torch_func():
     x1g = x1.clone().requires_grad_()
     torch.autograd.backward([addnorm.add_rms_norm(x, r[0].expand_as(x), 8, w, x1=x1g).sum()])
     torch.testing.assert_close(grads, x1g.grad)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_parallel_block_training_compiles_fullgraph(p):
+    """A training step with x1 (and x1's dropout) under ``torch.compile(fullgraph=True)``: the
+    outputs and every gradient of the unfused formula in torch ops with the returned keep masks."""
+    x, r, x1, w, b, *_ = _tensors(6, 32, torch.float32)
+
+    def call(x, r, x1, w, b):
+        kw = dict(x1=x1, weight1=w * 2, bias1=b, dropout_p=p, prenorm=True, return_dropout_mask=True)
+        return addnorm.add_layer_norm(x, r, 32, w, b, **kw)
+
+    leaves = [t.clone().requires_grad_() for t in (x, r, x1, w, b)]
+    y, y1, s, mask, mask1 = torch.compile(call, fullgraph=True)(*leaves)
+    twins = [t.clone().requires_grad_() for t in (x, r, x1, w, b)]
+    tx, tr, tx1, tw, tb = twins
+    scale = 1 / (1 - p)
+    ts = (tr + tx1 * mask1 * scale) + tx * mask * scale
+    expected = (TF.layer_norm(ts, (32,), tw, tb), TF.layer_norm(ts, (32,), tw * 2, tb), ts)
+    dy = [torch.randn(6, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    got = (y, y1, s, *torch.autograd.grad((y, y1, s), leaves, dy))
+    want = (*expected, *torch.autograd.grad(expected, twins, dy))
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
 def test_the_same_seed_reproduces_a_parallel_block():

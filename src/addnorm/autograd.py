@@ -568,9 +568,11 @@ def _dropped_kernels(backend: str, *tensors: Tensor):
     cpu backend's on CPU tensors, the Triton backend's on CUDA tensors. None (the reference's
     torch ops, the same bits) for any other backend, for tensor subclasses, and under
     torch.compile or a torch.func transform."""
+    if not _eager(*tensors):  # (first: under torch.compile nothing below is traced)
+        return None
     t = tensors[0]
     name = backends.auto_name(t) if backend == "auto" else backend
-    if name not in ("cpu", "triton") or not _eager(*tensors):
+    if name not in ("cpu", "triton"):
         return None
     if name == "cpu" and t.is_cpu:
         from .kernels import cpu  # (numba: imported on the first such call)
@@ -595,6 +597,8 @@ def dropped_add(
     """``residual + dropout(x1)`` in ``sd``, rows of ``n`` features (:class:`DroppedAdd`; its
     forward alone where nothing will be differentiated: no graph node to build)."""
     differentiated = torch.is_grad_enabled() and (residual.requires_grad or x1.requires_grad)
-    if differentiated or transformed():
+    if (differentiated or transformed()) and not torch.compiler.is_compiling():
         return DroppedAdd.apply(residual, x1, n, p, seed, sd, backend)
+    # under torch.compile (whose tracing takes no custom jvp) the forward's torch ops, which
+    # autograd differentiates
     return DroppedAdd.forward(residual, x1, n, p, seed, sd, backend)
