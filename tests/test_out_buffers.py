@@ -82,3 +82,47 @@ def test_residual_out_takes_the_stream_and_its_dtype():
     assert torch.equal(y, addnorm.layer_norm(x, 96, w, b))
     with pytest.raises(ValueError, match="residual_out must be a contiguous torch.float32"):
         addnorm.add_layer_norm(x, r, 96, w, b, residual_dtype=torch.float32, residual_out=torch.empty_like(x))
+
+
+def test_a_buffer_that_is_an_input_is_written_in_place(backend):
+    """``out=x`` and ``residual_out=residual``: each input is read before it is overwritten."""
+    x, r, w, b = _inputs()
+    y_ref, s_ref = addnorm.add_layer_norm(x, r, 96, w, b, prenorm=True, backend=backend)
+    xs, rs = x.clone(), r.clone()
+    y, s = addnorm.add_layer_norm(xs, rs, 96, w, b, prenorm=True, backend=backend, out=xs, residual_out=rs)
+    assert y is xs and s is rs and torch.equal(y, y_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("buffer", ["out", "residual_out"])
+@pytest.mark.parametrize("shared", ["x", "residual"])
+def test_a_buffer_overlapping_an_input_is_refused(backend, buffer, shared):
+    """A buffer that shares part of an input's memory (here the input shifted by one row: the
+    kernels would overwrite rows not yet read) is an error, as in torch's own ``out=`` ops."""
+    shape, n = (3, 37, 96), 3 * 37 * 96
+    storage = torch.randn(n + 96)
+    inputs = {"x": torch.randn(shape), "residual": torch.randn(shape)}
+    inputs[shared] = storage[:n].view(shape)
+    shifted = storage[96:].view(shape)
+    with pytest.raises(ValueError, match=f"^{buffer} overlaps {shared} without being {shared} itself"):
+        addnorm.add_layer_norm(inputs["x"], inputs["residual"], 96, prenorm=True, backend=backend, **{buffer: shifted})
+
+
+def test_out_and_residual_out_must_be_two_buffers(backend):
+    x, r, w, b = _inputs()
+    buffer = torch.empty_like(x)
+    with pytest.raises(ValueError, match="^residual_out and out share memory"):
+        addnorm.add_layer_norm(x, r, 96, w, b, prenorm=True, backend=backend, out=buffer, residual_out=buffer)
+
+
+def test_buffers_over_several_normalized_dims_are_checked_and_returned(backend):
+    """``normalized_shape`` of two dims: the buffers are checked as given (not a reshaped copy,
+    which would be written instead of the buffer) and returned themselves."""
+    x, r, w, b = _inputs(n=16)
+    w2, b2 = torch.randn(37, 16), torch.randn(37, 16)
+    y_ref, s_ref = addnorm.add_layer_norm(x, r, (37, 16), w2, b2, prenorm=True, backend=backend)
+    out, stream = torch.empty_like(x), torch.empty_like(x)
+    y, s = addnorm.add_layer_norm(x, r, (37, 16), w2, b2, prenorm=True, backend=backend, out=out, residual_out=stream)
+    assert y is out and s is stream and torch.equal(out, y_ref) and torch.equal(stream, s_ref)
+    for bad in (torch.empty(3, 16, 37).transpose(1, 2), torch.empty(3, 74, 8), torch.empty(3, 592)):
+        with pytest.raises(ValueError, match=r"^out must be a contiguous torch.float32 tensor of shape \(3, 37, 16\)"):
+            addnorm.add_layer_norm(x, r, (37, 16), w2, b2, backend=backend, out=bad)

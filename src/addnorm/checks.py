@@ -169,6 +169,37 @@ def check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
                 f"{x.device}, got {'' if t.is_contiguous() else 'non-contiguous '}"
                 f"{t.dtype} of shape {tuple(t.shape)} on {t.device}"
             )
+        # a buffer may be an input itself (written in place), never part of one: the kernels
+        # would overwrite rows they have yet to read
+        for other_name, other in (("x", x), ("residual", residual), ("out", out if name == "residual_out" else None)):
+            if other is None or not _overlaps(t, other):
+                continue
+            if other_name != "out" and _same_view(t, other):  # (x or residual itself: in place)
+                continue
+            if other_name == "out":
+                raise ValueError("residual_out and out share memory: pass two separate buffers")
+            raise ValueError(
+                f"{name} overlaps {other_name} without being {other_name} itself: pass a separate buffer, "
+                f"or {other_name} itself to write in place"
+            )
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes ``[start, end)`` that ``t``'s elements lie in."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlaps(a: Tensor, b: Tensor) -> bool:
+    """Whether two plain tensors' memory spans intersect (tensor subclasses: never checked)."""
+    if type(a) not in PLAIN or type(b) not in PLAIN or a.device != b.device:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return (a.data_ptr(), a.shape, a.stride(), a.dtype) == (b.data_ptr(), b.shape, b.stride(), b.dtype)
 
 
 def check_sublayer(x: Tensor, residual: Tensor | None, shape: tuple[int, ...], weight, sublayer) -> None:

@@ -10,7 +10,9 @@ backend when installed (``addnorm info`` lists them).
 For inference loops, ``out=`` (and ``residual_out=`` for the stream ``s`` of the Add & Norm
 functions) take preallocated contiguous buffers of the results' shape and dtype, which are
 written and returned instead of fresh tensors (fresh multi-MB outputs page-fault on every
-call). They do not support autograd: an error is raised if an input requires grad.
+call). They do not support autograd: an error is raised if an input requires grad. A buffer may
+be an input itself (``out=x``: written in place), but not share only part of an input's memory,
+nor the other buffer's.
 """
 
 from __future__ import annotations

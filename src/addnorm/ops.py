@@ -165,12 +165,6 @@ def add_norm(
     if traced and torch.onnx.is_in_onnx_export():
         branch = make_branch(dropout_p, seed, layer_scale, rowscale)
         return _onnx_form(x, residual, shape, weight, bias, eps, rms, prenorm, residual_dtype, branch)
-    if len(shape) > 1:  # rows of n features: the normalized dims flattened into one
-        n = math.prod(shape)
-        flat = lambda t: None if t is None else t.reshape(*t.shape[: t.dim() - len(shape)], n)  # noqa: E731
-        x, residual, weight, bias, out, residual_out, layer_scale = map(
-            flat, (x, residual, weight, bias, out, residual_out, layer_scale)
-        )
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad
         or (residual is not None and residual.requires_grad)
@@ -179,8 +173,15 @@ def add_norm(
         or (layer_scale is not None and layer_scale.requires_grad)
     )
     buffers = out is not None or residual_out is not None
-    if buffers:
+    if buffers:  # (the buffers as given: returned themselves, below)
         check_out(x, residual, out, residual_out, reference.stream_dtype(x, residual, residual_dtype), needs_grad)
+        given = (out, residual_out)
+    if len(shape) > 1:  # rows of n features: the normalized dims flattened into one
+        n = math.prod(shape)
+        flat = lambda t: None if t is None else t.reshape(*t.shape[: t.dim() - len(shape)], n)  # noqa: E731
+        x, residual, weight, bias, out, residual_out, layer_scale = map(
+            flat, (x, residual, weight, bias, out, residual_out, layer_scale)
+        )
     if layer_scale is not None or rowscale is not None or dropout_p:  # a branch sums in residual's dtype
         residual = _to(residual, reference.stream_dtype(x, residual, residual_dtype))
     a = op_args(
@@ -194,6 +195,8 @@ def add_norm(
         result += (_dropout_mask(x, x.shape[-1], dropout_p, seed),)
     if len(shape) > 1:
         result = tuple(t.unflatten(-1, shape) for t in result)
+        if buffers:  # the buffers themselves, not views of them
+            result = tuple(b if b is not None else t for t, b in zip(result, (*given[: 1 + prenorm], None, None)))
     return result if len(result) > 1 else result[0]
 
 
