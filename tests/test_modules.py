@@ -44,6 +44,13 @@ def test_layer_norm_is_a_drop_in(backend, shape, kwargs):
         assert ours.bias is None and "bias" not in dict(ours.named_parameters())
 
 
+def test_a_zero_centred_weight_shows_in_the_repr():
+    """Such a module scales by 1 + weight: loading a plain norm's checkpoint into it doubles the
+    scale, so it must not print as a plain one."""
+    for cls in (addnorm.LayerNorm, addnorm.RMSNorm):
+        assert repr(cls(16, zero_centered_weight=True)) == repr(cls(16))[:-1] + ", zero_centered_weight=True)"
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"eps": 1e-6}, {"elementwise_affine": False}])
 def test_rms_norm_is_a_drop_in(backend, kwargs):
     theirs = nn.RMSNorm(16, **kwargs)

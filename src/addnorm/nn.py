@@ -52,6 +52,11 @@ class _Norm(_NotScriptable):
         if self.zero_centered_weight:
             nn.init.zeros_(self.weight)
 
+    def extra_repr(self) -> str:
+        """torch's (the backend changes no result beyond the last bits), plus a zero-centred
+        weight, which must not look like a plain one: the same checkpoint scales differently."""
+        return super().extra_repr() + (", zero_centered_weight=True" if self.zero_centered_weight else "")
+
 
 class LayerNorm(_Norm, nn.LayerNorm):
     r"""Layer Normalization over the trailing ``normalized_shape`` dims.
