@@ -218,3 +218,15 @@ def test_a_look_alike_with_another_signature_is_left_alone(monkeypatch):
     monkeypatch.setattr(RMSNorm, "__module__", "flash_attn.ops.triton.layer_norm")
     report = addnorm.patch(torch.nn.Sequential(RMSNorm()))
     assert report.replaced == [] and report.skipped[0][2] == "unknown norm class; see norm_types"
+
+
+def test_a_look_alike_keeping_its_dropout_elsewhere_is_left_alone(monkeypatch):
+    """flash-attn's name, module and signature, but no ``drop`` attribute: patched, its dropout
+    would be lost unseen, so it is skipped, saying why."""
+    monkeypatch.setattr(FlashRMSNorm, "__module__", "flash_attn.ops.triton.layer_norm")
+    norm = FlashRMSNorm(16, dropout_p=0.5)
+    norm.dropout_p = 0.5
+    del norm.drop
+    report = addnorm.patch(torch.nn.Sequential(norm))
+    assert report.replaced == [] and "'drop'" in report.skipped[0][2]
+    assert type(norm) is FlashRMSNorm

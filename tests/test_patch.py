@@ -88,6 +88,11 @@ def test_patch_is_idempotent_and_keeps_optimizer_working():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     first = addnorm.patch(model)
     assert addnorm.patch(model).replaced == [] and len(first.replaced) == 5
+    again = addnorm.patch(model, backend="reference")  # another backend: the norms take it
+    assert again.replaced == first.replaced and {m.backend for m in model.modules() if "backend" in vars(m)} == {
+        "reference"
+    }
+    addnorm.patch(model)
     before = model.transformer.ln_f.weight.detach().clone()
     step(model, hf_inputs("gpt2"))
     opt.step()  # the optimizer built before patching updates the norms' weights

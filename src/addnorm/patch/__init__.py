@@ -131,6 +131,8 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
         w = getattr(m, "weight", None)
         if not isinstance(w, Tensor) or w.dim() != 1 or eps_of(m) is None:
             return "expected a 1-D 'weight' and a float 'variance_epsilon' or 'eps'"
+    if style == "flash_attn" and not hasattr(m, "drop"):  # (its dropout would be lost unseen)
+        return "expected flash-attn's 'drop' attribute (its dropout module, or None)"
     if cls is nn.LayerNorm:
         new = addnorm_nn.LayerNorm
     elif cls is nn.RMSNorm:
@@ -279,7 +281,8 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
             a mapping ``{cls: style}`` (style in ``STYLES``) adds classes addnorm does not know.
         fuse_residual: also run the residual adds of the blocks of ``FAMILIES`` inside the norms
             that follow them (opt-in; same outputs; ``report.adds`` says which).
-        backend: the ``backend=`` of the patched norms (``"auto"``, ``"reference"``, ...).
+        backend: the ``backend=`` of the patched norms (``"auto"``, ``"reference"``, ...); patching
+            a patched model again gives its norms this backend.
 
     Parameters, buffers, hooks and ``state_dict`` keys are kept (the module objects are the
     same, only their class changes). Patch before wrapping with DDP/FSDP or ``torch.compile``.
@@ -293,6 +296,11 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
     report = PatchReport()
     for name, m in list(model.named_modules()):
         cls = type(m)
+        if ORIGINAL in m.__dict__:  # patched before (a norm: runs this call's backend from now on)
+            if "backend" in m.__dict__ and m.backend != backend:
+                m.backend = backend
+                report.replaced.append((name, m.__dict__[ORIGINAL].__name__, norm_style(m)))
+            continue
         style = types.get(cls, types.get(_path(cls)))
         if style is None and norm_types is None:
             style = flash_attn_style(m)
