@@ -326,9 +326,11 @@ def test_ctrl_c_keeps_the_finished_runs(workers):
             raise KeyboardInterrupt
 
     done, stopped = training.train_all(cfg, jobs, progress, workers=workers)
-    # one run at a time: the first three finished; two at a time: the fourth starts once two had
-    assert stopped and (set(done) == set(jobs[:3]) if workers == 1 else 2 <= len(done) <= 3), done.keys()
-    assert jobs[3] not in done and set(done) <= set(jobs[:5])
+    # one run at a time: the first three finished. Two at a time: the fourth starts once two had
+    # finished, and the other worker may finish more runs (on a loaded machine, all the rest)
+    # before the fourth reports its first epoch
+    assert stopped and (set(done) == set(jobs[:3]) if workers == 1 else len(done) >= 2), done.keys()
+    assert jobs[3] not in done
     assert multiprocessing.active_children() == []
     reference, _ = training.train_all(cfg, list(done), workers=1)
     assert all(done[job].test_mse == reference[job].test_mse for job in done)
