@@ -572,8 +572,6 @@ def _dropped_kernels(backend: str, *tensors: Tensor):
         return None
     t = tensors[0]
     name = backends.auto_name(t) if backend == "auto" else backend
-    if name not in ("cpu", "triton"):
-        return None
     if name == "cpu" and t.is_cpu:
         from .kernels import cpu  # (numba: imported on the first such call)
 
@@ -594,11 +592,9 @@ def transformed() -> bool:
 def dropped_add(
     residual: Tensor, x1: Tensor, n: int, p: float, seed: Tensor | None, sd: torch.dtype, backend: str = "auto"
 ) -> Tensor:
-    """``residual + dropout(x1)`` in ``sd``, rows of ``n`` features (:class:`DroppedAdd`; its
-    forward alone where nothing will be differentiated: no graph node to build)."""
+    """``residual + dropout(x1)`` in ``sd``, rows of ``n`` features: :class:`DroppedAdd`, its forward alone where
+    nothing is differentiated, or under torch.compile (no custom jvp traced: autograd takes its torch ops)."""
     differentiated = torch.is_grad_enabled() and (residual.requires_grad or x1.requires_grad)
     if (differentiated or transformed()) and not torch.compiler.is_compiling():
         return DroppedAdd.apply(residual, x1, n, p, seed, sd, backend)
-    # under torch.compile (whose tracing takes no custom jvp) the forward's torch ops, which
-    # autograd differentiates
     return DroppedAdd.forward(residual, x1, n, p, seed, sd, backend)

@@ -171,17 +171,14 @@ def check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
             )
         # a buffer may be an input itself (written in place), never part of one: the kernels
         # would overwrite rows they have yet to read
-        for other_name, other in (("x", x), ("residual", residual), ("out", out if name == "residual_out" else None)):
-            if other is None or not _overlaps(t, other):
-                continue
-            if other_name != "out" and _same_view(t, other):  # (x or residual itself: in place)
-                continue
-            if other_name == "out":
-                raise ValueError("residual_out and out share memory: pass two separate buffers")
-            raise ValueError(
-                f"{name} overlaps {other_name} without being {other_name} itself: pass a separate buffer, "
-                f"or {other_name} itself to write in place"
-            )
+        for other_name, other in (("x", x), ("residual", residual)):
+            if other is not None and _overlaps(t, other) and not _same_view(t, other):
+                raise ValueError(
+                    f"{name} overlaps {other_name} without being {other_name} itself: pass a separate buffer, "
+                    f"or {other_name} itself to write in place"
+                )
+    if out is not None and residual_out is not None and _overlaps(out, residual_out):
+        raise ValueError("residual_out and out share memory: pass two separate buffers")
 
 
 def _span(t: Tensor) -> tuple[int, int]:

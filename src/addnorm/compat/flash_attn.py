@@ -62,15 +62,16 @@ def layer_norm_fn(
     check_flag("is_rms_norm", is_rms_norm)
     check_flag("residual_in_fp32", residual_in_fp32)
     check_dtype("out_dtype", out_dtype)
-    if out is not None and out_dtype is not None and isinstance(x, Tensor) and out_dtype != x.dtype:
-        raise ValueError(
-            f"out= with out_dtype={out_dtype}: addnorm writes out in x's dtype ({x.dtype}) and converts after; "
-            "pass out without out_dtype, or out_dtype without out"
-        )
-    if isinstance(x, Tensor) and x.dim() == 0:
-        raise ValueError("x must have the hidden size as its last dim, got a 0-d tensor")
-    if isinstance(x, Tensor) and isinstance(rowscale, Tensor) and rowscale.numel() == x.numel() // max(x.shape[-1], 1):
-        rowscale = rowscale.reshape(x.shape[:-1])  # flash-attn takes the rows flat
+    if isinstance(x, Tensor):  # (anything else: add_norm says what x must be)
+        if out is not None and out_dtype is not None and out_dtype != x.dtype:
+            raise ValueError(
+                f"out= with out_dtype={out_dtype}: addnorm writes out in x's dtype ({x.dtype}) and converts after; "
+                "pass out without out_dtype, or out_dtype without out"
+            )
+        if x.dim() == 0:
+            raise ValueError("x must have the hidden size as its last dim, got a 0-d tensor")
+        if isinstance(rowscale, Tensor) and rowscale.numel() == x.numel() // max(x.shape[-1], 1):
+            rowscale = rowscale.reshape(x.shape[:-1])  # flash-attn takes the rows flat
     if residual is not None:
         residual_dtype = residual.dtype
     else:
