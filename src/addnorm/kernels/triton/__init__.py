@@ -13,9 +13,9 @@ The backend contract the registry reads (:mod:`addnorm.backend`): :data:`CAPABIL
 Limits and why. Statistics and arithmetic are fp32 for fp16/bf16/fp32 and fp64 for fp64, as
 the reference. Row offsets are int64 (tensors over 2**31 elements are safe); rows may have any
 stride (a copy is made only when the last dim is not contiguous, as the kernels need unit
-column stride for coalesced loads). bf16 is rounded to nearest even by hand (``_round``)
-because Triton's interpreter truncates; on GPU the same few integer ops cost nothing in a
-memory-bound kernel.
+column stride for coalesced loads). Results are rounded to nearest even: compiled, by the cast
+itself; in Triton's interpreter, which truncates fp32 -> bf16, by hand from the bits
+(``common._round``), to the same bits.
 
 The kernels are compiled by ``triton.jit``, which reads ``TRITON_INTERPRET`` when this package
 is imported: with ``TRITON_INTERPRET=1`` set before then, they run on CPU tensors through
@@ -24,22 +24,14 @@ Triton's interpreter (that is how CI tests them), otherwise they need CUDA tenso
 
 from __future__ import annotations
 
-import functools
-
 from torch import Tensor
 
 from ...backend import Capabilities
 from .backward_kernels import backward
-from .forward_kernels import _forward_kernel, forward
+from .common import _INTERPRETED
+from .forward_kernels import forward
 
 __all__ = ["CAPABILITIES", "backward", "forward", "unavailable_reason"]
-
-
-@functools.cache
-def _interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_forward_kernel, InterpretedFunction)
 
 
 # CUDA tensors; CPU tensors only through Triton's interpreter (how CI runs these kernels)
@@ -48,6 +40,6 @@ CAPABILITIES = Capabilities(device_types=("cuda", "cpu"), second_norm=True, adds
 
 def unavailable_reason(x: Tensor | None) -> str | None:
     """Why these kernels cannot run on ``x`` (``None`` if they can)."""
-    if x is not None and x.device.type == "cpu" and not _interpreted():
+    if x is not None and x.device.type == "cpu" and not _INTERPRETED:
         return "CPU tensors need TRITON_INTERPRET=1 (set before addnorm's triton kernels are imported)"
     return None

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
 from ... import reference
 
@@ -18,16 +19,26 @@ from ... import reference
 
 
 @triton.jit
+def _interpreter_probe():
+    pass
+
+
+# Triton's interpreter casts fp32 -> bf16 by truncation; compiled kernels round to nearest even
+_INTERPRETED = tl.constexpr(isinstance(_interpreter_probe, InterpretedFunction))
+
+
+@triton.jit
 def _round(v, DT: tl.constexpr):
-    """``v`` rounded to ``DT`` to nearest even. bf16 is rounded by hand, identically on GPU and
-    in Triton's interpreter, whose own fp32 -> bf16 cast truncates."""
-    if DT == tl.bfloat16:
+    """``v`` rounded to ``DT`` to nearest even, through float32 (as torch casts a float64: so twice
+    rounded). Compiled, that is the cast itself; in Triton's interpreter, whose own fp32 -> bf16
+    cast truncates, bf16 is rounded by hand from the bits, to the same result."""
+    if DT == tl.bfloat16 and _INTERPRETED:
         v = v.to(tl.float32)
         bits = v.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
         out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         return tl.where(v != v, v.to(tl.bfloat16), out)  # NaN stays NaN
-    elif DT == tl.float16:  # through float32, as torch casts a float64 (so twice rounded)
+    elif DT == tl.bfloat16 or DT == tl.float16:
         return v.to(tl.float32).to(DT)
     else:
         return v.to(DT)
