@@ -143,7 +143,9 @@ def branch_sweep(label: str, x, r, s, dy, w, b, mean, rstd, bwd_bytes: int, copy
         config.TABLE = base
 
 
-def sweep(shape: str, dtype: torch.dtype, copy_gbps: float, branch_only: bool = False) -> None:
+def sweep(
+    shape: str, dtype: torch.dtype, copy_gbps: float, branch_only=False, tiles=(None,), per_sm=(32, 64, 128), fwd=True
+) -> None:
     m, n = map(int, shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(0)
     mk = lambda *s: torch.randn(*s, device="cuda", generator=g).to(dtype)
@@ -161,17 +163,22 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float, branch_only: bool = 
         return
     try:
         wide = n > base.backward.max_fused_n
-        for chunk in [2048, 4096, 8192] if wide else [base.chunked.chunk_n]:
+        for chunk, tile in ((c, t) for c in ([2048, 4096, 8192] if wide else [base.chunked.chunk_n]) for t in tiles):
             chunk_table = base.updated("chunked", chunk_n=chunk)
             label = f"{head} CHUNK_N={chunk:<5d}" if wide else head
+            if tile is not None:  # elements per tile of stacked short rows, every fused kind
+                for kind in config.KINDS:
+                    chunk_table = chunk_table.updated(kind, tile_elems=tile)
+                label += f" tile={tile:<5d}"
             line = label + " fwd"
-            for fb in (16, 32, 64, 128):  # whichever path applies: fused or chunked
+            for fb in (16, 32, 64, 128) if fwd else ():  # whichever path applies: fused or chunked
                 table = chunk_table.updated("forward", bytes_per_thread=fb).updated("chunked", bytes_per_thread=fb)
                 config.TABLE = table
                 warps = config.plan("forward", n, x.device, size).num_warps
                 f = _ms(lambda: K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None))
                 line += f" | {fb}B/{warps}w {f * 1e3:7.1f} us {fwd_bytes / f / 1e6 / copy_gbps:4.2f}"
-            print(line, flush=True)
+            if fwd:
+                print(line, flush=True)
             config.TABLE = chunk_table
             y, s, mean, rstd = K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
             for bb in (16, 32, 64):
@@ -180,16 +187,16 @@ def sweep(shape: str, dtype: torch.dtype, copy_gbps: float, branch_only: bool = 
                 config.TABLE = bytes_table
                 warps = config.plan("backward", n, x.device, size).num_warps
                 line = f"{label} bwd {bb:3d}B/{warps:2d}w"
-                for per_sm in (32, 64, 128):  # warps in flight per SM of an H100 (132 SMs)
-                    config.TABLE = bytes_table.updated("backward", warps_in_flight=132 * per_sm)
+                for sm in per_sm:  # warps in flight per SM of an H100 (132 SMs)
+                    config.TABLE = bytes_table.updated("backward", warps_in_flight=132 * sm)
                     t = _ms(
                         lambda s=s, mean=mean, rstd=rstd: K.backward(
                             dy, None, (s,), w, mean, rstd, rms=False, has_bias=True
                         )
                     )
-                    line += f" | {per_sm:3d} warps/SM {t * 1e3:7.1f} us {bwd_bytes / t / 1e6 / copy_gbps:4.2f}"
+                    line += f" | {sm:3d} warps/SM {t * 1e3:7.1f} us {bwd_bytes / t / 1e6 / copy_gbps:4.2f}"
                 print(line, flush=True)
-            if n <= base.branch_backward.max_fused_n:
+            if fwd and n <= base.branch_backward.max_fused_n:
                 config.TABLE = chunk_table
                 branch_sweep(label, x, r, s, dy, w, b, mean, rstd, bwd_bytes, copy_gbps)
     finally:
@@ -206,6 +213,9 @@ def main() -> None:
     p.add_argument(
         "--branch-only", action="store_true", help="sweep only the branch backward (parallel block, dropout)"
     )
+    p.add_argument("--per-sm", default="32,64,128", help="the backward's warps in flight per SM to sweep")
+    p.add_argument("--backward-only", action="store_true", help="sweep the plain backward alone")
+    p.add_argument("--tiles", default=None, help="sweep tile_elems too, e.g. 1024,2048,4096 (stacked short rows)")
     args = p.parse_args()
     try:
         parse_shapes(args.shapes)
@@ -213,6 +223,11 @@ def main() -> None:
         p.error(str(e))
     if not all(isinstance(getattr(torch, d, None), torch.dtype) for d in args.dtype.split(",")):
         p.error(f"--dtype: expected dtypes such as bfloat16,float32, got {args.dtype!r}")
+    try:
+        tiles = [int(t) for t in args.tiles.split(",")] if args.tiles else [None]
+        per_sm = [int(t) for t in args.per_sm.split(",")]
+    except ValueError:
+        p.error(f"--tiles and --per-sm take integers such as 1024,4096; got {args.tiles!r} and {args.per_sm!r}")
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (python benchmarks/triton_registers.py compiles the kernels without one)")
     if args.max_fused_n:
@@ -228,7 +243,7 @@ def main() -> None:
         overhead(args.profile)
     for shape in args.shapes.split(","):
         for dtype in args.dtype.split(","):
-            sweep(shape, getattr(torch, dtype), copy_gbps, args.branch_only)
+            sweep(shape, getattr(torch, dtype), copy_gbps, args.branch_only, tiles, per_sm, not args.backward_only)
 
 
 if __name__ == "__main__":

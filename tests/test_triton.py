@@ -254,12 +254,19 @@ def test_each_kernel_kind_launches_from_its_own_table_entry(monkeypatch):
 
 def test_a_kinds_bytes_per_thread_set_its_warps_on_a_gpu(monkeypatch):
     """On a GPU launch, num_warps follows the kind's own bytes per thread (a 4096-wide bf16 row
-    of 8 KiB: 8 warps at 32 bytes, 32 at 8), and the chunked path follows the chunked entry."""
+    of 8 KiB: 8 warps at 32 bytes, 32 at 8), counted in the statistics dtype where the entry
+    says so, and the chunked path follows the chunked entry."""
     cuda = torch.device("cuda")
     table = config.TABLE.updated("branch_backward", bytes_per_thread=32).updated("backward", bytes_per_thread=8)
     monkeypatch.setattr(config, "TABLE", table)
     assert config.plan("branch_backward", 4096, cuda, 2) == (1, 4096, 8, False)
     assert config.plan("backward", 4096, cuda, 2) == (1, 4096, 32, False)
+    # the plain backward counts its tiles in the statistics dtype: bf16 rows take fp32's warps
+    counted = table.updated("backward", bytes_per_thread=64, tile_elems=1024, stats_bytes=True)
+    monkeypatch.setattr(config, "TABLE", counted)
+    assert config.plan("backward", 4096, cuda, 2) == config.plan("backward", 4096, cuda, 4) == (1, 4096, 8, False)
+    assert config.plan("backward", 768, cuda, 2) == (1, 1024, 2, False)
+    assert config.plan("backward", 4096, cuda, 8) == (1, 4096, 16, False)  # fp64 statistics
     # stacked short rows share the warps of one row: 4 rows of 768 (a 1024-wide tile) in bf16
     # at 16 bytes per row per thread take 4 warps, and at most 64 bytes per thread in all
     stacked = table.updated("branch_backward", bytes_per_thread=16, stacked_bytes_per_thread=64)

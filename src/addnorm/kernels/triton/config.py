@@ -19,6 +19,9 @@ bytes per thread, a setting chosen to compile without register spills under Trit
 docs/gpu.md, "Launch heuristics", lists where Triton 3.6 spills with the same table). Its short
 rows, stacked, share their warps (``stacked_bytes_per_thread``, rows of 512 and wider): a tile
 of four rows of 768 given as many warps as four rows' bytes ran 4-10 times slower on an H200.
+The plain backward counts its bytes per thread in the statistics dtype (``stats_bytes``: fp32
+for 16-bit inputs, where its tiles live) and runs one row per program: 16 fp32 values per thread
+at 64 bytes, for bf16 as for fp32, was the fastest setting timed at N = 768 to 8192 on an H200.
 The values come from ``python benchmarks/triton_tune.py`` (docs/gpu.md, "Launch heuristics"; the
 timings are in docs/benchmarks.md, "On an NVIDIA H100").
 
@@ -51,6 +54,9 @@ class KernelLaunch:
     # rows: bytes_per_thread for the whole tile
     stacked_bytes_per_thread: int | None = None
     stacked_min_n: int = 512  # the widths timed (docs/benchmarks.md); narrower rows would spill
+    # count the tile's bytes in the statistics dtype (fp32 for 16-bit inputs), where the kernel
+    # holds its tiles: its registers per thread follow those bytes, not the input's
+    stats_bytes: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,12 @@ class LaunchTable:
 
 TABLE = LaunchTable(
     forward=KernelLaunch(max_fused_n=16384, bytes_per_thread=64),
-    # warps_in_flight: 32 warps on each of an H100's or H200's 132 SMs, as a constant
-    backward=KernelLaunch(max_fused_n=8192, bytes_per_thread=64, warps_in_flight=4224),
+    # one row per program, 16 fp32 values per thread; warps_in_flight: 16 warps on each of an
+    # H100's or H200's 132 SMs, as a constant
+    backward=KernelLaunch(
+        max_fused_n=8192, bytes_per_thread=64, tile_elems=1024, warps_in_flight=2112, stats_bytes=True
+    ),
+    # warps_in_flight: 32 warps on each of the 132 SMs
     branch_backward=KernelLaunch(
         max_fused_n=4096, bytes_per_thread=16, warps_in_flight=4224, stacked_bytes_per_thread=64
     ),
@@ -144,6 +154,8 @@ def _plan(table: LaunchTable, kind: str, n: int, device: torch.device, elem_size
     bytes_per_thread = table.chunked.bytes_per_thread if chunked else entry.bytes_per_thread
     if not chunked and entry.stacked_bytes_per_thread and n >= entry.stacked_min_n:
         bytes_per_thread = max(bytes_per_thread, min(entry.stacked_bytes_per_thread, bytes_per_thread * block_m))
+    if not chunked and entry.stats_bytes:
+        elem_size = max(elem_size, 4)
     num_warps = max(1, min(32, block_m * block_n * elem_size // (32 * bytes_per_thread)))
     return Launch(block_m, block_n, next_power_of_2(num_warps), chunked)
 
