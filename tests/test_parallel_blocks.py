@@ -163,6 +163,15 @@ def _same_bits(a, b) -> bool:
     return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a.view(ints)[~nan], b.view(ints)[~nan])
 
 
+def _first_difference(a, b) -> str:
+    """Where ``a`` and ``b`` first differ (NaN matching NaN), and how many elements differ."""
+    differ = ~((a == b) | (a.isnan() & b.isnan()))
+    if a.shape != b.shape or not differ.any():
+        return f"shapes {tuple(a.shape)} {tuple(b.shape)}, dtypes {a.dtype} {b.dtype}"
+    at = tuple(differ.nonzero()[0].tolist())
+    return f"{int(differ.sum())} differ, first at {at}: {a[at].item()!r} against {b[at].item()!r}"
+
+
 def _dropped_kernels(name: str, request):
     """The kernels module whose ``dropped`` is tested, with its tensors' device in force: the cpu
     backend's on CPU tensors; the Triton backend's on the test device (its interpreter on CPU)."""
@@ -397,8 +406,8 @@ def test_x1_of_another_dtype_is_rounded_to_the_stream_dtype_as_it_is_read(reques
         branch = addnorm.backend.Branch(p, seed, None, None) if p else None
         summed = addnorm.reference.stream(x1.to(sd), r, sd, branch)
         separate = impl.forward(x, summed, w, None, eps=1e-5, rms=False, residual_dtype=sd)
-        for a, c in zip(fused[:2], separate[:2]):
-            assert _same_bits(a, c), (p, a.dtype)
+        for name, a, c in zip("ys", fused[:2], separate[:2]):
+            assert _same_bits(a, c), (p, name, _first_difference(a, c))
 
 
 def _oracle_post_norm(x, r, x1, w, b, p, dtype, in_dtype=False):
