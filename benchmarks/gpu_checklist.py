@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclass(frozen=True)
 class Step:
     name: str
-    minutes: float  # the estimate a GPU run checks against the budget before starting it
+    minutes: float  # the estimate a GPU run checks against the budget before starting it (timed on
+    # an H200's fresh machine, docs/gpu.md: a part longer than the budget left is skipped)
     why: str  # one line for the summary: what the part checks
     run: Callable  # (setup, state) -> Part
 
@@ -58,10 +59,10 @@ def steps(P) -> list[Step]:
         Step("dweight", 0.2, "dweight/dbias bitwise equal over two runs", lambda s, st: P.dweight_reproducible(s)),
         Step("graphs", 0.3, "forward+backward in a CUDA graph = eager", lambda s, st: P.cuda_graphs(s)),
         Step("parity", 1.5, "compat module vs flash-attn itself", lambda s, st: P.flash_attn_parity(s)),
-        Step("kernels", 2.0, "kernels alone vs copy bandwidth", lambda s, st: P.kernel_table(s)),
-        Step("host", 0.5, "host time per call at 8x768", lambda s, st: P.host_cost(s)),
-        Step("dropout", 0.5, "fused dropout vs the plain add", lambda s, st: P.dropout_cost(s)),
-        Step("parallel", 1.5, "parallel blocks: one call vs two, flash-attn", lambda s, st: P.parallel_block_cost(s)),
+        Step("kernels", 0.6, "kernels alone vs copy bandwidth", lambda s, st: P.kernel_table(s)),
+        Step("host", 0.3, "host time per call at 8x768", lambda s, st: P.host_cost(s)),
+        Step("dropout", 0.3, "fused dropout vs the plain add", lambda s, st: P.dropout_cost(s)),
+        Step("parallel", 1.3, "parallel blocks: one call vs two, flash-attn", lambda s, st: P.parallel_block_cost(s)),
         Step("wallclock", 7.0, "per call vs torch eager, torch.compile, peers", lambda s, st: P.wall_clock(s)),
         Step("training", 3.0, "GPT-2 / Llama training step: tokens/s, memory", lambda s, st: P.training_step(s)),
         Step("widths", 2.0, "gpu_widths.py: real widths vs the fp64 oracle", widths),
