@@ -188,7 +188,8 @@ def sweep(
                 warps = config.plan("backward", n, x.device, size).num_warps
                 line = f"{label} bwd {bb:3d}B/{warps:2d}w"
                 for sm in per_sm:  # warps in flight per SM of an H100 (132 SMs)
-                    config.TABLE = bytes_table.updated("backward", warps_in_flight=132 * sm)
+                    per_sm_table = bytes_table.updated("backward", warps_in_flight=132 * sm)
+                    config.TABLE = per_sm_table.updated("chunked", warps_in_flight=132 * sm)
                     t = _ms(
                         lambda s=s, mean=mean, rstd=rstd: K.backward(
                             dy, None, (s,), w, mean, rstd, rms=False, has_bias=True
@@ -227,7 +228,16 @@ def main() -> None:
         tiles = [int(t) for t in args.tiles.split(",")] if args.tiles else [None]
         per_sm = [int(t) for t in args.per_sm.split(",")]
     except ValueError:
-        p.error(f"--tiles and --per-sm take integers such as 1024,4096; got {args.tiles!r} and {args.per_sm!r}")
+        tiles = per_sm = [0]
+    if not all(t is None or (t > 0 and t & (t - 1) == 0) for t in tiles) or min(per_sm) < 1:
+        p.error(
+            "--tiles takes powers of two such as 1024,4096 and --per-sm positive integers; "
+            f"got {args.tiles!r} and {args.per_sm!r}"
+        )
+    if args.branch_only and (args.tiles or args.backward_only or args.per_sm != "32,64,128"):
+        p.error(
+            "--branch-only sweeps the branch backward's bytes per thread alone: no --tiles, --per-sm or --backward-only"
+        )
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (python benchmarks/triton_registers.py compiles the kernels without one)")
     if args.max_fused_n:
@@ -236,7 +246,8 @@ def main() -> None:
     copy_gbps = kernel_copy_bandwidth("cuda", mib=256)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-        f"copy {copy_gbps:.0f} GB/s (256 MiB, bytes read + written, host excluded)",
+        f"copy {copy_gbps:.0f} GB/s (256 MiB, bytes read + written, host excluded); the plain "
+        "backward's bytes per thread count its statistics dtype (fp32 for bf16: its stats_bytes)",
         flush=True,
     )
     if not args.no_overhead:

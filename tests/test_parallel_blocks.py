@@ -164,9 +164,12 @@ def _same_bits(a, b) -> bool:
 
 
 def _first_difference(a, b) -> str:
-    """Where ``a`` and ``b`` first differ (NaN matching NaN), and how many elements differ."""
-    differ = ~((a == b) | (a.isnan() & b.isnan()))
-    if a.shape != b.shape or not differ.any():
+    """Where ``a`` and ``b`` first differ in their bits (NaN matching NaN), and how many differ."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shapes {tuple(a.shape)} {tuple(b.shape)}, dtypes {a.dtype} {b.dtype}"
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    differ = (a.view(ints) != b.view(ints)) & ~(a.isnan() & b.isnan())
+    if not differ.any():
         return f"shapes {tuple(a.shape)} {tuple(b.shape)}, dtypes {a.dtype} {b.dtype}"
     at = tuple(differ.nonzero()[0].tolist())
     return f"{int(differ.sum())} differ, first at {at}: {a[at].item()!r} against {b[at].item()!r}"
@@ -408,6 +411,19 @@ def test_x1_of_another_dtype_is_rounded_to_the_stream_dtype_as_it_is_read(reques
         separate = impl.forward(x, summed, w, None, eps=1e-5, rms=False, residual_dtype=sd)
         for name, a, c in zip("ys", fused[:2], separate[:2]):
             assert _same_bits(a, c), (p, name, _first_difference(a, c))
+
+
+@pytest.mark.parametrize("name", ["cpu", "triton"])
+def test_a_nan_of_x1_stays_a_nan_when_rounded_to_a_bf16_stream(request, name):
+    """An fp32 ``x1`` NaN whose payload sits in the low 16 bits alone (the bits of a signalling
+    NaN) is still a NaN once rounded to a bf16 stream, not an infinity; so is a quiet one."""
+    impl, (m, n) = _adds_x1_backend(name, request)
+    x, r = torch.zeros(m, n, dtype=torch.bfloat16), torch.zeros(m, n, dtype=torch.bfloat16)
+    x1 = torch.zeros(m, n, dtype=torch.float32)
+    x1.view(torch.int32)[0, :2] = torch.tensor([0x7F800001, -0x007FFFFF], dtype=torch.int32)
+    x1[1, 0] = float("nan")
+    s = impl.forward(x, r, None, None, eps=1e-5, rms=True, residual_dtype=None, x1=addnorm.backend.X1(x1, 0.0, None))[1]
+    assert s[0, :2].isnan().all() and s[1, 0].isnan(), s[:2, :2]
 
 
 def _oracle_post_norm(x, r, x1, w, b, p, dtype, in_dtype=False):

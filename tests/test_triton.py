@@ -206,7 +206,8 @@ def test_rows_whose_max_is_a_power_of_two(monkeypatch, path, rms, dtype):
 
 @pytest.mark.parametrize("n", [1000, 3000])
 def test_gpu_tile_shapes_match_torch(gpu_tiles, n):
-    """One row per tile (N=3000) and four rows per tile (N=1000), as launched on a GPU."""
+    """One row per tile (N=3000) and four rows per tile (N=1000), as the forward is launched on
+    a GPU (the backward's GPU tiles hold one row at both)."""
     check_against_torch(9, n, torch.float32, rms=False)
 
 
@@ -474,12 +475,12 @@ def test_the_backward_program_count_is_the_shape_s_not_the_gpu_s(monkeypatch):
         monkeypatch.setattr(torch.cuda, name, no_device_queries)
     cuda = torch.device("cuda")
     for kind in ("backward", "branch_backward"):
-        for n, elem in ((768, 2), (4096, 4), (8192, 2)):
-            warps = config.plan(kind, n, cuda, elem).num_warps
+        for n, elem in ((768, 2), (4096, 4), (8192, 2), (65536, 4)):
+            launch = config.plan(kind, n, cuda, elem)
+            entry = config.TABLE.chunked if launch.chunked else getattr(config.TABLE, kind)
             for m in (1, 100, 4096, 65536):
-                programs = config.backward_programs(kind, m, warps, cuda)
-                warps_in_flight = getattr(config.TABLE, kind).warps_in_flight
-                assert programs == min(m, max(1, warps_in_flight // warps))
+                programs = config.backward_programs(kind, m, launch.num_warps, cuda, launch.chunked)
+                assert programs == min(m, max(1, entry.warps_in_flight // launch.num_warps))
 
 
 @pytest.mark.parametrize("third_pass", [False, True])

@@ -440,7 +440,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
             BLOCK_M=block_m,
             BLOCK_N=block_n,
         )  # fmt: skip
-    programs = config.backward_programs(kind, m, num_warps, s.device)
+    programs = config.backward_programs(kind, m, num_warps, s.device, chunked)
     rows_per_program = config.cdiv(config.cdiv(m, programs), block_m) * block_m
     programs = config.cdiv(m, rows_per_program)
     # one buffer of partial rows for every parameter gradient present, summed in one launch

@@ -35,9 +35,10 @@ def _round(v, DT: tl.constexpr):
     if DT == tl.bfloat16 and _INTERPRETED:
         v = v.to(tl.float32)
         bits = v.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(v != v, v.to(tl.bfloat16), out)  # NaN stays NaN
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        # a NaN stays a NaN (quiet), even one whose payload is in the low 16 bits alone
+        out = tl.where(v != v, (bits >> 16) | 0x40, rounded)
+        return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     elif DT == tl.bfloat16 or DT == tl.float16:
         return v.to(tl.float32).to(DT)
     else:

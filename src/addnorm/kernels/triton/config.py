@@ -20,11 +20,11 @@ docs/gpu.md, "Launch heuristics", lists where Triton 3.6 spills with the same ta
 rows, stacked, share their warps (``stacked_bytes_per_thread``, rows of 512 and wider): a tile
 of four rows of 768 given as many warps as four rows' bytes ran 4-10 times slower on an H200.
 The plain backward counts its bytes per thread in the statistics dtype (``stats_bytes``: fp32
-for 16-bit inputs, where its tiles live) and runs one row per program: 16 fp32 values per thread
+for 16-bit inputs, where its tiles live) and holds one row per tile (N >= 768): 16 fp32 values per thread
 at 64 bytes, for bf16 as for fp32, was the fastest setting timed at N = 768 to 8192 on an H200,
 or within 3 % of it (docs/benchmarks.md, "bf16 rounded by the cast, the backward's launch").
 The values come from ``python benchmarks/triton_tune.py`` (docs/gpu.md, "Launch heuristics"; the
-timings are in docs/benchmarks.md, "On an NVIDIA H100").
+timings are in docs/benchmarks.md, "On an NVIDIA H100" and the H200 sections after it).
 
 The tile shape and warps depend on ``N``, the dtype, the kind and the device type alone, so a
 row's results never depend on the batch (the number of rows sets only how the dweight/dbias
@@ -66,6 +66,7 @@ class ChunkedLaunch:
 
     chunk_n: int  # columns per chunk (a power of two)
     bytes_per_thread: int
+    warps_in_flight: int  # the chunked backward's programs: max(1, this // num_warps)
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,8 @@ class LaunchTable:
 
 TABLE = LaunchTable(
     forward=KernelLaunch(max_fused_n=16384, bytes_per_thread=64),
-    # one row per program, 16 fp32 values per thread; warps_in_flight: 16 warps on each of an
-    # H100's or H200's 132 SMs, as a constant
+    # one row per tile (N >= 768), 16 fp32 values per thread; warps_in_flight: 16 warps on each
+    # of an H100's or H200's 132 SMs, as a constant (the chunked path keeps its own, 32)
     backward=KernelLaunch(
         max_fused_n=8192, bytes_per_thread=64, tile_elems=1024, warps_in_flight=2112, stats_bytes=True
     ),
@@ -103,7 +104,7 @@ TABLE = LaunchTable(
     branch_backward=KernelLaunch(
         max_fused_n=4096, bytes_per_thread=16, warps_in_flight=4224, stacked_bytes_per_thread=64
     ),
-    chunked=ChunkedLaunch(chunk_n=4096, bytes_per_thread=16),
+    chunked=ChunkedLaunch(chunk_n=4096, bytes_per_thread=16, warps_in_flight=4224),
     interpreter=InterpreterLaunch(tile_elems=65536, max_block_m=256, backward_programs=4),
 )
 KINDS = ("forward", "backward", "branch_backward")  # the entries a launch is planned from
@@ -161,9 +162,11 @@ def _plan(table: LaunchTable, kind: str, n: int, device: torch.device, elem_size
     return Launch(block_m, block_n, next_power_of_2(num_warps), chunked)
 
 
-def backward_programs(kind: str, m: int, num_warps: int, device: torch.device) -> int:
+def backward_programs(kind: str, m: int, num_warps: int, device: torch.device, chunked: bool = False) -> int:
     """How many programs the backward kernel of ``kind`` runs over ``m`` rows: a function of the
-    shape (through ``num_warps``) and the device type, never of the device's size."""
+    shape (through ``num_warps`` and whether the rows are ``chunked``) and the device type, never
+    of the device's size."""
     if device.type == "cuda":
-        return min(m, max(1, getattr(TABLE, kind).warps_in_flight // num_warps))
+        entry = TABLE.chunked if chunked else getattr(TABLE, kind)
+        return min(m, max(1, entry.warps_in_flight // num_warps))
     return min(m, TABLE.interpreter.backward_programs)
