@@ -258,7 +258,8 @@ def test_a_kinds_bytes_per_thread_set_its_warps_on_a_gpu(monkeypatch):
     of 8 KiB: 8 warps at 32 bytes, 32 at 8), counted in the statistics dtype where the entry
     says so, and the chunked path follows the chunked entry."""
     cuda = torch.device("cuda")
-    table = config.TABLE.updated("branch_backward", bytes_per_thread=32).updated("backward", bytes_per_thread=8)
+    table = config.TABLE.updated("branch_backward", bytes_per_thread=32)
+    table = table.updated("backward", bytes_per_thread=8, stats_bytes=False)
     monkeypatch.setattr(config, "TABLE", table)
     assert config.plan("branch_backward", 4096, cuda, 2) == (1, 4096, 8, False)
     assert config.plan("backward", 4096, cuda, 2) == (1, 4096, 32, False)

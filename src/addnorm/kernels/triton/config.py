@@ -22,7 +22,7 @@ of four rows of 768 given as many warps as four rows' bytes ran 4-10 times slowe
 The plain backward counts its bytes per thread in the statistics dtype (``stats_bytes``: fp32
 for 16-bit inputs, where its tiles live) and holds one row per tile (N >= 768): 16 fp32 values per thread
 at 64 bytes, for bf16 as for fp32, was the fastest setting timed at N = 768 to 8192 on an H200,
-or within 3 % of it (docs/benchmarks.md, "bf16 rounded by the cast, the backward's launch").
+or within 3 % of it (docs/benchmarks.md, "On an NVIDIA H200: bf16 rounded by the cast").
 The values come from ``python benchmarks/triton_tune.py`` (docs/gpu.md, "Launch heuristics"; the
 timings are in docs/benchmarks.md, "On an NVIDIA H100" and the H200 sections after it).
 
