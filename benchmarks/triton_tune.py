@@ -234,7 +234,7 @@ def main() -> None:
             "--tiles takes powers of two such as 1024,4096 and --per-sm positive integers; "
             f"got {args.tiles!r} and {args.per_sm!r}"
         )
-    if args.branch_only and (args.tiles or args.backward_only or args.per_sm != "32,64,128"):
+    if args.branch_only and (args.tiles or args.backward_only or args.per_sm != p.get_default("per_sm")):
         p.error(
             "--branch-only sweeps the branch backward's bytes per thread alone: no --tiles, --per-sm or --backward-only"
         )

@@ -155,22 +155,25 @@ def test_parallel_block_with_dropout_has_two_independent_masks(backend):
     assert torch.equal(mask, again[3]) and torch.equal(mask1, again[4])
 
 
-def _same_bits(a, b) -> bool:
-    """Equal bit for bit, any NaN matching any NaN (torch itself writes a bfloat16 NaN as 0x7FC0
-    or 0xFFFF depending on its code path)."""
-    nan = a.isnan()
+def _bits_differ(a, b) -> torch.Tensor:
+    """Where ``a`` and ``b`` (of one shape and dtype) differ bit for bit, any NaN matching any NaN
+    (torch itself writes a bfloat16 NaN as 0x7FC0 or 0xFFFF depending on its code path)."""
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a.view(ints)[~nan], b.view(ints)[~nan])
+    return (a.view(ints) != b.view(ints)) & ~(a.isnan() & b.isnan())
+
+
+def _same_bits(a, b) -> bool:
+    """Equal bit for bit, any NaN matching any NaN (:func:`_bits_differ`)."""
+    return a.dtype == b.dtype and a.shape == b.shape and not _bits_differ(a, b).any()
 
 
 def _first_difference(a, b) -> str:
     """Where ``a`` and ``b`` first differ in their bits (NaN matching NaN), and how many differ."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"shapes {tuple(a.shape)} {tuple(b.shape)}, dtypes {a.dtype} {b.dtype}"
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    differ = (a.view(ints) != b.view(ints)) & ~(a.isnan() & b.isnan())
+    differ = _bits_differ(a, b)
     if not differ.any():
-        return f"shapes {tuple(a.shape)} {tuple(b.shape)}, dtypes {a.dtype} {b.dtype}"
+        return "the same bits"
     at = tuple(differ.nonzero()[0].tolist())
     return f"{int(differ.sum())} differ, first at {at}: {a[at].item()!r} against {b[at].item()!r}"
 

@@ -19,15 +19,6 @@ from ... import reference
 
 
 @triton.jit
-def _interpreter_probe():
-    pass
-
-
-# Triton's interpreter casts fp32 -> bf16 by truncation; compiled kernels round to nearest even
-_INTERPRETED = tl.constexpr(isinstance(_interpreter_probe, InterpretedFunction))
-
-
-@triton.jit
 def _round(v, DT: tl.constexpr):
     """``v`` rounded to ``DT`` to nearest even, through float32 (as torch casts a float64: so twice
     rounded). Compiled, that is the cast itself; in Triton's interpreter, whose own fp32 -> bf16
@@ -43,6 +34,11 @@ def _round(v, DT: tl.constexpr):
         return v.to(tl.float32).to(DT)
     else:
         return v.to(DT)
+
+
+# Triton's interpreter casts fp32 -> bf16 by truncation; compiled kernels round to nearest even
+# (read by _round when it is compiled or interpreted, so it may follow it)
+_INTERPRETED = tl.constexpr(isinstance(_round, InterpretedFunction))
 
 
 @triton.jit
