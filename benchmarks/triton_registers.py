@@ -6,6 +6,7 @@ stack, read from the cubin with the ``cuobjdump`` bundled with Triton. A spill-f
 the widest fused row is the reason for each kind's ``max_fused_n`` and ``bytes_per_thread``.
 
     python benchmarks/triton_registers.py [--max-fused-n N] [--forward-bytes-per-thread B] [N ...]
+    python benchmarks/triton_registers.py --x1-layouts   # the forward's row sums' layout with x1
         (default widths: 1024 4096 8192 16384 65536; the options override the table's fused
         limits and bytes per thread, to see what another choice would compile to)
 """
@@ -32,14 +33,21 @@ PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
+def compiled(fn, signature: dict, constants: dict, num_warps: int, divisible: tuple[str, ...] = ()):
+    """``fn`` compiled for :data:`TARGET`, the arguments named in ``divisible`` known to be
+    multiples of 16 (as Triton specializes a launch's pointers, widths and strides that are)."""
     nones = {k: None for k, v in signature.items() if v == "constexpr" and k not in constants}
-    constants = {**constants, **nones}
-    kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constants),
+    names = list(signature)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in divisible}
+    return triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs={**constants, **nones}, attrs=attrs),
         target=TARGET,
         options={"num_warps": num_warps, "enable_fp_fusion": False},
     )
+
+
+def resources(fn, signature: dict, constants: dict, num_warps: int) -> str:
+    kernel = compiled(fn, signature, constants, num_warps)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -71,10 +79,13 @@ def forward(
     branch: bool = False,
     second: bool = False,
     x1: bool = False,
+    x1_dtype: torch.dtype | None = None,
+    layout: bool = False,
 ) -> str:
-    """The forward kernel's resources; ``x1``: parallel blocks' ``x1`` (of x's dtype) added as the
-    residual (in the stream dtype) is read, through its dropout when ``branch`` (one ``dropout_p``
-    for both)."""
+    """The forward kernel's resources; ``x1``: parallel blocks' ``x1`` (of x's dtype, or
+    ``x1_dtype``) added as the residual (in the stream dtype) is read, through its dropout when
+    ``branch`` (one ``dropout_p`` for both). With ``layout``, the layout of its row sums instead,
+    compiled as a launch on rows of 16-aligned widths and strides."""
     cd = torch.float64 if stream == torch.float64 else torch.float32
     block_m, block_n, warps, chunked = config.plan("forward", n, torch.device("cuda"), dtype.itemsize)
     sig = {
@@ -93,7 +104,7 @@ def forward(
         "EPS": PTR[cd],
         **branch_sig(branch, cd),
         **second_sig(second, ("W1", "B1", "Y1"), (PTR[dtype], "constexpr" if rms else PTR[dtype], PTR[dtype])),
-        **second_sig(x1, ("X1", "sx1", "SEED1", "SCALE1"), (PTR[dtype], "i64", "*i64", PTR[cd])),
+        **second_sig(x1, ("X1", "sx1", "SEED1", "SCALE1"), (PTR[x1_dtype or dtype], "i64", "*i64", PTR[cd])),
         "threshold1": "i64",
     }
     const = {
@@ -110,7 +121,13 @@ def forward(
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
-    return resources(forward_kernels._forward_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, warps)
+    sig = {**sig, **dict.fromkeys(const, "constexpr")}
+    if layout:
+        divisible = tuple(k for k, v in sig.items() if v.startswith("*") or k in ("N", "sx", "sr", "sx1"))
+        ttgir = compiled(forward_kernels._forward_kernel, sig, const, warps, divisible).asm["ttgir"]
+        layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<.*>)$", ttgir, re.M))
+        return layouts[re.search(r"tt\.reduce.*?tensor<[^>]*, (#\w+)>", ttgir, re.S).group(1)]
+    return resources(forward_kernels._forward_kernel, sig, const, warps)
 
 
 def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False, second: bool = False) -> str:
@@ -161,6 +178,7 @@ def backward(n: int, dtype: torch.dtype, rms: bool, branch: bool = False, second
         "LAYER_SCALED": branch,  # the branch with a layer scale: the most registers
         "SECOND": second,
         "HAS_BIAS1": second and not rms,
+        "PREFETCH": config.backward_entry(kind, chunked).prefetch,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
@@ -183,7 +201,7 @@ def sum_partials(cd: torch.dtype, out: torch.dtype | None = None) -> str:
     parameters' dtype, when they are in another than ``cd`` (a layer scale's stays ``cd``)."""
     outs = (PTR[out or cd],) * 2 + (PTR[cd],) + (PTR[out or cd],) * 2
     sig = {"P": PTR[cd], **dict(zip(("O0", "O1", "O2", "O3", "O4"), outs)), "programs": "i32", "N": "i32"}
-    const = {"BLOCK_P": 64, "BLOCK_N": 64}
+    const = {"BLOCK_P": 64, "BLOCK_N": 16}
     return resources(backward_kernels._sum_partials_kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, 4)
 
 
@@ -205,6 +223,17 @@ def dropped(dtype: torch.dtype, added: bool) -> str:
     const = {"HAS_ADDEND": added, "BLOCK_M": dropped_kernels._BLOCK_M, "BLOCK_N": dropped_kernels._BLOCK_N}
     kernel = dropped_kernels._dropped_kernel
     return resources(kernel, {**sig, **dict.fromkeys(const, "constexpr")}, const, dropped_kernels._WARPS)
+
+
+def x1_layouts(n: int = 1024) -> None:
+    """The layout the forward gives its row sums with and without ``x1`` of each dtype, for fp32
+    and bf16 ``x`` on an fp32 stream (compiled as a launch on ``n`` features): the order of the
+    sums, and so the last bits of ``y``, follow it (docs/gpu.md, "x1 narrower than the stream")."""
+    for dtype in (torch.float32, torch.bfloat16):
+        print(f"N={n} x {str(dtype)[6:]:8s} no x1         {forward(n, dtype, torch.float32, False, layout=True)}")
+        for x1_dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            with_x1 = forward(n, dtype, torch.float32, False, x1=True, x1_dtype=x1_dtype, layout=True)
+            print(f"N={n} x {str(dtype)[6:]:8s} x1 {str(x1_dtype)[6:]:9s}  {with_x1}")
 
 
 def main(widths: list[int]) -> None:
@@ -240,7 +269,12 @@ if __name__ == "__main__":
     parser.add_argument("--forward-bytes-per-thread", type=int, default=table.forward.bytes_per_thread)
     parser.add_argument("--backward-bytes-per-thread", type=int, default=table.backward.bytes_per_thread)
     parser.add_argument("--branch-backward-bytes-per-thread", type=int, default=table.branch_backward.bytes_per_thread)
+    parser.add_argument(
+        "--x1-layouts", action="store_true", help="print the layout of the forward's row sums with and without x1"
+    )
     args = parser.parse_args()
+    if args.x1_layouts:
+        raise SystemExit(x1_layouts())
     if args.max_fused_n:
         table = table.updated("forward", max_fused_n=args.max_fused_n)
         table = table.updated("backward", max_fused_n=args.max_fused_n)

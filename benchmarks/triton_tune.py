@@ -112,9 +112,15 @@ def overhead(profile: bool) -> None:
             pstats.Stats(prof).sort_stats(key).print_stats(40)
 
 
-def branch_sweep(label: str, x, r, s, dy, w, b, mean, rstd, bwd_bytes: int, copy_gbps: float) -> None:
-    """The branch_backward launch at 16, 32 and 64 bytes per thread: a parallel block's backward
-    (a second norm's ``dy1`` and ``weight1`` besides) and the backward with dropout."""
+def _prefetch(pf: bool | None) -> dict:
+    """The table fields that set a backward's ``prefetch`` to ``pf``; none for None (the table's)."""
+    return {} if pf is None else {"prefetch": pf}
+
+
+def branch_sweep(label: str, x, r, s, dy, w, b, mean, rstd, bwd_bytes: int, copy_gbps: float, prefetch=(None,)) -> None:
+    """The branch_backward launch at 16, 32 and 64 bytes per thread (with and without its
+    ``prefetch`` where both are given): a parallel block's backward (a second norm's ``dy1`` and
+    ``weight1`` besides) and the backward with dropout."""
     m, n = x.shape
     seed = torch.tensor(1, dtype=torch.int64, device=x.device)
     cases = {
@@ -131,10 +137,11 @@ def branch_sweep(label: str, x, r, s, dy, w, b, mean, rstd, bwd_bytes: int, copy
     }
     base = config.TABLE
     try:
-        for name, (fn, moved) in cases.items():
-            line = f"{label} bwd {name:14s}"
+        for name, pf in ((name, pf) for name in cases for pf in prefetch):
+            fn, moved = cases[name]
+            line = f"{label} bwd {name:14s}" + (f" prefetch={int(pf)}" if len(prefetch) > 1 else "")
             for bb in (16, 32, 64):
-                config.TABLE = base.updated("branch_backward", bytes_per_thread=bb)
+                config.TABLE = base.updated("branch_backward", bytes_per_thread=bb, **_prefetch(pf))
                 warps = config.plan("branch_backward", n, x.device, x.element_size()).num_warps
                 t = _ms(fn)
                 line += f" | {bb}B/{warps:2d}w {t * 1e3:7.1f} us {moved / t / 1e6 / copy_gbps:4.2f}"
@@ -144,7 +151,14 @@ def branch_sweep(label: str, x, r, s, dy, w, b, mean, rstd, bwd_bytes: int, copy
 
 
 def sweep(
-    shape: str, dtype: torch.dtype, copy_gbps: float, branch_only=False, tiles=(None,), per_sm=(32, 64, 128), fwd=True
+    shape: str,
+    dtype: torch.dtype,
+    copy_gbps: float,
+    branch_only=False,
+    tiles=(None,),
+    per_sm=(32, 64, 128),
+    fwd=True,
+    prefetch=(None,),
 ) -> None:
     m, n = map(int, shape.split("x"))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -159,7 +173,7 @@ def sweep(
     head = f"{shape:>11s} {str(dtype)[6:]:8s}"
     if branch_only:
         y, s, mean, rstd = K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
-        branch_sweep(head, x, r, s, dy, w, b, mean, rstd, bwd_bytes, copy_gbps)
+        branch_sweep(head, x, r, s, dy, w, b, mean, rstd, bwd_bytes, copy_gbps, prefetch)
         return
     try:
         wide = n > base.backward.max_fused_n
@@ -181,12 +195,12 @@ def sweep(
                 print(line, flush=True)
             config.TABLE = chunk_table
             y, s, mean, rstd = K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
-            for bb in (16, 32, 64):
-                bytes_table = chunk_table.updated("backward", bytes_per_thread=bb)
-                bytes_table = bytes_table.updated("chunked", bytes_per_thread=bb)
+            for bb, pf in ((bb, pf) for bb in (16, 32, 64) for pf in prefetch):
+                bytes_table = chunk_table.updated("backward", bytes_per_thread=bb, **_prefetch(pf))
+                bytes_table = bytes_table.updated("chunked", bytes_per_thread=bb, **_prefetch(pf))
                 config.TABLE = bytes_table
                 warps = config.plan("backward", n, x.device, size).num_warps
-                line = f"{label} bwd {bb:3d}B/{warps:2d}w"
+                line = f"{label} bwd {bb:3d}B/{warps:2d}w" + (f" prefetch={int(pf)}" if len(prefetch) > 1 else "")
                 for sm in per_sm:  # warps in flight per SM of an H100 (132 SMs)
                     per_sm_table = bytes_table.updated("backward", warps_in_flight=132 * sm)
                     config.TABLE = per_sm_table.updated("chunked", warps_in_flight=132 * sm)
@@ -199,7 +213,7 @@ def sweep(
                 print(line, flush=True)
             if fwd and n <= base.branch_backward.max_fused_n:
                 config.TABLE = chunk_table
-                branch_sweep(label, x, r, s, dy, w, b, mean, rstd, bwd_bytes, copy_gbps)
+                branch_sweep(label, x, r, s, dy, w, b, mean, rstd, bwd_bytes, copy_gbps, prefetch)
     finally:
         config.TABLE = base
 
@@ -217,6 +231,9 @@ def main() -> None:
     p.add_argument("--per-sm", default="32,64,128", help="the backward's warps in flight per SM to sweep")
     p.add_argument("--backward-only", action="store_true", help="sweep the plain backward alone")
     p.add_argument("--tiles", default=None, help="sweep tile_elems too, e.g. 1024,2048,4096 (stacked short rows)")
+    p.add_argument(
+        "--prefetch", action="store_true", help="time every backward with and without its prefetch of the next tile"
+    )
     args = p.parse_args()
     try:
         parse_shapes(args.shapes)
@@ -254,7 +271,10 @@ def main() -> None:
         overhead(args.profile)
     for shape in args.shapes.split(","):
         for dtype in args.dtype.split(","):
-            sweep(shape, getattr(torch, dtype), copy_gbps, args.branch_only, tiles, per_sm, not args.backward_only)
+            sweep(
+                shape, getattr(torch, dtype), copy_gbps, args.branch_only, tiles, per_sm, not args.backward_only,
+                (False, True) if args.prefetch else (None,),
+            )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -241,6 +241,46 @@ def test_dweight_is_bit_identical_across_runs(monkeypatch, path, m):
     torch.testing.assert_close(first[1].double(), oracle[1], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefetching_backward_gives_the_same_bits(monkeypatch, path, dtype):
+    """A backward that loads its next tile of rows before reducing the current one (``prefetch``)
+    computes every output from the same values in the same order: the bits of the one that does
+    not, with each program walking several tiles, the last one cut short (37 rows), for the
+    plain backward (with a stream gradient), RMSNorm, the branch (dropout, layer scale) and a
+    second norm of the stream."""
+    if path == "chunked":
+        force_chunked(monkeypatch)
+    m, n = 37, 300 if path == "chunked" else 200
+    few = config.TABLE.updated("interpreter", tile_elems=256, max_block_m=2, backward_programs=3)
+    for kind in ("backward", "branch_backward"):  # a handful of programs on a GPU too
+        few = few.updated(kind, tile_elems=256, max_block_m=2, warps_in_flight=4)
+    few = few.updated("chunked", warps_in_flight=4)
+    x, r, dy, dst, dy1 = (rows_of(m, n, dtype, seed=i) for i in range(5))
+    w, b, w1, ls = (rows_of(1, n, dtype, seed=5 + i)[0] for i in range(4))
+    y, s, mean, rstd = K.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
+    rstd_rms = K.forward(x, r, w, None, eps=1e-5, rms=True, residual_dtype=None)[3]
+    seed = torch.tensor(7, dtype=torch.int64)
+    calls = {
+        "plain": lambda: K.backward(dy, dst, (s,), w, mean, rstd, rms=False, has_bias=True),
+        "rms": lambda: K.backward(dy, None, (s,), w, None, rstd_rms, rms=True, has_bias=False),
+        "branch": lambda: K.backward(
+            dy, dst, (x, r), w, mean, rstd, rms=False, has_bias=True, branch=backends.Branch(0.3, seed, ls, None)
+        ),
+        "second": lambda: K.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True, second=(dy1, w1, True)),
+    }
+    for name, call in calls.items():
+        results = []
+        for prefetch in (False, True):
+            table = few.updated("chunked", prefetch=prefetch)
+            for kind in ("backward", "branch_backward"):
+                table = table.updated(kind, prefetch=prefetch)
+            monkeypatch.setattr(config, "TABLE", table)
+            results.append(call())
+        assert all(a is c is None or torch.equal(a, c) for a, c in zip(*results, strict=True)), name
+        assert results[0].ds.isfinite().all(), name
+
+
 def test_each_kernel_kind_launches_from_its_own_table_entry(monkeypatch):
     """The forward, the plain backward and the backward through the sublayer branch (dropout)
     each plan their launch from their own entry of the launch table."""

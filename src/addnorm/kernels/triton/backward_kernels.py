@@ -8,7 +8,7 @@ rounded, so ``corr = mean(d)`` re-centres the row as the forward centred it (``_
 Each program owns a contiguous block of rows and one column chunk, keeps fp32 (fp64 for fp64)
 sums of ``dy * xhat`` and ``dy`` for its columns in registers, and writes them as one row of a
 ``(programs, N)`` partials buffer (one buffer holds every parameter gradient's). A second
-kernel, one launch for all of them, sums the partials of 64-column strips, 64 partial rows at a
+kernel, one launch for all of them, sums the partials of 16-column strips, 64 partial rows at a
 time, always in the same order: no atomics, no locks, so dweight/dbias are
 bit-identical from run to run on the same device (the Triton tutorial's lock-based reduction is
 not). Rows wider than the kind's ``max_fused_n`` (:mod:`.config`) first get ``k``, ``corr`` and
@@ -39,19 +39,65 @@ def _load_s(S, rows, row_ok, cols, ss, N, CD: tl.constexpr):
 
 
 @triton.jit
-def _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
-    """``(s, mask, x, gate)`` of one tile whose stream is recomputed through the branch: ``S``
-    holds ``x``, and ``s = residual + t`` (:func:`_branch`) rounded to the residual's dtype."""
-    x, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
-    r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(CD)
+def _through_branch(x, r, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, RD: tl.constexpr, CD: tl.constexpr):
+    """``(s, x, gate)`` of one tile whose stream is recomputed through the branch from ``x`` and
+    the residual ``r`` as loaded: ``s = residual + t`` (:func:`_branch`) rounded to the
+    residual's dtype ``RD``."""
+    x = x.to(CD)
     t, gate = _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)
-    return _round(r + t, R.dtype.element_ty).to(CD), mask, x, gate
+    return _round(r.to(CD) + t, RD).to(CD), x, gate
+
+
+@triton.jit
+def _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
+    """``(s, mask)`` of one tile of :func:`_through_branch`, ``S`` holding ``x``."""
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    x = tl.load(S + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0)
+    r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0)
+    return _through_branch(x, r, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, R.dtype.element_ty, CD)[0], mask
 
 
 @triton.jit
 def _load_dy(DY, rows, cols, mask, sdy, CD: tl.constexpr):
     """``dy`` of one tile, loaded with ``s`` before any reduction so both loads are in flight."""
     return tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0).to(CD)
+
+
+@triton.jit
+def _raw_tile(
+    S,
+    R,
+    DY,
+    DY1,
+    DSTREAM,
+    rows,
+    row_ok,
+    cols,
+    N,
+    ss,
+    sr,
+    sdy,
+    sdy1,
+    sdst,
+    BRANCH: tl.constexpr,
+    SECOND: tl.constexpr,
+    HAS_DSTREAM: tl.constexpr,
+):
+    """Every load of one tile of the backward, in its tensors' dtypes, zero outside the tile:
+    ``(s or x, residual, dy, dy1, dstream)``, each absent one a constant 0 (unused)."""
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    s = tl.load(S + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0)
+    r = 0
+    dy1 = 0
+    dst = 0
+    if BRANCH:
+        r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0)
+    dy = tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0)
+    if SECOND:
+        dy1 = tl.load(DY1 + rows[:, None] * sdy1 + cols[None, :], mask=mask, other=0.0)
+    if HAS_DSTREAM:
+        dst = tl.load(DSTREAM + rows[:, None] * sdst + cols[None, :], mask=mask, other=0.0)
+    return s, r, dy, dy1, dst
 
 
 @triton.jit
@@ -148,7 +194,7 @@ def _coef_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         if BRANCH:
-            s, mask, _, _ = _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD)
+            s, mask = _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD)
         else:
             s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
@@ -160,7 +206,7 @@ def _coef_kernel(
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         if BRANCH:
-            s, mask, _, _ = _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD)
+            s, mask = _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD)
         else:
             s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
         dy = _load_dy(DY, rows, cols, mask, sdy, CD)
@@ -225,6 +271,7 @@ def _backward_kernel(
     LAYER_SCALED: tl.constexpr,
     SECOND: tl.constexpr,
     HAS_BIAS1: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -246,19 +293,35 @@ def _backward_kernel(
     dw1 = tl.zeros([BLOCK_N], dtype=CD)
     db1 = tl.zeros([BLOCK_N], dtype=CD)
     first = pid.to(tl.int64) * rows_per_program
-    for offset in range(0, rows_per_program, BLOCK_M):
-        rows = first + offset + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
+    end = tl.minimum(first + rows_per_program, M)
+    rows = first + tl.arange(0, BLOCK_M)
+    if PREFETCH:  # the next tile's loads are issued before this tile's reductions
+        n_s, n_r, n_dy, n_dy1, n_dst = _raw_tile(
+            S, R, DY, DY1, DSTREAM, rows, rows < end, cols, N, ss, sr, sdy, sdy1, sdst, BRANCH, SECOND, HAS_DSTREAM
+        )
+    for _ in range(0, rows_per_program, BLOCK_M):
+        row_ok = rows < end
+        mask = row_ok[:, None] & (cols < N)[None, :]
+        if PREFETCH:
+            s, r, dy, dy1, dst = n_s, n_r, n_dy, n_dy1, n_dst
+            ahead = rows + BLOCK_M
+            n_s, n_r, n_dy, n_dy1, n_dst = _raw_tile(
+                S, R, DY, DY1, DSTREAM, ahead, ahead < end, cols, N, ss, sr, sdy, sdy1, sdst,
+                BRANCH, SECOND, HAS_DSTREAM,
+            )  # fmt: skip
+        else:
+            s, r, dy, dy1, dst = _raw_tile(
+                S, R, DY, DY1, DSTREAM, rows, row_ok, cols, N, ss, sr, sdy, sdy1, sdst, BRANCH, SECOND, HAS_DSTREAM
+            )
         if BRANCH:
-            s, mask, x, gate = _branch_stream(
-                S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD
+            s, x, gate = _through_branch(
+                s, r, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, R.dtype.element_ty, CD
             )
         else:
-            s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
-        dy = _load_dy(DY, rows, cols, mask, sdy, CD)
-        dy1 = dy
+            s = s.to(CD)
+        dy = dy.to(CD)
         if SECOND:
-            dy1 = _load_dy(DY1, rows, cols, mask, sdy1, CD)
+            dy1 = dy1.to(CD)
         if CHUNKED:
             k = tl.load(K + rows, mask=row_ok, other=1.0)
         else:
@@ -280,7 +343,7 @@ def _backward_kernel(
             inner = inner - c2[:, None]
         ds = inner * rstd[:, None]
         if HAS_DSTREAM:
-            ds += tl.load(DSTREAM + rows[:, None] * sdst + cols[None, :], mask=mask, other=0.0).to(CD)
+            ds += dst.to(CD)
         ds = _round(ds, DS.dtype.element_ty)
         tl.store(DS + rows[:, None] * N + cols[None, :], ds, mask=mask)
         if BRANCH:  # from ds as stored, as autograd would read it
@@ -297,6 +360,7 @@ def _backward_kernel(
         if SECOND:
             dw1 += tl.sum(dy1 * xhat, axis=0)
             db1 += tl.sum(dy1, axis=0)
+        rows += BLOCK_M
     partial = pid.to(tl.int64) * N + cols
     if HAS_WEIGHT:
         tl.store(DW + partial, dw, mask=cols < N)
@@ -341,12 +405,14 @@ def _sum_partials_kernel(P, O0, O1, O2, O3, O4, programs, N, BLOCK_P: tl.constex
 # --------------------------------------------------------------------------- launchers
 
 
-def _sum_partials(partials: Tensor, dtypes: list[torch.dtype]) -> list[Tensor]:
+def _sum_partials(partials: Tensor, dtypes: list[torch.dtype], strip: int = 16) -> list[Tensor]:
     """The sums over the programs of ``(k, programs, n)`` partials, ``k`` tensors of ``n`` in
-    ``dtypes`` (one each): every parameter gradient of a backward in one launch."""
+    ``dtypes`` (one each): every parameter gradient of a backward in one launch, in column
+    strips of ``strip``: n / 16 programs sum 1056 partial rows of 768 three times as fast as
+    n / 64 on an H200 (docs/benchmarks.md, "On an NVIDIA H200: the backward's prefetch")."""
     grads, programs, n = partials.shape
     outs = [torch.empty((n,), dtype=dt, device=partials.device) for dt in dtypes]
-    block_n = min(config.next_power_of_2(n), 64)  # narrow column strips: n / 64 programs
+    block_n = min(config.next_power_of_2(n), strip)  # narrow column strips: n / strip programs
     launch(
         _sum_partials_kernel,
         (config.cdiv(n, block_n), grads),
@@ -466,6 +532,7 @@ def _backward(dy, dstream, s, residual, weight, mean, rstd, rms, has_bias, branc
         LAYER_SCALED=layer_scaled,
         SECOND=dy1 is not None,
         HAS_BIAS1=has_bias1,
+        PREFETCH=config.backward_entry(kind, chunked).prefetch,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
     )  # fmt: skip

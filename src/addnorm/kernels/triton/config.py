@@ -58,6 +58,11 @@ class KernelLaunch:
     # count the tile's bytes in the statistics dtype (fp32 for 16-bit inputs), where the kernel
     # holds its tiles: its registers per thread follow those bytes, not the input's
     stats_bytes: bool = False
+    # backward kinds: each program issues the loads of its next tile of rows before reducing
+    # the current one, so a program's memory latency overlaps its own row reductions, at the
+    # cost of registers (on for the branch backward alone: docs/benchmarks.md, "On an NVIDIA
+    # H200: the backward's prefetch")
+    prefetch: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class ChunkedLaunch:
     chunk_n: int  # columns per chunk (a power of two)
     bytes_per_thread: int
     warps_in_flight: int  # the chunked backward's programs: max(1, this // num_warps)
+    prefetch: bool = False  # as KernelLaunch's, for the chunked backward
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ TABLE = LaunchTable(
     ),
     # warps_in_flight: 32 warps on each of the 132 SMs
     branch_backward=KernelLaunch(
-        max_fused_n=4096, bytes_per_thread=16, warps_in_flight=4224, stacked_bytes_per_thread=64
+        max_fused_n=4096, bytes_per_thread=16, warps_in_flight=4224, stacked_bytes_per_thread=64, prefetch=True
     ),
     chunked=ChunkedLaunch(chunk_n=4096, bytes_per_thread=16, warps_in_flight=4224),
     interpreter=InterpreterLaunch(tile_elems=65536, max_block_m=256, backward_programs=4),
@@ -167,6 +173,10 @@ def backward_programs(kind: str, m: int, num_warps: int, device: torch.device, c
     shape (through ``num_warps`` and whether the rows are ``chunked``) and the device type, never
     of the device's size."""
     if device.type == "cuda":
-        entry = TABLE.chunked if chunked else getattr(TABLE, kind)
-        return min(m, max(1, entry.warps_in_flight // num_warps))
+        return min(m, max(1, backward_entry(kind, chunked).warps_in_flight // num_warps))
     return min(m, TABLE.interpreter.backward_programs)
+
+
+def backward_entry(kind: str, chunked: bool) -> KernelLaunch | ChunkedLaunch:
+    """The table entry a backward kernel of ``kind`` takes its programs and ``prefetch`` from."""
+    return TABLE.chunked if chunked else getattr(TABLE, kind)
