@@ -5,10 +5,11 @@ Prints, per kernel and the launch that ``config.plan`` picks from the launch tab
 stack, read from the cubin with the ``cuobjdump`` bundled with Triton. A spill-free kernel at
 the widest fused row is the reason for each kind's ``max_fused_n`` and ``bytes_per_thread``.
 
-    python benchmarks/triton_registers.py [--max-fused-n N] [--forward-bytes-per-thread B] [N ...]
-    python benchmarks/triton_registers.py --x1-layouts   # the forward's row sums' layout with x1
+    python benchmarks/triton_registers.py [--max-fused-n N] [--forward-bytes-per-thread B]
+        [--prefetch table|on|off] [N ...]
         (default widths: 1024 4096 8192 16384 65536; the options override the table's fused
-        limits and bytes per thread, to see what another choice would compile to)
+        limits, bytes per thread and prefetch, to see what another choice would compile to)
+    python benchmarks/triton_registers.py --x1-layouts   # the forward's row sums' layout with x1
 """
 
 from __future__ import annotations
@@ -270,15 +271,26 @@ if __name__ == "__main__":
     parser.add_argument("--backward-bytes-per-thread", type=int, default=table.backward.bytes_per_thread)
     parser.add_argument("--branch-backward-bytes-per-thread", type=int, default=table.branch_backward.bytes_per_thread)
     parser.add_argument(
+        "--prefetch",
+        choices=["table", "on", "off"],
+        default="table",
+        help="every backward's prefetch of its next tile: as the launch table has it, or on or off",
+    )
+    parser.add_argument(
         "--x1-layouts", action="store_true", help="print the layout of the forward's row sums with and without x1"
     )
     args = parser.parse_args()
     if args.x1_layouts:
-        raise SystemExit(x1_layouts())
+        x1_layouts()
+        raise SystemExit(0)
     if args.max_fused_n:
         table = table.updated("forward", max_fused_n=args.max_fused_n)
         table = table.updated("backward", max_fused_n=args.max_fused_n)
     table = table.updated("forward", bytes_per_thread=args.forward_bytes_per_thread)
     table = table.updated("backward", bytes_per_thread=args.backward_bytes_per_thread)
-    config.TABLE = table.updated("branch_backward", bytes_per_thread=args.branch_backward_bytes_per_thread)
+    table = table.updated("branch_backward", bytes_per_thread=args.branch_backward_bytes_per_thread)
+    if args.prefetch != "table":
+        for kind in ("backward", "branch_backward", "chunked"):
+            table = table.updated(kind, prefetch=args.prefetch == "on")
+    config.TABLE = table
     main(args.widths)

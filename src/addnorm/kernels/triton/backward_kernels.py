@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ...backend import Grads, check_s_parts
 from . import config
-from .common import _branch, _branch_args, _centre, _device, _round, _row_scale, _rows, _xhat, launch
+from .common import _branch, _branch_args, _centre, _device, _load_tile, _round, _row_scale, _rows, _xhat, launch
 
 # --------------------------------------------------------------------------- kernels
 
@@ -35,7 +35,7 @@ from .common import _branch, _branch_args, _centre, _device, _round, _row_scale,
 def _load_s(S, rows, row_ok, cols, ss, N, CD: tl.constexpr):
     """``(s, mask)`` of one tile, zero outside the mask."""
     mask = row_ok[:, None] & (cols < N)[None, :]
-    return tl.load(S + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0).to(CD), mask
+    return _load_tile(S, rows, cols, ss, mask).to(CD), mask
 
 
 @triton.jit
@@ -52,15 +52,8 @@ def _through_branch(x, r, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, RD:
 def _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD: tl.constexpr):
     """``(s, mask)`` of one tile of :func:`_through_branch`, ``S`` holding ``x``."""
     mask = row_ok[:, None] & (cols < N)[None, :]
-    x = tl.load(S + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0)
-    r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0)
+    x, r = _load_tile(S, rows, cols, ss, mask), _load_tile(R, rows, cols, sr, mask)
     return _through_branch(x, r, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, R.dtype.element_ty, CD)[0], mask
-
-
-@triton.jit
-def _load_dy(DY, rows, cols, mask, sdy, CD: tl.constexpr):
-    """``dy`` of one tile, loaded with ``s`` before any reduction so both loads are in flight."""
-    return tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0).to(CD)
 
 
 @triton.jit
@@ -71,9 +64,8 @@ def _raw_tile(
     DY1,
     DSTREAM,
     rows,
-    row_ok,
     cols,
-    N,
+    mask,
     ss,
     sr,
     sdy,
@@ -83,20 +75,20 @@ def _raw_tile(
     SECOND: tl.constexpr,
     HAS_DSTREAM: tl.constexpr,
 ):
-    """Every load of one tile of the backward, in its tensors' dtypes, zero outside the tile:
-    ``(s or x, residual, dy, dy1, dstream)``, each absent one a constant 0 (unused)."""
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    s = tl.load(S + rows[:, None] * ss + cols[None, :], mask=mask, other=0.0)
+    """Every load of one tile of the backward, in its tensors' dtypes, zero outside ``mask``:
+    ``(s or x, residual, dy, dy1, dstream)``, each absent one a constant 0 (unused). Issued
+    together, before any reduction, so that they are all in flight at once."""
     r = 0
     dy1 = 0
     dst = 0
+    s = _load_tile(S, rows, cols, ss, mask)
     if BRANCH:
-        r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0)
-    dy = tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0)
+        r = _load_tile(R, rows, cols, sr, mask)
+    dy = _load_tile(DY, rows, cols, sdy, mask)
     if SECOND:
-        dy1 = tl.load(DY1 + rows[:, None] * sdy1 + cols[None, :], mask=mask, other=0.0)
+        dy1 = _load_tile(DY1, rows, cols, sdy1, mask)
     if HAS_DSTREAM:
-        dst = tl.load(DSTREAM + rows[:, None] * sdst + cols[None, :], mask=mask, other=0.0)
+        dst = _load_tile(DSTREAM, rows, cols, sdst, mask)
     return s, r, dy, dy1, dst
 
 
@@ -209,10 +201,10 @@ def _coef_kernel(
             s, mask = _branch_stream(S, R, rows, row_ok, cols, ss, sr, M, N, SEED, SCALE, LS, RSC, threshold, CD)
         else:
             s, mask = _load_s(S, rows, row_ok, cols, ss, N, CD)
-        dy = _load_dy(DY, rows, cols, mask, sdy, CD)
+        dy = _load_tile(DY, rows, cols, sdy, mask).to(CD)
         dy1 = dy
         if SECOND:
-            dy1 = _load_dy(DY1, rows, cols, mask, sdy1, CD)
+            dy1 = _load_tile(DY1, rows, cols, sdy1, mask).to(CD)
         d, g = _grad_terms(s, dy, k, mask, mean_k, W, cols, N, dy1, W1, CD, HAS_WEIGHT, IS_RMS, SECOND)
         if not IS_RMS:
             corr += tl.sum(d, axis=1)
@@ -295,23 +287,25 @@ def _backward_kernel(
     first = pid.to(tl.int64) * rows_per_program
     end = tl.minimum(first + rows_per_program, M)
     rows = first + tl.arange(0, BLOCK_M)
+    col_ok = (cols < N)[None, :]
     if PREFETCH:  # the next tile's loads are issued before this tile's reductions
         n_s, n_r, n_dy, n_dy1, n_dst = _raw_tile(
-            S, R, DY, DY1, DSTREAM, rows, rows < end, cols, N, ss, sr, sdy, sdy1, sdst, BRANCH, SECOND, HAS_DSTREAM
-        )
+            S, R, DY, DY1, DSTREAM, rows, cols, (rows < end)[:, None] & col_ok, ss, sr, sdy, sdy1, sdst,
+            BRANCH, SECOND, HAS_DSTREAM,
+        )  # fmt: skip
     for _ in range(0, rows_per_program, BLOCK_M):
         row_ok = rows < end
-        mask = row_ok[:, None] & (cols < N)[None, :]
+        mask = row_ok[:, None] & col_ok
         if PREFETCH:
             s, r, dy, dy1, dst = n_s, n_r, n_dy, n_dy1, n_dst
             ahead = rows + BLOCK_M
             n_s, n_r, n_dy, n_dy1, n_dst = _raw_tile(
-                S, R, DY, DY1, DSTREAM, ahead, ahead < end, cols, N, ss, sr, sdy, sdy1, sdst,
+                S, R, DY, DY1, DSTREAM, ahead, cols, (ahead < end)[:, None] & col_ok, ss, sr, sdy, sdy1, sdst,
                 BRANCH, SECOND, HAS_DSTREAM,
             )  # fmt: skip
         else:
             s, r, dy, dy1, dst = _raw_tile(
-                S, R, DY, DY1, DSTREAM, rows, row_ok, cols, N, ss, sr, sdy, sdy1, sdst, BRANCH, SECOND, HAS_DSTREAM
+                S, R, DY, DY1, DSTREAM, rows, cols, mask, ss, sr, sdy, sdy1, sdst, BRANCH, SECOND, HAS_DSTREAM
             )
         if BRANCH:
             s, x, gate = _through_branch(

@@ -42,6 +42,12 @@ _INTERPRETED = tl.constexpr(isinstance(_round, InterpretedFunction))
 
 
 @triton.jit
+def _load_tile(P, rows, cols, stride, mask):
+    """One tile of ``P``'s rows (``stride`` elements apart), in ``P``'s dtype, zero outside ``mask``."""
+    return tl.load(P + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _fmix32(h):
     """MurmurHash3's finalizer on uint32 values (``reference.fmix32``): wraps mod 2**32."""
     h ^= h >> 16

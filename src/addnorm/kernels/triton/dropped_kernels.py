@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ... import reference
 from . import config
-from .common import _device, _dropout_args, _gate, _round, _rows, launch
+from .common import _device, _dropout_args, _gate, _load_tile, _round, _rows, launch
 
 _BLOCK_M, _BLOCK_N, _WARPS = 4, 512, 4  # an elementwise tile: 2048 elements, 16 per thread
 
@@ -27,12 +27,11 @@ def _dropped_kernel(
     rows = (pid // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (pid % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    v = tl.load(SRC + r64 * s_src + cols[None, :], mask=mask, other=0.0).to(CD)
-    t = v * _gate(rows, cols, SEED, SCALE, threshold, CD)
+    r64 = rows.to(tl.int64)
+    t = _load_tile(SRC, r64, cols, s_src, mask).to(CD) * _gate(rows, cols, SEED, SCALE, threshold, CD)
     if HAS_ADDEND:
-        t = tl.load(ADDEND + r64 * s_add + cols[None, :], mask=mask, other=0.0).to(CD) + t
-    tl.store(OUT + r64 * N + cols[None, :], _round(t, OUT.dtype.element_ty), mask=mask)
+        t = _load_tile(ADDEND, r64, cols, s_add, mask).to(CD) + t
+    tl.store(OUT + r64[:, None] * N + cols[None, :], _round(t, OUT.dtype.element_ty), mask=mask)
 
 
 def dropped(src: Tensor, addend: Tensor | None, n: int, p: float, seed: Tensor, out_dtype: torch.dtype) -> Tensor:

@@ -31,6 +31,7 @@ from .common import (
     _device,
     _dropout_args,
     _gate,
+    _load_tile,
     _round,
     _row_scale,
     _rows,
@@ -86,11 +87,11 @@ def _load_stream(
     ``residual + dropout1(x1)`` (parallel blocks' ``x1``, with ``DROPPED1`` through its dropout),
     summed in ``CD`` and rounded to the stream dtype: the bits of the separate pass
     (:mod:`.dropped_kernels`)."""
-    x = tl.load(X + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(CD)
+    x = _load_tile(X, rows, cols, sx, mask).to(CD)
     if HAS_RESIDUAL:
-        r = tl.load(R + rows[:, None] * sr + cols[None, :], mask=mask, other=0.0).to(CD)
+        r = _load_tile(R, rows, cols, sr, mask).to(CD)
         if ADDED:  # x1 rounded to the stream dtype first (exact when it widens), as x1.to(sd)
-            a = tl.load(X1 + rows[:, None] * sx1 + cols[None, :], mask=mask, other=0.0)
+            a = _load_tile(X1, rows, cols, sx1, mask)
             if X1.dtype.element_ty != S.dtype.element_ty:
                 a = _round(a, S.dtype.element_ty)
             a = a.to(CD)
