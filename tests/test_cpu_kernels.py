@@ -245,6 +245,33 @@ def test_second_process_loads_compiled_kernels_from_cache():
     assert int(out.stdout.strip()) >= 1, out.stdout
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the compile lock is an flock (POSIX)")
+def test_processes_started_together_on_a_cold_cache_compile_an_entry_once(tmp_path):
+    """Two processes that want the same entry from an empty cache at once: one compiles it, the
+    other waits for it and loads it from the disk cache (one cache hit between them, where each
+    would compile it without the lock)."""
+    code = (
+        "import sys, torch; from addnorm.kernels.cpu import entry; "
+        "print('ready', flush=True); sys.stdin.read(); "  # then both ask for the entry at once
+        "print(entry.dropped_entry(torch.float32, torch.float32, False).cache_hits)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(addnorm.__file__).parents[1]), "NUMBA_CACHE_DIR": str(tmp_path)}
+    run = [sys.executable, "-c", code]
+    procs = [subprocess.Popen(run, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]
+        for p in procs:
+            p.stdin.close()
+        outs = [p.stdout.read() for p in procs]
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted(int(o) for o in outs) == [0, 1], outs
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
 @pytest.mark.usefixtures("parallel_cpu_kernels")
 def test_forked_child_can_still_run_the_kernels():

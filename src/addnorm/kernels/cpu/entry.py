@@ -22,8 +22,11 @@ recompiles instead of loading stale code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import struct
+import tempfile
 import warnings
 from enum import IntEnum, auto
 from pathlib import Path
@@ -181,11 +184,43 @@ def _slots(block):
     return carray(block, SLOTS, np.int64), carray(block, SLOTS, np.float64)
 
 
+def _lock_path(fn) -> Path:
+    """The lock file of entry ``fn``: named by what makes the entry (its maker, the dtypes and
+    flags in its closure, the source digest) and the cache it goes to, the same in every
+    process."""
+    made_of = [fn.__qualname__, *(repr(cell.cell_contents) for cell in fn.__closure__ or ())]
+    made_of.append(os.environ.get("NUMBA_CACHE_DIR", ""))
+    name = hashlib.sha256("\n".join(made_of).encode()).hexdigest()[:24]
+    return Path(tempfile.gettempdir()) / f"addnorm-compile-{os.getuid()}" / f"{name}.lock"
+
+
+@contextlib.contextmanager
+def _compiling_alone(fn):
+    """Held while entry ``fn`` compiles: one process at a time compiles an entry, and the others
+    that want it wait, then load it from the disk cache, instead of compiling it too (processes
+    started together on a cold cache: test workers, ``torchrun`` ranks, data-loader workers).
+    An advisory ``flock``, released when its process ends; without one (no ``fcntl``, no
+    writable lock directory) each process compiles as it would alone."""
+    try:
+        import fcntl
+
+        path = _lock_path(fn)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path, "a")  # noqa: SIM115 (closed below, after the compile)
+    except (ImportError, OSError, AttributeError):  # (Windows has no fcntl nor os.getuid)
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def _compile_entry(fn):
     """``fn(block)`` compiled as a C function ``void fn(int64 *block)``, cached on disk."""
     sig = types.void(types.voidptr)
     try:
-        return cfunc(sig, cache=True)(fn)
+        with _compiling_alone(fn):
+            return cfunc(sig, cache=True)(fn)
     except RuntimeError as err:  # no writable cache directory: compile per process instead
         warnings.warn(
             f"addnorm: numba cache unavailable ({err}); kernels compile on first use", RuntimeWarning, stacklevel=3
