@@ -67,12 +67,9 @@ def latest_run(rows: list[dict], spec: PageTable) -> list[dict]:
 
 
 def _recounted_gbps(r: dict) -> float:
-    flags = traffic(r["impl"], r["device"])
-    return (
-        bytes_moved(r["op"], r["rows"], r["cols"], getattr(torch, r["dtype"]), r["pass"], **flags)
-        / r["median_ms"]
-        / 1e6
-    )
+    dtype = getattr(torch, r["dtype"])
+    flags = traffic(r["impl"], r["device"], dtype)
+    return bytes_moved(r["op"], r["rows"], r["cols"], dtype, r["pass"], **flags) / r["median_ms"] / 1e6
 
 
 def _impl_order(impl: str) -> tuple:

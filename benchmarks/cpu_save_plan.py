@@ -3,9 +3,11 @@
     python benchmarks/cpu_save_plan.py [ROWSxCOLS ...] [--dtype float32,bfloat16] [--op add_rms_norm]
         [--rounds 15]   (default shapes: 4096x768 4096x1024 2048x4096 16384x1024)
 
-The CPU backend declares ``recomputes_stream`` (``addnorm.autograd.save_plan``): its post-norm
-forward writes ``y`` alone and the backward adds ``s = x + residual`` again from the saved
-inputs. The other plan writes ``s`` in the forward and the backward reads it. Both move the
+The CPU backend declares the stream dtypes it ``recomputes_stream`` for
+(``addnorm.autograd.save_plan``: float32 and float64): their post-norm forward writes ``y``
+alone and the backward adds ``s = x + residual`` again from the saved inputs. The other plan,
+its choice for 16-bit streams, writes ``s`` in the forward and the backward reads it; this
+script runs each plan for every dtype. Both move the
 same bytes over a forward+backward and give the same bits (checked here); they differ in the
 fresh outputs a step writes (two or three: each page of a fresh output faults on first write
 unless the allocator keeps freed memory, docs/benchmarks.md, "Fresh outputs page-fault") and
@@ -38,9 +40,11 @@ from addnorm.tools.cli import UsageError
 SHAPES = "4096x768,4096x1024,2048x4096,16384x1024"
 
 
-PLANS = {
-    "recompute": cpu.CAPABILITIES,
-    "save s": dataclasses.replace(cpu.CAPABILITIES, recomputes_stream=False),
+OWN = cpu.CAPABILITIES  # the backend's own choice, per dtype; restored when done
+EVERY_DTYPE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+PLANS = {  # each plan for every dtype
+    "recompute": dataclasses.replace(OWN, recomputes_stream=EVERY_DTYPE),
+    "save s": dataclasses.replace(OWN, recomputes_stream=()),
 }
 
 
@@ -63,7 +67,7 @@ def one(m: int, n: int, dtype: torch.dtype, rms: bool, rounds: int) -> str:
         return torch.autograd.grad(fn(), leaves, dy)
 
     same = all(torch.equal(a, c) for a, c in zip(step("recompute"), step("save s"), strict=True))
-    cpu.CAPABILITIES = PLANS["recompute"]  # (each timed run sets its own plan; main restores it)
+    cpu.CAPABILITIES = OWN  # (each timed run sets its own plan; main restores the backend's)
     runs = {"recompute": lambda: step("recompute"), "save s": lambda: step("save s"), "torch": lambda: step(fn=theirs)}
     times = {k: [] for k in runs}
     order = list(runs)
@@ -107,7 +111,7 @@ def main() -> None:
             for dtype in dtypes:
                 print(one(m, n, dtype, args.op == "add_rms_norm", args.rounds), flush=True)
     finally:
-        cpu.CAPABILITIES = PLANS["recompute"]
+        cpu.CAPABILITIES = OWN
 
 
 if __name__ == "__main__":

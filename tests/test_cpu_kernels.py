@@ -717,10 +717,11 @@ def test_keep_mask_is_the_reference_hash_bit_for_bit(p):
 def test_post_norm_training_gives_the_same_bits_whether_the_stream_is_saved_or_recomputed(
     monkeypatch, dtype, shape, rms, backend
 ):
-    """The CPU backend's post-norm training saves ``x`` and ``residual`` and adds the stream
-    again in the backward (``recomputes_stream``); the plan every other backend follows writes
-    ``s`` in the forward and reads it back. Both must give every output and gradient bit for
-    bit (``benchmarks/cpu_save_plan.py`` times the two), and match the float64 oracle."""
+    """The CPU backend's post-norm training of a float32 or float64 stream saves ``x`` and
+    ``residual`` and adds the stream again in the backward (``recomputes_stream``); the plan
+    every other backend (and the CPU backend for 16-bit streams) follows writes ``s`` in the
+    forward and reads it back. Both must give every output and gradient bit for bit
+    (``benchmarks/cpu_save_plan.py`` times the two), and match the float64 oracle."""
     m, n = shape
     assert backends.resolve(backend, torch.empty(1, n)) is cpu  # "auto" picks it for CPU tensors
     g = torch.Generator().manual_seed(13)
@@ -728,7 +729,7 @@ def test_post_norm_training_gives_the_same_bits_whether_the_stream_is_saved_or_r
     w64, b64 = (torch.randn(n, generator=g, dtype=torch.float64) for _ in range(2))
 
     def train(recompute: bool):
-        caps = dataclasses.replace(cpu.CAPABILITIES, recomputes_stream=recompute)
+        caps = dataclasses.replace(cpu.CAPABILITIES, recomputes_stream=(dtype,) if recompute else ())
         monkeypatch.setattr(cpu, "CAPABILITIES", caps)
         x, r, w, b = (t.to(dtype).requires_grad_() for t in (x64, r64, w64, b64))
         if rms:

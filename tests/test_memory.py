@@ -80,16 +80,17 @@ class SavedTensors:
         self._hooks.__exit__(*exc)
 
 
-def recomputes_stream(backend: str) -> bool:
-    return backends.resolve(backend, torch.empty(1, 4)).CAPABILITIES.recomputes_stream
+def recomputes_stream(backend: str, dtype: torch.dtype) -> bool:
+    return dtype in backends.resolve(backend, torch.empty(1, 4)).CAPABILITIES.recomputes_stream
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("prenorm", [False, True], ids=["post", "pre"])
 @pytest.mark.parametrize("residual", [False, True], ids=["no-residual", "residual"])
-def test_training_saves_only_stream_mean_rstd(backend, rms, prenorm, residual):
+def test_training_saves_only_stream_mean_rstd(backend, rms, prenorm, residual, dtype):
     m, n = 8, 64
-    x, r, w, b = _inputs(m, n, torch.bfloat16, rms)
+    x, r, w, b = _inputs(m, n, dtype, rms)
     with SavedTensors() as saved:
         if residual:
             out = _call(x, r, w, b, rms=rms, prenorm=prenorm, backend=backend)
@@ -100,7 +101,7 @@ def test_training_saves_only_stream_mean_rstd(backend, rms, prenorm, residual):
     stats = [t for t in saved if t.shape == (m,)]
     params = [t for t in saved if t.shape == (n,)]
     assert len(saved) == len(big) + len(stats) + len(params), [t.shape for t in saved]
-    if residual and not prenorm and recomputes_stream(backend):
+    if residual and not prenorm and recomputes_stream(backend, x.dtype):
         # post-norm: the stream is recomputed in backward from x and residual themselves
         assert [t.data_ptr() for t in big] == [x.data_ptr(), r.data_ptr()], "x and residual, not copies"
     else:
@@ -164,7 +165,7 @@ def test_post_norm_catches_inputs_changed_in_place_before_backward(backend):
     yb = addnorm.add_layer_norm(xs, rs, 64, w, b, backend=backend)
     with torch.no_grad():
         xs.add_(1.0)
-    if recomputes_stream(backend):
+    if recomputes_stream(backend, x.dtype):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             yb.sum().backward()
     else:  # the saved sum does not change: the gradient is that of the call

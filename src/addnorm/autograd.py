@@ -94,8 +94,8 @@ def save_plan(impl: backends.Backend, a: OpArgs, branch: backends.Branch | None)
     """One plan for both wrappers.
 
     Training saves ``s`` (``x`` without a residual), ``mean``, ``rstd`` and the weight. Post-norm
-    on a backend that ``recomputes_stream`` saves ``x`` and ``residual`` instead and the forward
-    never writes ``s``: in a Transformer the memory kept is the same (``residual`` is kept anyway
+    with a stream dtype the backend ``recomputes_stream`` for saves ``x`` and ``residual`` instead
+    and the forward never writes ``s``: in a Transformer the memory kept is the same (``residual`` is kept anyway
     as the input of the next sublayer), and a fresh output fewer is written. Only when both
     already have the stream dtype, so that the sum is bit for bit the forward's. With a branch
     (dropout, layer scale, rowscale) every backend saves ``x`` and ``residual``: ``dx`` is not
@@ -109,7 +109,7 @@ def save_plan(impl: backends.Backend, a: OpArgs, branch: backends.Branch | None)
         return SavePlan(a.prenorm, True)
     save_inputs = (
         not a.prenorm
-        and impl.CAPABILITIES.recomputes_stream
+        and x.dtype in impl.CAPABILITIES.recomputes_stream
         and x.dtype == residual.dtype
         and a.residual_dtype in (None, x.dtype)
     )

@@ -9,8 +9,9 @@ rejected with the name of what is missing.
 Writing a backend, the checklist:
 
 1. ``CAPABILITIES = Capabilities(device_types=("xpu",))``: the device types it runs on, and
-   ``recomputes_stream=True`` if its post-norm backward recomputes ``s = x + residual`` from the
-   saved inputs (then its forward need not write ``s``: :func:`addnorm.autograd.save_plan`);
+   ``recomputes_stream=(torch.float32, ...)``: the stream dtypes whose post-norm backward should
+   recompute ``s = x + residual`` from the saved inputs (then its forward need not write ``s``:
+   :func:`addnorm.autograd.save_plan`);
    ``second_norm=True`` if ``forward``/``backward`` take ``second=``, a second norm of the same
    stream (parallel blocks; :class:`Capabilities`, checked by the conformance check);
    ``adds_x1=True`` if ``forward`` takes ``x1=`` (:class:`X1`), parallel blocks' second sublayer
@@ -51,9 +52,11 @@ class Capabilities:
     """What a backend declares about itself.
 
     ``device_types``: the tensor device types it runs on (``None``: any device).
-    ``recomputes_stream``: post-norm training is cheaper when the forward writes ``y`` alone
-    and the backward recomputes ``s = x + residual`` from the saved inputs (see
-    ``addnorm.autograd.save_plan``); else the forward writes ``s`` and it is saved.
+    ``recomputes_stream``: the stream dtypes whose post-norm training is cheaper when the
+    forward writes ``y`` alone and the backward recomputes ``s = x + residual`` from the saved
+    inputs (see ``addnorm.autograd.save_plan``); for other dtypes the forward writes ``s`` and
+    it is saved. A backend that lists any is one whose forward writes only what the call
+    returns or saves (``write_stream``, ``write_stats``).
     ``second_norm``: ``forward`` and ``backward`` take ``second=``, a second norm of the same
     stream (parallel blocks, :func:`addnorm.kernels.cpu.forward` and ``backward``): ``y1`` from
     the forward's statistics, ``dweight1``/``dbias1`` from the same passes; without it, parallel
@@ -65,7 +68,7 @@ class Capabilities:
     """
 
     device_types: tuple[str, ...] | None
-    recomputes_stream: bool = False
+    recomputes_stream: tuple[torch.dtype, ...] = ()
     second_norm: bool = False
     adds_x1: bool = False
 

@@ -50,11 +50,15 @@ from .launch import (
     streamed,
 )
 
-# Post-norm training saves x and residual, and backward recomputes s = x + residual as it reads
-# them (addnorm.ops.plan): the forward writes y alone, not s and y. Same bytes over forward +
-# backward, one fresh output fewer, and fresh outputs are what cost most here (see
-# docs/benchmarks.md, "Fresh outputs page-fault").
-CAPABILITIES = Capabilities(device_types=("cpu",), recomputes_stream=True, second_norm=True, adds_x1=True)
+# Post-norm training of float32 and float64 streams saves x and residual, and backward recomputes
+# s = x + residual as it reads them (addnorm.autograd.save_plan): the forward writes y alone, not
+# s and y. Same bytes over forward + backward, one fresh output fewer, and fresh outputs are what
+# cost most there (see docs/benchmarks.md, "Fresh outputs page-fault"). 16-bit streams save s:
+# their backward is bound by its arithmetic, of which the recomputed add and its rounding are a
+# large part (docs/benchmarks.md, "CPU backward: where the time goes").
+CAPABILITIES = Capabilities(
+    device_types=("cpu",), recomputes_stream=(torch.float32, torch.float64), second_norm=True, adds_x1=True
+)
 
 
 _NO_SECOND = (0, 0, 0)  # the forward's WEIGHT1, BIAS1, Y1 slots without a second norm

@@ -122,7 +122,7 @@ def run_config(op, rows, cols, dtype, pass_, impls, device, rounds, reuse_out, c
     results = []
     for name, (med, p20, p80) in timings.items():
         # out= buffers: the stream's buffer is filled too
-        nbytes = bytes_moved(op, rows, cols, dtype, pass_, writes_stream=reuse_out, **traffic(name, device))
+        nbytes = bytes_moved(op, rows, cols, dtype, pass_, writes_stream=reuse_out, **traffic(name, device, dtype))
         results.append(
             {
                 "op": op,

@@ -119,11 +119,12 @@ def make_impl(name: str, op: str, device: str) -> Callable:
     return _other_norm(name, op, device)
 
 
-def traffic(name: str, device: str) -> dict[str, bool]:
-    """How implementation ``name`` runs a post-norm call, as :func:`~.measure.bytes_moved`'s
-    keywords: ``recomputes_stream`` as its backend declares it; ``writes_unused`` for every
-    backend but those that recompute the stream, which are the ones that write only what the
-    call returns or saves (``write_stream``, ``write_stats``: the ``cpu`` kernels); for
+def traffic(name: str, device: str, dtype: torch.dtype) -> dict[str, bool]:
+    """How implementation ``name`` runs a post-norm call of ``dtype``, as
+    :func:`~.measure.bytes_moved`'s keywords: ``recomputes_stream`` as its backend declares it
+    for ``dtype``; ``writes_unused`` for every backend but those that recompute the stream of
+    some dtype, which are the ones that write only what the call returns or saves
+    (``write_stream``, ``write_stats``: the ``cpu`` kernels); for
     ``torch.compile``, whose graph writes only what it returns or saves; and for everything
     else, which adds then normalizes as torch does (``s`` and the statistics written; an unfused
     add's second read of ``s`` is not counted)."""
@@ -133,7 +134,7 @@ def traffic(name: str, device: str) -> dict[str, bool]:
         return {"recomputes_stream": False, "writes_unused": True}
     backend = name.removeprefix("addnorm-") if name != "addnorm" else backends.auto_name(torch.empty(0, device=device))
     recomputes = backends.load(backend).CAPABILITIES.recomputes_stream
-    return {"recomputes_stream": recomputes, "writes_unused": not recomputes}
+    return {"recomputes_stream": dtype in recomputes, "writes_unused": not recomputes}
 
 
 def out_variant(name: str, op: str, fn: Callable, x, r, w, b) -> Callable | None:
