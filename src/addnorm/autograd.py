@@ -95,12 +95,12 @@ def save_plan(impl: backends.Backend, a: OpArgs, branch: backends.Branch | None)
 
     Training saves ``s`` (``x`` without a residual), ``mean``, ``rstd`` and the weight. Post-norm
     with a stream dtype the backend ``recomputes_stream`` for saves ``x`` and ``residual`` instead
-    and the forward never writes ``s``: in a Transformer the memory kept is the same (``residual`` is kept anyway
-    as the input of the next sublayer), and a fresh output fewer is written. Only when both
-    already have the stream dtype, so that the sum is bit for bit the forward's. With a branch
-    (dropout, layer scale, rowscale) every backend saves ``x`` and ``residual``: ``dx`` is not
-    ``ds``, the layer scale's gradient reads ``x``, and the keep mask is recomputed from the seed,
-    never saved. (Inference writes the stream only when it is returned, and no statistics.)
+    and the forward never writes ``s``: in a Transformer the memory kept is the same
+    (``residual`` is kept anyway as the input of the next sublayer), and a fresh output fewer is
+    written. Only when both already have the stream dtype, so that the sum is bit for bit the
+    forward's. With a branch (dropout, layer scale, rowscale) every backend saves ``x`` and
+    ``residual``: ``dx`` is not ``ds``, the layer scale's gradient reads ``x``, and the keep mask
+    is recomputed from the seed, never saved. (Inference writes the stream only when it is returned, and no statistics.)
     """
     x, residual = a.x, a.residual
     if residual is None:

@@ -211,7 +211,10 @@ def _compiling_alone(fn):
         yield
         return
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks: compile as alone
+            pass
         yield
 
 
