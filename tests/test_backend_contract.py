@@ -53,6 +53,17 @@ def _variant(name: str, **functions) -> types.ModuleType:
     return module
 
 
+@pytest.mark.parametrize("bad", [True, torch.float32, ("float32",), [torch.float32]])
+def test_recomputes_stream_names_the_stream_dtypes(bad):
+    """``recomputes_stream`` is a tuple of dtypes (it was a bool): anything else is refused when
+    the backend declares it, not when a training step first reads it."""
+    with pytest.raises(TypeError, match=r"recomputes_stream takes a tuple of torch dtypes .*got"):
+        backends.Capabilities(device_types=None, recomputes_stream=bad)
+    assert backends.Capabilities(device_types=None, recomputes_stream=(torch.bfloat16,)).recomputes_stream == (
+        torch.bfloat16,
+    )
+
+
 @pytest.mark.usefixtures("on_cpu")  # the toy backend runs on CPU tensors alone
 def test_a_backend_registered_from_outside_runs_every_public_function(registered):
     registered("toy", "toy_backend")

@@ -72,6 +72,14 @@ class Capabilities:
     second_norm: bool = False
     adds_x1: bool = False
 
+    def __post_init__(self):
+        dtypes = self.recomputes_stream
+        if not isinstance(dtypes, tuple) or not all(isinstance(d, torch.dtype) for d in dtypes):
+            raise TypeError(
+                f"Capabilities.recomputes_stream takes a tuple of torch dtypes (the stream dtypes "
+                f"whose post-norm backward recomputes s), e.g. (torch.float32,); got {dtypes!r}"
+            )
+
 
 class Branch(NamedTuple):
     """The sublayer branch of Add & Norm, fused into the add: ``s = residual + rowscale *
