@@ -7,12 +7,11 @@ The CPU backend declares the stream dtypes it ``recomputes_stream`` for
 (``addnorm.autograd.save_plan``: float32 and float64): their post-norm forward writes ``y``
 alone and the backward adds ``s = x + residual`` again from the saved inputs. The other plan,
 its choice for 16-bit streams, writes ``s`` in the forward and the backward reads it; this
-script runs each plan for every dtype. Both move the
-same bytes over a forward+backward and give the same bits (checked here); they differ in the
-fresh outputs a step writes (two or three: each page of a fresh output faults on first write
-unless the allocator keeps freed memory, docs/benchmarks.md, "Fresh outputs page-fault") and
-in the backward's arithmetic (an add per element in each of its two passes, and two input
-streams instead of one).
+script runs each plan for every dtype. Both move the same bytes over a forward+backward and
+give the same bits (checked here); they differ in the fresh outputs a step writes (two or
+three: each page of a fresh output faults on first write unless the allocator keeps freed
+memory, docs/benchmarks.md, "Fresh outputs page-fault") and in the backward's arithmetic (an
+add per element in each of its two passes, and two input streams instead of one).
 
 Forward+backward through ``torch.autograd.grad`` with the plan switched between calls, both
 plans and torch eager (``layer_norm(x + r)``) timed in shuffled order each round; the ratio is
@@ -32,6 +31,7 @@ import time
 import torch
 
 import addnorm
+from addnorm.checks import SUPPORTED_DTYPES
 from addnorm.kernels import cpu
 from addnorm.tools.bench import parse_shapes
 from addnorm.tools.bench.measure import quantile
@@ -41,9 +41,8 @@ SHAPES = "4096x768,4096x1024,2048x4096,16384x1024"
 
 
 OWN = cpu.CAPABILITIES  # the backend's own choice, per dtype; restored when done
-EVERY_DTYPE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 PLANS = {  # each plan for every dtype
-    "recompute": dataclasses.replace(OWN, recomputes_stream=EVERY_DTYPE),
+    "recompute": dataclasses.replace(OWN, recomputes_stream=SUPPORTED_DTYPES),
     "save s": dataclasses.replace(OWN, recomputes_stream=()),
 }
 

@@ -100,7 +100,8 @@ def save_plan(impl: backends.Backend, a: OpArgs, branch: backends.Branch | None)
     written. Only when both already have the stream dtype, so that the sum is bit for bit the
     forward's. With a branch (dropout, layer scale, rowscale) every backend saves ``x`` and
     ``residual``: ``dx`` is not ``ds``, the layer scale's gradient reads ``x``, and the keep mask
-    is recomputed from the seed, never saved. (Inference writes the stream only when it is returned, and no statistics.)
+    is recomputed from the seed, never saved. (Inference writes the stream only when it is
+    returned, and no statistics.)
     """
     x, residual = a.x, a.residual
     if residual is None:
