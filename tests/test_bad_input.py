@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import addnorm
-from addnorm.compat.flash_attn import layer_norm_fn, rms_norm_fn
+from addnorm.compat.flash_attn import layer_norm_fn, layer_norm_linear_fn, rms_norm_fn
 from addnorm.tools import cli
 
 X = torch.randn(4, 8)
@@ -302,6 +302,30 @@ FUNCTION_CASES = [
         lambda b: layer_norm_fn(X, W, None, rowscale=torch.ones(3), backend=b),
         ValueError,
         r"^rowscale must have x's leading dims",
+    ),
+    (
+        "compat residual int",
+        lambda b: layer_norm_fn(X, W, None, residual=torch.ones(4, 8, dtype=torch.int64), backend=b),
+        TypeError,
+        r"^residual must be a floating-point tensor",
+    ),
+    (
+        "compat x width",
+        lambda b: rms_norm_fn(torch.randn(4, 9), W, None, backend=b),
+        ValueError,
+        r"^x's last dim must be the hidden size, weight's 8, got x of shape \(4, 9\)",
+    ),
+    (
+        "compat mamba_ssm 1.x positional",
+        lambda b: rms_norm_fn(X, W, None, None, True, backend=b),
+        TypeError,
+        r"^x1 must be a torch.Tensor or None, got bool: mamba_ssm 1.x's",
+    ),
+    (
+        "compat linear_weight",
+        lambda b: layer_norm_linear_fn(X, W, None, None, None, backend=b),
+        TypeError,
+        r"^linear_weight must be a torch.Tensor, got NoneType",
     ),
     # backend (the fixture's backend is not used: these rows are about the name itself)
     ("backend unknown", lambda b: addnorm.layer_norm(X, 8, backend="cuda"), ValueError, r"^backend must be one of"),

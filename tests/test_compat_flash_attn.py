@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import addnorm
-from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, rms_norm_fn
+from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, layer_norm_linear_fn, rms_norm_fn
 
 F = torch.nn.functional
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -150,6 +150,42 @@ def test_results_come_in_flash_attn_order():
     assert y.dtype == torch.float32
 
 
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_layer_norm_linear_fn_is_the_norm_then_a_linear_layer(rms, prenorm):
+    """Against the formula in float64: the norm of ``x + residual``, then ``F.linear``; the
+    gradients of every input, and autocast's dtype for the linear under autocast."""
+    g = torch.Generator().manual_seed(3)
+    x, r, w, b = (torch.randn(shape, generator=g) for shape in [(2, 5, 32), (2, 5, 32), (32,), (32,)])
+    lw, lb = torch.randn(16, 32, generator=g), torch.randn(16, generator=g)
+    leaves = [t.requires_grad_() for t in (x, r, w, b, lw, lb)]
+    result = layer_norm_linear_fn(x, w, b, lw, lb, residual=r, eps=1e-5, prenorm=prenorm, is_rms_norm=rms)
+    out, s = result if prenorm else (result, None)
+
+    def formula(x, r, w, b, lw, lb):
+        s = x + r
+        if rms:
+            y = s * torch.rsqrt(s.square().mean(-1, keepdim=True) + 1e-5) * w + b
+        else:
+            y = F.layer_norm(s, (32,), w, b, 1e-5)
+        return F.linear(y, lw, lb), s
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref, ref_s = formula(*ref_leaves)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    if prenorm:
+        torch.testing.assert_close(s, ref_s.float())
+    dout = torch.randn(out.shape, generator=g)
+    ours = torch.autograd.grad(out, leaves, dout)
+    wanted = torch.autograd.grad(ref, ref_leaves, dout.double())
+    for a, e in zip(ours, wanted, strict=True):
+        torch.testing.assert_close(a, e.float(), rtol=1e-4, atol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = layer_norm_linear_fn(x, w, b, lw, None, residual=r, eps=1e-5, is_rms_norm=rms)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), (ref - lb.detach()).float(), rtol=0.05, atol=0.1)
+
+
 def test_rms_norm_module_is_flash_attn_s():
     norm = RMSNorm(16, eps=1e-5, dropout_p=0.1)
     assert list(norm.state_dict()) == ["weight"] and norm.bias is None and torch.equal(norm.weight, torch.ones(16))
@@ -204,6 +240,32 @@ def test_patch_swaps_flash_attn_s_rms_norm(module, monkeypatch):
     assert model["norm"].backend == "reference"
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert addnorm.unpatch(model) == 1 and type(model["norm"]) is FlashRMSNorm
+
+
+def test_patch_swaps_mamba_ssm_1_s_rms_norm_which_has_no_dropout(monkeypatch):
+    """mamba_ssm 1.x's RMSNorm (``mamba_ssm.ops.triton.layernorm``) has no ``drop``: nothing of
+    it is lost, so it is patched, and its layernorm_gated namesake (another signature) is not."""
+    monkeypatch.setattr(FlashRMSNorm, "__module__", "mamba_ssm.ops.triton.layernorm")
+    norm = FlashRMSNorm(32)
+    del norm.drop, norm.zero_centered_weight
+    x, r = torch.randn(4, 32), torch.randn(4, 32)
+    before = norm(x, r, prenorm=True, residual_in_fp32=True)
+    report = addnorm.patch(torch.nn.Sequential(norm), backend="reference")
+    assert report.replaced == [("0", "RMSNorm", "flash_attn")]
+    after = norm(x, r, prenorm=True, residual_in_fp32=True)
+    for a, e in zip(after, before, strict=True):
+        torch.testing.assert_close(a, e)
+
+    class RMSNorm(torch.nn.Module):  # mamba_ssm.ops.triton.layernorm_gated's signature
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.ones(8)), 1e-5
+
+        def forward(self, x, z=None):
+            return x
+
+    monkeypatch.setattr(RMSNorm, "__module__", "mamba_ssm.ops.triton.layernorm_gated")
+    assert addnorm.patch(torch.nn.Sequential(RMSNorm())).replaced == []
 
 
 def test_a_look_alike_with_another_signature_is_left_alone(monkeypatch):

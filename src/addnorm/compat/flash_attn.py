@@ -3,11 +3,16 @@
 Code written for ``flash_attn.ops.triton.layer_norm`` (or its copy in ``mamba_ssm``) runs on
 addnorm with one import changed::
 
-    from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, rms_norm_fn
+    from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, layer_norm_linear_fn, rms_norm_fn
 
 The arguments and the order of the results are flash-attn's; the numerics are addnorm's
-(statistics in float32, the corrected mean, the same bits on every backend). Where the two differ:
+(statistics in float32, the corrected mean, the same bits on every backend). mamba_ssm 1.x's
+copy (``mamba_ssm.ops.triton.layernorm``) has no ``x1``: pass its ``eps``, ``prenorm`` and
+``residual_in_fp32`` by keyword. Where the two differ:
 
+- ``y`` normalizes the stream ``s`` as it is returned, rounded to the residual dtype (as ``x +
+  residual`` then a norm in torch); flash-attn normalizes the float32 sum before rounding it, so
+  with a 16-bit stream the two ``y`` differ by about one rounding;
 - dropout's keep masks come from addnorm's counter-based hash, not Triton's ``tl.rand``: other
   random bits, the same distribution, and the same bits on the CPU and the GPU;
 - ``x1``'s term is added to the residual first and rounded to the residual dtype, then ``x``'s
@@ -24,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..checks import check_dtype, check_flag
+from ..checks import check_dtype, check_flag, check_float_tensor
 from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
 
@@ -62,6 +67,11 @@ def layer_norm_fn(
     check_flag("is_rms_norm", is_rms_norm)
     check_flag("residual_in_fp32", residual_in_fp32)
     check_dtype("out_dtype", out_dtype)
+    if isinstance(x1, (bool, int, float)):  # (a positional call in mamba_ssm 1.x's order)
+        raise TypeError(
+            f"x1 must be a torch.Tensor or None, got {type(x1).__name__}: mamba_ssm 1.x's layer_norm_fn and "
+            "rms_norm_fn take eps or prenorm fifth; pass eps=, prenorm= and residual_in_fp32= by keyword"
+        )
     if isinstance(x, Tensor):  # (anything else: add_norm says what x must be)
         if out is not None and out_dtype is not None and out_dtype != x.dtype:
             raise ValueError(
@@ -70,10 +80,15 @@ def layer_norm_fn(
             )
         if x.dim() == 0:
             raise ValueError("x must have the hidden size as its last dim, got a 0-d tensor")
+        if isinstance(weight, Tensor) and weight.dim() == 1 and weight.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"x's last dim must be the hidden size, weight's {weight.shape[0]}, got x of shape "
+                f"{tuple(x.shape)}: flash-attn's functions normalize over x's last dim"
+            )
         if isinstance(rowscale, Tensor) and rowscale.numel() == x.numel() // max(x.shape[-1], 1):
             rowscale = rowscale.reshape(x.shape[:-1])  # flash-attn takes the rows flat
     if residual is not None:
-        residual_dtype = residual.dtype
+        residual_dtype = check_float_tensor("residual", residual).dtype
     else:
         residual_dtype = torch.float32 if residual_in_fp32 else None
     sublayer = NO_SUBLAYER
@@ -155,6 +170,46 @@ def rms_norm_fn(
         residual_out,
         backend=backend,
     )
+
+
+def layer_norm_linear_fn(
+    x: Tensor,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
+    linear_weight: Tensor,
+    linear_bias: Tensor | None,
+    residual: Tensor | None = None,
+    eps: float = 1e-6,
+    prenorm: bool = False,
+    residual_in_fp32: bool = False,
+    is_rms_norm: bool = False,
+    *,
+    backend: str = "auto",
+):
+    """flash-attn's ``layer_norm_linear_fn``: :func:`layer_norm_fn`, then a linear layer of its
+    output, in autocast's dtype under autocast (else the output's), ``linear_weight`` and
+    ``linear_bias`` converted to it. Returns the linear's output, then ``s`` when ``prenorm``.
+    flash-attn recomputes the norm's output in its backward; here autograd keeps it for the
+    linear's backward (in training, one more tensor of ``x``'s shape and dtype)."""
+    if not isinstance(linear_weight, Tensor):
+        raise TypeError(f"linear_weight must be a torch.Tensor, got {type(linear_weight).__name__}")
+    result = layer_norm_fn(
+        x,
+        norm_weight,
+        norm_bias,
+        residual,
+        eps=eps,
+        prenorm=prenorm,
+        residual_in_fp32=residual_in_fp32,
+        is_rms_norm=is_rms_norm,
+        backend=backend,
+    )
+    y = result[0] if prenorm else result
+    device = y.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else y.dtype
+    bias = linear_bias.to(dtype) if linear_bias is not None else None
+    out = nn.functional.linear(y.to(dtype), linear_weight.to(dtype), bias)
+    return (out, result[1]) if prenorm else out
 
 
 class RMSNorm(nn.Module):

@@ -28,6 +28,7 @@ from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
 from .blocks import FAMILIES, FAMILY, NEXT, ORIGINAL, Family, block_forward, entry_norms, family_of
 from .norms import (
+    FLASH_ATTN_MODULES,
     HF_NORMS,
     HF_STYLES,
     STYLES,
@@ -131,7 +132,8 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
         w = getattr(m, "weight", None)
         if not isinstance(w, Tensor) or w.dim() != 1 or eps_of(m) is None:
             return "expected a 1-D 'weight' and a float 'variance_epsilon' or 'eps'"
-    if style == "flash_attn" and not hasattr(m, "drop"):  # (its dropout would be lost unseen)
+    if style == "flash_attn" and FLASH_ATTN_MODULES[cls.__module__] and not hasattr(m, "drop"):
+        # (its dropout would be lost unseen)
         return "expected flash-attn's 'drop' attribute (its dropout module, or None)"
     if cls is nn.LayerNorm:
         new = addnorm_nn.LayerNorm

@@ -58,9 +58,14 @@ HF_NORMS: dict[str, str] = {
 }
 
 _HALF = (torch.float16, torch.bfloat16)
-# flash-attn's fused-norm module and its copy in mamba_ssm, recognised by name and signature
-# (never imported): their forward takes the residual and returns the stream itself
-FLASH_ATTN_MODULES = ("flash_attn.ops.triton.layer_norm", "mamba_ssm.ops.triton.layer_norm")
+# flash-attn's fused-norm module and its copies in mamba_ssm, recognised by name and signature
+# (never imported): their forward takes the residual and returns the stream itself. The value:
+# whether the module's RMSNorm has a dropout (its ``drop``); mamba_ssm 1.x's (``layernorm``) has none
+FLASH_ATTN_MODULES = {
+    "flash_attn.ops.triton.layer_norm": True,
+    "mamba_ssm.ops.triton.layer_norm": True,
+    "mamba_ssm.ops.triton.layernorm": False,
+}
 _FLASH_ATTN_FORWARD = ["self", "x", "residual", "prenorm", "residual_in_fp32"]
 
 
@@ -68,7 +73,7 @@ def flash_attn_style(module: nn.Module) -> str | None:
     """``"flash_attn"`` for flash-attn's or mamba_ssm's ``RMSNorm`` (by class name, module and
     forward signature), else None."""
     cls = type(module)
-    if cls.__name__ != "RMSNorm" or not cls.__module__.startswith(FLASH_ATTN_MODULES):
+    if cls.__name__ != "RMSNorm" or cls.__module__ not in FLASH_ATTN_MODULES:
         return None
     try:
         params = list(inspect.signature(cls.forward).parameters)
