@@ -329,6 +329,18 @@ FUNCTION_CASES = [
     ),
     # backend (the fixture's backend is not used: these rows are about the name itself)
     ("backend unknown", lambda b: addnorm.layer_norm(X, 8, backend="cuda"), ValueError, r"^backend must be one of"),
+    (
+        "backend unknown, x1",
+        lambda b: addnorm.add_layer_norm(X, X, 8, x1=X, backend="cpuu"),
+        ValueError,
+        r"^backend must be one of",
+    ),
+    (
+        "backend int, weight1",
+        lambda b: addnorm.add_rms_norm(X, X, 8, W, weight1=W, backend=3),
+        TypeError,
+        r"^backend must be a string",
+    ),
     ("backend None", lambda b: addnorm.rms_norm(X, 8, backend=None), TypeError, r"^backend must be a string"),
     ("backend positional", lambda b: addnorm.layer_norm(X, 8, None, None, 1e-5, b), TypeError, r"positional"),
     # modules: constructor arguments, then forward inputs

@@ -93,6 +93,22 @@ def test_a_buffer_that_is_an_input_is_written_in_place(backend):
     assert y is xs and s is rs and torch.equal(y, y_ref) and torch.equal(s, s_ref)
 
 
+@pytest.mark.parametrize("rms", [False, True])
+def test_out_x_without_a_residual_keeps_the_stream(backend, rms):
+    """Pre-norm without a residual returns ``x`` itself as the stream; with ``out=x`` that would be
+    ``y``: the stream is then a copy of ``x``, written by the same call."""
+    x, _, w, b = _inputs()
+    call = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
+    args = (w,) if rms else (w, b)
+    y_ref = call(x, None, 96, *args, backend=backend)
+    xs = x.clone()
+    y, s = call(xs, None, 96, *args, prenorm=True, backend=backend, out=xs)
+    assert y is xs and torch.equal(y, y_ref) and torch.equal(s, x)
+    xs = x.clone()
+    y, s = call(xs, None, 96, *args, prenorm=True, backend=backend, out=xs[:])  # a view of x
+    assert torch.equal(y, y_ref) and torch.equal(s, x)
+
+
 @pytest.mark.parametrize("buffer", ["out", "residual_out"])
 @pytest.mark.parametrize("shared", ["x", "residual"])
 def test_a_buffer_overlapping_an_input_is_refused(backend, buffer, shared):

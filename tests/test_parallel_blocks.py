@@ -490,6 +490,38 @@ def test_parallel_block_gradcheck_and_gradgradcheck(backend, kind):
         assert torch.autograd.gradgradcheck(f, inputs)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_parallel_block_forward_mode_ad_matches_the_formula(backend, kind, p):
+    """``torch.func.jvp`` and ``torch.autograd.forward_ad`` through a call with ``x1`` (and its
+    dropout), against the jvp of the unfused formula in float64 with the call's own masks."""
+    x, r, x1, w, b, w1, b1 = _tensors(3, 10, torch.float64)
+    tangents = tuple(torch.randn_like(t) for t in (x, r, x1))
+    kw = dict(x1=None, weight1=w1, bias1=b1, prenorm=True, dropout_p=p, backend=backend)
+
+    def f(x, r, x1):
+        return _call(kind, x, r, w, b, **{**kw, "x1": x1}, generator=torch.Generator().manual_seed(5))
+
+    *_, mask, mask1 = _call(kind, x, r, w, b, **{**kw, "x1": x1}, return_dropout_mask=True,
+                            generator=torch.Generator().manual_seed(5))  # fmt: skip
+
+    def formula(x, r, x1):
+        s = r + x1 * mask1 / (1 - p) + x * mask / (1 - p)
+        return _norm(kind, s, w, b), _norm(kind, s, w1, b1), s
+
+    ours = torch.func.jvp(f, (x, r, x1), tangents)
+    theirs = torch.func.jvp(formula, (x, r, x1), tangents)
+    for got, want in zip(ours, theirs, strict=True):
+        for a, e in zip(got, want, strict=True):
+            torch.testing.assert_close(a, e)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(t, d) for t, d in zip((x, r, x1), tangents)]
+        for a, e in zip(f(*duals), theirs[1], strict=True):
+            torch.testing.assert_close(fwAD.unpack_dual(a).tangent, e)
+
+
 def test_return_order_follows_flash_attn(backend):
     x, r, x1, w, b, w1, b1 = _tensors(4, 16, torch.float32)
     assert isinstance(addnorm.add_layer_norm(x, r, 16, w, b, x1=x1, backend=backend), torch.Tensor)

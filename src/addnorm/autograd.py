@@ -503,6 +503,7 @@ class DroppedAdd(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         residual, x1, n, p, seed, sd, backend = inputs
         ctx.save_for_backward(seed)
+        ctx.save_for_forward(seed)  # (forward-mode AD: jvp reads it back the same way)
         ctx.n, ctx.p, ctx.dtypes, ctx.backend = n, p, (residual.dtype, x1.dtype), backend
 
     @staticmethod

@@ -172,12 +172,12 @@ def check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
         # a buffer may be an input itself (written in place), never part of one: the kernels
         # would overwrite rows they have yet to read
         for other_name, other in (("x", x), ("residual", residual)):
-            if other is not None and _overlaps(t, other) and not _same_view(t, other):
+            if other is not None and overlaps(t, other) and not _same_view(t, other):
                 raise ValueError(
                     f"{name} overlaps {other_name} without being {other_name} itself: pass a separate buffer, "
                     f"or {other_name} itself to write in place"
                 )
-    if out is not None and residual_out is not None and _overlaps(out, residual_out):
+    if out is not None and residual_out is not None and overlaps(out, residual_out):
         raise ValueError("residual_out and out share memory: pass two separate buffers")
 
 
@@ -187,7 +187,7 @@ def _span(t: Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 
-def _overlaps(a: Tensor, b: Tensor) -> bool:
+def overlaps(a: Tensor, b: Tensor) -> bool:
     """Whether two plain tensors' memory spans intersect (tensor subclasses: never checked)."""
     if type(a) not in PLAIN or type(b) not in PLAIN or a.device != b.device:
         return False

@@ -64,6 +64,7 @@ from .checks import (
     check_residual_dtype,
     check_sublayer,
     normalize_shape,
+    overlaps,
 )
 from .kernels import torch as torch_kernels
 
@@ -346,10 +347,12 @@ def _stream_starts_here(
     """Add & Norm without a residual: the first block of a pre-norm stack, whose stream is the
     sublayer branch of ``x`` alone, in ``residual_dtype``. With a branch or a stream dtype of its
     own the stream is ``0 + branch(x)``, rounded to that dtype: the residual case with a residual
-    of zeros, which is exactly ``branch(x)``. Else the stream is ``x`` itself (no copy)."""
+    of zeros, which is exactly ``branch(x)``. Else the stream is ``x`` itself (no copy), unless
+    ``out`` would overwrite it (pre-norm with ``out=x``): then a copy, written by the same call."""
     x = check_float_tensor("x", x)
     sd = residual_dtype or x.dtype
-    if sd != x.dtype or residual_out is not None or _has_branch(sublayer):
+    overwritten = prenorm and out is not None and (out is x or overlaps(out, x))
+    if sd != x.dtype or residual_out is not None or _has_branch(sublayer) or overwritten:
         zeros = torch.zeros_like(x, dtype=sd, requires_grad=False)
         return add_norm(
             x, zeros, shape, weight, bias, eps, rms=rms, prenorm=prenorm, residual_dtype=sd, backend=backend,
@@ -375,6 +378,8 @@ def _parallel(
     its own, drawn before ``x``'s from the same generator: the two masks are independent."""
     x1, weight1, bias1 = parallel
     x = check_float_tensor("x", x)
+    if backend != "auto":  # (before the backend's capabilities are looked up by name)
+        check_backend(backend)
     norm_shape, eps_checked = check_inputs(x, residual, shape, weight, bias, eps, residual_dtype)
     check_parallel(x, norm_shape, parallel, sublayer, out, residual_out)
     check_sublayer(x, residual, norm_shape, weight, sublayer)  # (before x1's seed is drawn)
