@@ -199,6 +199,110 @@ def test_a_hook_that_changes_the_stream_gets_the_plain_path():
     assert_same_step(original, patched, hf_inputs("llama"))
 
 
+def test_an_in_place_change_of_the_stream_gets_the_plain_path():
+    """Steering in place (a hook adding to the stream a block returned, or to a norm's input):
+    the next norm sees the stream changed since it was handed its output, and computes."""
+    original, patched, _ = fused_copy("llama")
+    steer = torch.randn(32)
+    for model in (original, patched):
+        model.model.layers[0].register_forward_hook(lambda m, args, out: out.add_(steer))
+        model.model.norm.register_forward_pre_hook(lambda m, args: args[0].mul_(1.5))
+    inputs = hf_inputs("llama")
+    with torch.no_grad():  # (in training, the fused op saves the stream it returns: autograd refuses
+        # its change in place, as for any op that saves its output)
+        torch.testing.assert_close(patched(**inputs).logits, original(**inputs).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,norm", [("llama", "post_attention_layernorm"), ("gpt2", "ln_2"), ("bert", None)])
+def test_a_hooked_norm_inside_a_block_is_called(name, norm):
+    """A norm the block would compute inside its fused op runs as a module when hooked (each
+    hook once), and every norm's hooks run as often as in the unpatched model."""
+    original, patched, _ = fused_copy(name)
+
+    def scaling(seen, n):  # a hook that records its call and scales the norm's output
+        def hook(module, args, out):
+            seen.append(n)
+            return out * 1.25
+
+        return hook
+
+    calls = [], []
+    for model, seen in zip((original, patched), calls):
+        for mod_name, module in model.named_modules():
+            if mod_name.endswith((norm or "LayerNorm", "model.norm", "ln_f", "input_layernorm")):
+                module.register_forward_hook(scaling(seen, mod_name))
+    assert_same_step(original, patched, hf_inputs(name))
+    assert calls[1] == calls[0] and calls[0]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("how", ["every other block", "checkpoint_wrapper", "t5"])
+def test_activation_checkpointing_of_any_module_keeps_gradients(how, reentrant):
+    """Checkpointed blocks next to plain ones, torch's checkpoint_wrapper (FSDP's way), and T5,
+    whose checkpointed T5Block holds the fused layers: the same loss and gradients as unpatched.
+    A block run without grad (reentrant checkpointing) never hands the next norm its output, and a
+    checkpointed norm computes what its recomputation will."""
+    name = "t5" if how == "t5" else "llama"
+    original, patched, _ = fused_copy(name)
+    for model in (original, patched):
+        if how == "checkpoint_wrapper":
+            import functools
+
+            from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+            impl = cw.CheckpointImpl.REENTRANT if reentrant else cw.CheckpointImpl.NO_REENTRANT
+            layer = type(model.model.layers[0])
+            wrapper = functools.partial(cw.checkpoint_wrapper, checkpoint_impl=impl)
+            cw.apply_activation_checkpointing(
+                model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m, layer=layer: type(m) is layer
+            )
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=reentrant))
+            if how == "every other block":
+                model.model.layers[0].gradient_checkpointing = False
+        model.enable_input_require_grads()
+    assert_same_step(original, patched, hf_inputs(name))
+
+
+def test_dropout_follows_the_dropout_module_s_own_mode():
+    """Dropout switched off module by module in training (``nn.Dropout.eval()``) stays off, and
+    Monte-Carlo dropout (the model in eval, its dropouts in train) stays on, as unpatched."""
+    original, patched, _ = fused_copy("bert", dropout=0.3)
+    inputs = hf_inputs("bert")
+    results = []
+    for model in (original, patched):
+        model.train()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.eval()
+        torch.manual_seed(0)  # (BERT's attention drops by its module's p and the model's mode)
+        results.append(step(model, inputs))
+    (lo, go), (lp, gp) = results
+    torch.testing.assert_close(lp, lo, rtol=1e-5, atol=1e-5)
+    for key in go:
+        torch.testing.assert_close(gp[key], go[key], rtol=1e-5, atol=1e-5)
+    patched.eval()
+    for m in patched.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.train()
+    with torch.no_grad():
+        assert not torch.equal(patched(**inputs).logits, patched(**inputs).logits)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_autocast_keeps_the_stream_dtype(name):
+    """Under autocast (a bf16 sublayer output on a float32 stream) a fused norm returns the
+    stream's dtype, as the norm of the unfused add does: hidden states stay float32."""
+    original, patched, _ = fused_copy(name)
+    inputs = hf_inputs(name)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = original(**inputs, output_hidden_states=True).hidden_states
+        got = patched(**inputs, output_hidden_states=True).hidden_states
+    assert [h.dtype for h in got] == [h.dtype for h in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * w.abs().max().item())
+
+
 def test_gradient_checkpointing_keeps_gradients():
     original, patched, _ = fused_copy("llama")
     for model in (original, patched):

@@ -170,14 +170,18 @@ def _arguments(self, hidden_states, args, kwargs) -> dict:
 
 
 def _dropout_p(block: nn.Module, step: Step) -> float:
-    """The dropout probability of ``step`` now (0 in eval mode)."""
-    if step.dropout is None or not block.training:
+    """The dropout probability of ``step`` now: an ``nn.Dropout``'s own when that module is in
+    training mode (as its own call; 0 in eval mode, whatever the block's mode), a float
+    attribute's when the block is (as ``F.dropout(..., training=self.training)``)."""
+    if step.dropout is None:
         return 0.0
     owner, *path = step.dropout.split(".")
     value = getattr(block, owner)
     for name in path:
         value = getattr(value, name)
-    return float(value.p if isinstance(value, nn.Dropout) else value)
+    if isinstance(value, nn.Dropout):
+        return float(value.p) if value.training else 0.0
+    return float(value) if block.training else 0.0
 
 
 def _rowscale(block: nn.Module, step: Step, x: Tensor) -> Tensor | None:
@@ -185,7 +189,7 @@ def _rowscale(block: nn.Module, step: Step, x: Tensor) -> Tensor | None:
     1 / (1 - p), drawn as Hugging Face's ``drop_path`` draws it (one uniform per sample)."""
     module = getattr(block, step.drop_path) if step.drop_path else None
     p = float(getattr(module, "drop_prob", 0.0) or 0.0)
-    if not p or not block.training:
+    if not p or not module.training:  # (the drop path module's mode, as its own call)
         return None
     keep = 1 - p
     kept = (keep + torch.rand(x.shape[:1], dtype=x.dtype, device=x.device)).floor_()
@@ -224,10 +228,29 @@ def _may_hand_off(block: nn.Module, norms: tuple[nn.Module, ...], x: Tensor) -> 
     return all(fusable(norm, x) for norm in norms)
 
 
+def _inline(norm: nn.Module | None, x: Tensor) -> bool:
+    """Whether a norm called inside the block can be computed by the block's fused op instead:
+    its output can come from it, and nothing hooks the norm's call (a hook on it, or a global
+    module hook), which the fused op would skip."""
+    if norm is None or not fusable(norm, x):
+        return False
+    hooks = nn.modules.module
+    return not (
+        norm._forward_hooks
+        or norm._forward_pre_hooks
+        or norm._backward_hooks
+        or norm._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    )
+
+
 def _add(block: nn.Module, step: Step, out: Tensor, s: Tensor, norm: nn.Module | None):
     """``(norm(s'), s')`` for the new stream ``s' = s + branch(out)``, fused when ``norm`` is given
-    (and its output can come from the fused op); ``(s', s')`` when no norm follows."""
-    if norm is not None and fusable(norm, out):
+    (and its output can come from the fused op, :func:`_inline`); ``(s', s')`` when no norm follows."""
+    if _inline(norm, out):
         return add_norm_forward(norm, out, s, sublayer=_sublayer(block, step, out))
     s = s + _branch(block, step, out)
     return (s, s) if norm is None else (norm(s), s)
@@ -278,8 +301,8 @@ def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple
             out = getattr(self, step.post)(out)
         if i + 1 < len(steps):
             h, s = _add(self, step, out, s, _norm(self, steps[i + 1].norm))
-        elif nxt:
-            y, s = _add(self, step, out, s, nxt[0])
+        elif nxt and fusable(nxt[0], out):  # (the next norm is called by the model: its hooks run there)
+            y, s = add_norm_forward(nxt[0], out, s, sublayer=_sublayer(self, step, out))
             hand_off(nxt[0], s, y)
         else:
             s = s + _branch(self, step, out)
@@ -313,6 +336,6 @@ def _post_norm_forward(self, family: Family, hidden_states: Tensor, input_tensor
     (step,) = family.steps
     out = getattr(self, step.sublayer)(hidden_states)
     norm = getattr(self, step.norm)
-    if not fusable(norm, out):
+    if not _inline(norm, out):
         return norm(_branch(self, step, out) + input_tensor)
     return add_norm_forward(norm, out, input_tensor, sublayer=_sublayer(self, step, out), prenorm=False)

@@ -129,6 +129,11 @@ def add_norm_forward(
     if style is None:
         raise TypeError(f"norm must be a module patched by addnorm, got {type(norm).__name__}")
     prenorm = residual is not None if prenorm is None else prenorm
+    if residual is not None and torch.promote_types(x.dtype, residual.dtype) != x.dtype:
+        # the output in the stream's dtype, as the norm of the unfused add returns it (a bf16
+        # sublayer output on a float32 stream under autocast); the stream's bits are the same, as
+        # the op sums in float32 from x widened exactly
+        x = x.to(torch.promote_types(x.dtype, residual.dtype))
     if style == "t5" and _t5_dtype(norm, x) != x.dtype:
         if residual is not None:
             raise ValueError("a T5 norm casting to another dtype than the stream's cannot be fused")
@@ -170,22 +175,39 @@ def _common(norm: nn.Module) -> dict:
 
 # --------------------------------------------------------------------------- hand-off between blocks
 
-# norm -> (stream, its output): strong references until the norm's next call or the next hand-off,
-# kept off the module so that pickling and deepcopy never see them
-_PENDING: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor]] = weakref.WeakKeyDictionary()
+# norm -> (stream, its version, the autograd context, its output): strong references until the
+# norm's next call or the next hand-off, kept off the module so that pickling and deepcopy never
+# see them
+_PENDING: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+
+
+def _autograd_context() -> tuple:
+    """What decides how an output enters the autograd graph: grad mode, and the saved-tensor hooks
+    in force (activation checkpointing's: each checkpointed call has its own). An output made in
+    another context than the norm's call is not the norm's to return: a block checkpointed without
+    grad would hand the next norm an output outside the graph, and a checkpointed norm must compute
+    what its recomputation will."""
+    return torch.is_grad_enabled(), torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def hand_off(norm: nn.Module, stream: Tensor, output: Tensor) -> None:
     """Give ``norm`` its output on ``stream``, computed by the block before it."""
-    _PENDING[norm] = (stream, output)
+    _PENDING[norm] = (stream, stream._version, _autograd_context(), output)
 
 
 def handed_off(norm: nn.Module, x: Tensor) -> Tensor | None:
-    """The output handed to ``norm`` for the input ``x``, if ``x`` is that very stream tensor."""
+    """The output handed to ``norm`` for the input ``x``, if ``x`` is that very stream tensor,
+    unchanged since (no in-place op, e.g. a hook steering the stream) and in the same autograd
+    context (:func:`_autograd_context`)."""
     if torch.compiler.is_compiling() or not _PENDING:
         return None
     pending = _PENDING.pop(norm, None)
-    return pending[1] if pending is not None and pending[0] is x else None
+    if pending is None:
+        return None
+    stream, version, context, output = pending
+    if stream is not x or x._version != version or context != _autograd_context():
+        return None
+    return output
 
 
 def norm_forward(self, x: Tensor) -> Tensor:
