@@ -68,12 +68,15 @@ OTHERS = {
             ("falcon_rw", dict(new_decoder_architecture=False, parallel_attn=False, alibi=True)),
         ]
     },
-    "t5": (
-        "T5Config",
-        "T5ForConditionalGeneration",
-        dict(d_model=WIDTH, d_ff=2 * WIDTH, d_kv=WIDTH // 4, num_layers=2, num_heads=4, vocab_size=VOCAB)
-        | dict(dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
-    ),
+    **{
+        name: (
+            f"{prefix}Config",
+            f"{prefix}ForConditionalGeneration",
+            dict(d_model=WIDTH, d_ff=2 * WIDTH, d_kv=WIDTH // 4, num_layers=2, num_heads=4, vocab_size=VOCAB)
+            | dict(dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+        )
+        for name, prefix in [("t5", "T5"), ("mt5", "MT5")]
+    },
 }
 IMAGES = ("vit", "dinov2")
 

@@ -69,7 +69,6 @@ _SANDWICH = (
     Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
 )
 _BERT = Family((Step("dense", "LayerNorm", dropout="dropout"),), post_norm=True)
-_T5 = "transformers.models.t5.modeling_t5."
 _T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"),), extras=True)
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
@@ -110,9 +109,18 @@ FAMILIES: dict[str, Family] = {
         ),
         final="layernorm",
     ),
-    _T5 + "T5LayerSelfAttention": Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
-    _T5 + "T5LayerCrossAttention": Family((Step("EncDecAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
-    _T5 + "T5LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}{layer}": family
+        for m, c in [("t5", "T5"), ("mt5", "MT5")]
+        for layer, family in [
+            ("LayerSelfAttention", Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION)),
+            (
+                "LayerCrossAttention",
+                Family((Step("EncDecAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+            ),
+            ("LayerFF", Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm")),
+        ]
+    },
     "transformers.models.bert.modeling_bert.BertSelfOutput": _BERT,
     "transformers.models.bert.modeling_bert.BertOutput": _BERT,
     "transformers.models.roberta.modeling_roberta.RobertaSelfOutput": _BERT,

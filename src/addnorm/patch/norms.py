@@ -46,6 +46,9 @@ HF_NORMS: dict[str, str] = {
             ("mixtral", "Mixtral"),
             ("qwen2", "Qwen2"),
             ("qwen3", "Qwen3"),
+            ("qwen2_moe", "Qwen2Moe"),
+            ("qwen3_moe", "Qwen3Moe"),
+            ("granite", "Granite"),
             ("phi3", "Phi3"),
         ]
     },
@@ -55,6 +58,7 @@ HF_NORMS: dict[str, str] = {
     },
     "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm": "olmo2",
     "transformers.models.t5.modeling_t5.T5LayerNorm": "t5",
+    "transformers.models.mt5.modeling_mt5.MT5LayerNorm": "t5",
 }
 
 _HALF = (torch.float16, torch.bfloat16)
