@@ -28,6 +28,8 @@ COVERAGE = {
             ("qwen3", "Qwen3", 9),  # q_norm and k_norm too
             ("mistral", "Mistral", 5),
             ("mixtral", "Mixtral", 5),
+            ("qwen2_moe", "Qwen2Moe", 5),
+            ("qwen3_moe", "Qwen3Moe", 9),  # q_norm and k_norm too
             ("phi3", "Phi3", 5),
             ("gemma", "Gemma", 5),
             ("gemma2", "Gemma2", 9),  # sandwich norms: four per layer
@@ -65,11 +67,14 @@ COVERAGE = {
     "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
 }
 FAMILIES = list(COVERAGE)
-BF16 = [n for n in FAMILIES if n != "mixtral"]  # Mixtral's experts (torch._grouped_mm) have no float64 oracle
+# MoE experts (torch._grouped_mm) have no float64 oracle
+BF16 = [n for n in FAMILIES if n not in ("mixtral", "qwen2_moe", "qwen3_moe")]
 DROPOUT = ["bert", "phi3", "t5", "gpt_neox", "falcon", "falcon_rw"]
 LABELS = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
+    "qwen2_moe": "Qwen2-MoE",
+    "qwen3_moe": "Qwen3-MoE",
     "phi3": "Phi-3",
     "olmo2": "OLMo 2",
     "gpt2": "GPT-2",

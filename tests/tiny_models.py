@@ -21,6 +21,16 @@ DECODERS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=WIDTH),
+    ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),

@@ -75,6 +75,7 @@ _T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(_llama(m, c, _PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
+    **dict(_llama(m, c, _PRE) for m, c in [("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe")]),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
     "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": Family(
         (
