@@ -28,6 +28,7 @@ COVERAGE = {
             ("qwen3", "Qwen3", 9),  # q_norm and k_norm too
             ("mistral", "Mistral", 5),
             ("mixtral", "Mixtral", 5),
+            ("granite", "Granite", 5),  # the residual multiplier: a constant layer scale
             ("qwen2_moe", "Qwen2Moe", 5),
             ("qwen3_moe", "Qwen3Moe", 9),  # q_norm and k_norm too
             ("phi3", "Phi3", 5),
@@ -74,6 +75,7 @@ LABELS = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
     "qwen2_moe": "Qwen2-MoE",
+    "granite": "Granite (residual multiplier)",
     "qwen3_moe": "Qwen3-MoE",
     "phi3": "Phi-3",
     "olmo2": "OLMo 2",

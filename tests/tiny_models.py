@@ -21,6 +21,7 @@ DECODERS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(residual_multiplier=0.3)),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         "Qwen2MoeForCausalLM",

@@ -38,6 +38,7 @@ class Step:
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
     layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
+    multiplier: str | None = None  # a float attribute of the block scaling the output (Granite)
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
 
 
@@ -64,6 +65,7 @@ def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
 
 
 _PRE = (Step("self_attn", "input_layernorm"), Step("mlp", "post_attention_layernorm"))
+_GRANITE = tuple(Step(s.sublayer, s.norm, multiplier="residual_multiplier") for s in _PRE)  # s + out * m
 _SANDWICH = (
     Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
     Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
@@ -76,6 +78,7 @@ FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(_llama(m, c, _PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(_llama(m, c, _PRE) for m, c in [("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe")]),
+    **dict([_llama("granite", "Granite", _GRANITE)]),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
     "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": Family(
         (
@@ -212,6 +215,8 @@ def _branch(block: nn.Module, step: Step, out: Tensor) -> Tensor:
         out = F.dropout(out, p, training=True)
     if step.layer_scale:
         out = getattr(block, step.layer_scale)(out)
+    if step.multiplier:
+        out = out * getattr(block, step.multiplier)
     if step.drop_path:
         out = getattr(block, step.drop_path)(out)
     return out
@@ -219,6 +224,8 @@ def _branch(block: nn.Module, step: Step, out: Tensor) -> Tensor:
 
 def _sublayer(block: nn.Module, step: Step, x: Tensor) -> Sublayer:
     scale = getattr(block, step.layer_scale).lambda1 if step.layer_scale else None
+    if step.multiplier:  # a constant layer scale, in float32 as torch multiplies by a Python float
+        scale = torch.full(x.shape[-1:], float(getattr(block, step.multiplier)), device=x.device)
     return Sublayer(dropout_p=_dropout_p(block, step), layer_scale=scale, rowscale=_rowscale(block, step, x))
 
 
