@@ -131,6 +131,19 @@ def test_rowscale_is_taken_flat_as_flash_attn_takes_it():
     torch.testing.assert_close(flat[1], r + x * rowscale[..., None])
 
 
+def test_buffers_take_the_rows_flat_as_flash_attn_takes_them():
+    """``out`` and ``residual_out`` of ``(rows, hidden)`` for a 3-D ``x``: written, and the results
+    returned as views of them in ``x``'s shape, equal to the allocating call's."""
+    x, r, w = torch.randn(2, 3, 32), torch.randn(2, 3, 32), torch.randn(32)
+    out, residual_out = torch.empty(6, 32), torch.empty(6, 32)
+    y, s = rms_norm_fn(x, w, None, residual=r, prenorm=True, out=out, residual_out=residual_out)
+    want_y, want_s = rms_norm_fn(x, w, None, residual=r, prenorm=True)
+    assert y.shape == x.shape and y.data_ptr() == out.data_ptr() and s.data_ptr() == residual_out.data_ptr()
+    assert torch.equal(y, want_y) and torch.equal(s, want_s) and torch.equal(out, want_y.reshape(6, 32))
+    with pytest.raises(ValueError, match="out"):  # rows of another width are not x's
+        layer_norm_fn(x, w, None, out=torch.empty(3, 64))
+
+
 def test_results_come_in_flash_attn_order():
     x, r, w, b = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32), torch.randn(32)
     assert isinstance(layer_norm_fn(x, w, b, residual=r), torch.Tensor)

@@ -21,7 +21,8 @@ copy (``mamba_ssm.ops.triton.layernorm``) has no ``x1``: pass its ``eps``, ``pre
   directly, so a wider ``out_dtype`` than ``x``'s keeps more bits there);
 - ``out=`` / ``residual_out=`` are for calls without autograd, as everywhere in addnorm; ``out``
   has ``x``'s dtype (not with an ``out_dtype`` of another), and neither combines with ``x1`` or
-  ``weight1``.
+  ``weight1``. As in flash-attn, a buffer may hold ``x``'s rows in another shape (``(rows,
+  hidden)`` for a 3-D ``x``), and the result is then a view of it in ``x``'s shape.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def layer_norm_fn(
             )
         if isinstance(rowscale, Tensor) and rowscale.numel() == x.numel() // max(x.shape[-1], 1):
             rowscale = rowscale.reshape(x.shape[:-1])  # flash-attn takes the rows flat
+        out, residual_out = (_shaped_as(x, buffer) for buffer in (out, residual_out))
     if residual is not None:
         residual_dtype = check_float_tensor("residual", residual).dtype
     else:
@@ -125,6 +127,22 @@ def layer_norm_fn(
         return head
     rest = tuple(result[outputs:])
     return (*head, *rest) if outputs == 2 else (head, *rest)
+
+
+def _shaped_as(x: Tensor, buffer: Tensor | None) -> Tensor | None:
+    """A contiguous buffer of ``x``'s rows in another shape (flash-attn's ``(rows, hidden)`` for a
+    3-D ``x``) as a view of ``x``'s shape, as flash-attn reshapes it; anything else as it is (for
+    add_norm to check)."""
+    if (
+        isinstance(buffer, Tensor)
+        and buffer.shape != x.shape
+        and buffer.dim() >= 1
+        and buffer.shape[-1] == x.shape[-1]
+        and buffer.numel() == x.numel()
+        and buffer.is_contiguous()
+    ):
+        return buffer.view(x.shape)
+    return buffer
 
 
 def rms_norm_fn(
