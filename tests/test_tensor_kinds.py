@@ -79,6 +79,29 @@ def test_strided_and_expanded_inputs_give_the_results_of_contiguous_copies(backe
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("plan", ["rms", "post", "pre", "branch"])
+def test_inputs_made_under_inference_mode_train_the_weights(backend, plan):
+    """Inputs made under ``torch.inference_mode`` (cached features), weights that learn: the
+    weights' gradients equal those from ordinary copies of the inputs. (torch's RMSNorm takes
+    them; an inference tensor cannot be saved for backward, so the op saves a copy.)"""
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        x, r = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+    grads = []
+    for xs, rs in [(x, r), (x.clone(), r.clone())]:
+        w, b = torch.ones(32, requires_grad=True), torch.zeros(32, requires_grad=True)
+        if plan == "rms":
+            y = addnorm.rms_norm(xs, 32, w, backend=backend)
+        else:
+            kw = dict(prenorm=plan == "pre", dropout_p=0.2 if plan == "branch" else 0.0)
+            kw["generator"] = torch.Generator().manual_seed(1)
+            y = addnorm.add_layer_norm(xs, rs, 32, w, b, backend=backend, **kw)
+        y = y[0] if isinstance(y, tuple) else y
+        grads.append(torch.autograd.grad((y * torch.arange(32.0)).sum(), [w, b], allow_unused=True))
+    for a, e in zip(*grads, strict=True):
+        assert (a is None and e is None) or torch.equal(a, e)
+
+
 def test_jagged_nested_tensor_matches_torch_forward_and_backward(backend):
     g = torch.Generator().manual_seed(0)
     pieces = [torch.randn(n, 64, generator=g, dtype=torch.float64) for n in (3, 7, 1)]

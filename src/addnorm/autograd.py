@@ -119,8 +119,10 @@ def save_plan(impl: backends.Backend, a: OpArgs, branch: backends.Branch | None)
 
 def _saved(a: OpArgs, s: Tensor | None, plan: SavePlan) -> tuple[Tensor, ...]:
     """The backward's ``s_parts`` under ``plan``: ``(x, residual)`` to recompute ``s`` from, or the
-    stream itself (``x`` without a residual)."""
-    return (a.x, a.residual) if plan.save_inputs else (a.x if a.residual is None else s,)
+    stream itself (``x`` without a residual). An input made under ``torch.inference_mode`` cannot be
+    saved for backward (the weight's gradient needs it): a copy of it is."""
+    parts = (a.x, a.residual) if plan.save_inputs else (a.x if a.residual is None else s,)
+    return tuple(t.clone() if t is not None and t.is_inference() else t for t in parts)
 
 
 def train_forward(
