@@ -144,6 +144,19 @@ def test_buffers_take_the_rows_flat_as_flash_attn_takes_them():
         layer_norm_fn(x, w, None, out=torch.empty(3, 64))
 
 
+def test_jit_trace_of_a_flash_attn_call():
+    """``torch.jit.trace`` (and the TorchScript ONNX exporter, which traces) of a compat call:
+    the hidden size is read as an int, not a traced shape, and the trace replays on new rows."""
+    w = torch.randn(32)
+    f = lambda x, r: rms_norm_fn(x, w, None, residual=r, prenorm=True, residual_in_fp32=True)  # noqa: E731
+    x, r = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    with torch.no_grad():
+        traced = torch.jit.trace(f, (x, r), check_trace=False)
+        x, r = torch.randn(4, 5, 32), torch.randn(4, 5, 32)
+        for got, want in zip(traced(x, r), f(x, r), strict=True):
+            torch.testing.assert_close(got, want)
+
+
 def test_results_come_in_flash_attn_order():
     x, r, w, b = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32), torch.randn(32)
     assert isinstance(layer_norm_fn(x, w, b, residual=r), torch.Tensor)

@@ -97,7 +97,7 @@ def layer_norm_fn(
     if dropout_p or rowscale is not None or zero_centered_weight or return_dropout_mask:
         sublayer = Sublayer(dropout_p, None, None, rowscale, zero_centered_weight, return_dropout_mask)
     parallel = NO_PARALLEL if x1 is None and weight1 is None and bias1 is None else Parallel(x1, weight1, bias1)
-    n = x.shape[-1] if isinstance(x, Tensor) else 0
+    n = int(x.shape[-1]) if isinstance(x, Tensor) else 0  # (an int under torch.jit.trace too)
     result = add_norm(
         x,
         residual,
