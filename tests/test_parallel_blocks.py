@@ -223,7 +223,7 @@ def test_x1_dropout_runs_compiled_on_cpu_with_the_torch_ops_bits(monkeypatch, dt
     backends, under torch.func, under torch.compile and on other devices): outputs, stream and
     every gradient."""
     cpu = pytest.importorskip("addnorm.kernels.cpu", reason="numba is not installed")
-    import addnorm.autograd
+    import addnorm.dropped
 
     x, r, x1, w, b, w1, b1 = _tensors(300, 1024, dtype)
     dys = [torch.randn(300, 1024, generator=torch.Generator().manual_seed(k)).to(dtype) for k in range(3)]
@@ -241,7 +241,7 @@ def test_x1_dropout_runs_compiled_on_cpu_with_the_torch_ops_bits(monkeypatch, dt
 
     fused = run()
     assert calls == [False, True]  # x1's add forward, then dx1
-    monkeypatch.setattr(addnorm.autograd, "_dropped_kernels", lambda *args: None)
+    monkeypatch.setattr(addnorm.dropped, "_dropped_kernels", lambda *args: None)
     plain = run()
     assert calls == [False, True]
     for a, c in zip(fused, plain):
@@ -455,10 +455,10 @@ def test_x1_dropout_has_second_derivatives(backend, monkeypatch, compiled):
     """Under ``create_graph`` the gradient of ``x1`` is itself differentiable (its dropout is
     linear: the Hessian-vector product through it is the mask times the stream's), whether or
     not the first backward would take a compiled pass."""
-    import addnorm.autograd
+    import addnorm.dropped
 
     if not compiled:
-        monkeypatch.setattr(addnorm.autograd, "_dropped_kernels", lambda *args: None)
+        monkeypatch.setattr(addnorm.dropped, "_dropped_kernels", lambda *args: None)
     x, r, x1, w = _tensors(6, 64, torch.float64, count=4)
     x1 = x1.clone().requires_grad_()
     g = torch.Generator().manual_seed(2)

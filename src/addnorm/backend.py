@@ -99,7 +99,7 @@ class Branch(NamedTuple):
 class X1(NamedTuple):
     """Parallel blocks' second sublayer output, added to the residual before the branch:
     the forward's residual is then ``residual + dropout(x1, p)``, summed in the statistics dtype
-    and rounded to the stream dtype (:func:`addnorm.autograd.dropped_add`'s bits; without
+    and rounded to the stream dtype (:func:`addnorm.dropped.dropped_add`'s bits; without
     dropout, torch's add of the two in the stream dtype). ``x1``: of ``x``'s shape; ``p``: its
     dropout probability, ``seed`` its keep mask's (:func:`addnorm.reference.keep_mask`; None when
     ``p`` is 0)."""

@@ -41,10 +41,8 @@ from .autograd import (
     EagerSecondNorm,
     OpArgs,
     _to,
-    dropped_add,
     eager_apply,
     forward_op,
-    keep_mask_of,
     make_branch,
     op_args,
     train_forward,
@@ -66,6 +64,7 @@ from .checks import (
     normalize_shape,
     overlaps,
 )
+from .dropped import dropped_add, keep_mask_of
 from .kernels import torch as torch_kernels
 
 _is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_exporting
