@@ -72,13 +72,24 @@ _SANDWICH = (
 )
 _BERT = Family((Step("dense", "LayerNorm", dropout="dropout"),), post_norm=True)
 _T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"),), extras=True)
+_T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's prefix
+    "LayerSelfAttention": Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+    "LayerCrossAttention": Family((Step("EncDecAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+    "LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
+}
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(_llama(m, c, _PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
-    **dict(_llama(m, c, _PRE) for m, c in [("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe")]),
-    **dict([_llama("granite", "Granite", _GRANITE)]),
+    **dict(
+        _llama(m, c, steps)
+        for m, c, steps in [
+            ("qwen2_moe", "Qwen2Moe", _PRE),
+            ("qwen3_moe", "Qwen3Moe", _PRE),
+            ("granite", "Granite", _GRANITE),
+        ]
+    ),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
     "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": Family(
         (
@@ -116,14 +127,7 @@ FAMILIES: dict[str, Family] = {
     **{
         f"transformers.models.{m}.modeling_{m}.{c}{layer}": family
         for m, c in [("t5", "T5"), ("mt5", "MT5")]
-        for layer, family in [
-            ("LayerSelfAttention", Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION)),
-            (
-                "LayerCrossAttention",
-                Family((Step("EncDecAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
-            ),
-            ("LayerFF", Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm")),
-        ]
+        for layer, family in _T5_LAYERS.items()
     },
     "transformers.models.bert.modeling_bert.BertSelfOutput": _BERT,
     "transformers.models.bert.modeling_bert.BertOutput": _BERT,

@@ -133,11 +133,11 @@ def add_norm_forward(
     if style is None:
         raise TypeError(f"norm must be a module patched by addnorm, got {type(norm).__name__}")
     prenorm = residual is not None if prenorm is None else prenorm
-    if residual is not None and torch.promote_types(x.dtype, residual.dtype) != x.dtype:
+    if residual is not None:
         # the output in the stream's dtype, as the norm of the unfused add returns it (a bf16
         # sublayer output on a float32 stream under autocast); the stream's bits are the same, as
         # the op sums in float32 from x widened exactly
-        x = x.to(torch.promote_types(x.dtype, residual.dtype))
+        x = x.to(torch.promote_types(x.dtype, residual.dtype))  # (x itself when already in it)
     if style == "t5" and _t5_dtype(norm, x) != x.dtype:
         if residual is not None:
             raise ValueError("a T5 norm casting to another dtype than the stream's cannot be fused")
