@@ -93,11 +93,12 @@ def test_a_buffer_that_is_an_input_is_written_in_place(backend):
     assert y is xs and s is rs and torch.equal(y, y_ref) and torch.equal(s, s_ref)
 
 
+@pytest.mark.parametrize("rows", [37, 1100])  # 3 x 1100 x 96 rows: past the threaded blocks' threshold
 @pytest.mark.parametrize("rms", [False, True])
-def test_out_x_without_a_residual_keeps_the_stream(backend, rms):
+def test_out_x_without_a_residual_keeps_the_stream(backend, rms, rows):
     """Pre-norm without a residual returns ``x`` itself as the stream; with ``out=x`` that would be
     ``y``: the stream is then a copy of ``x``, written by the same call."""
-    x, _, w, b = _inputs()
+    x, _, w, b = _inputs(rows=rows)
     call = addnorm.add_rms_norm if rms else addnorm.add_layer_norm
     args = (w,) if rms else (w, b)
     y_ref = call(x, None, 96, *args, backend=backend)

@@ -79,14 +79,15 @@ def test_strided_and_expanded_inputs_give_the_results_of_contiguous_copies(backe
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("rows", [6, 2100])  # 2100 x 32: past the threaded blocks' threshold
 @pytest.mark.parametrize("plan", ["rms", "post", "pre", "branch"])
-def test_inputs_made_under_inference_mode_train_the_weights(backend, plan):
+def test_inputs_made_under_inference_mode_train_the_weights(backend, plan, rows):
     """Inputs made under ``torch.inference_mode`` (cached features), weights that learn: the
     weights' gradients equal those from ordinary copies of the inputs. (torch's RMSNorm takes
     them; an inference tensor cannot be saved for backward, so the op saves a copy.)"""
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        x, r = torch.randn(6, 32, generator=g), torch.randn(6, 32, generator=g)
+        x, r = torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
     grads = []
     for xs, rs in [(x, r), (x.clone(), r.clone())]:
         w, b = torch.ones(32, requires_grad=True), torch.zeros(32, requires_grad=True)
