@@ -262,13 +262,38 @@ def dropout(mesh) -> None:
         results.append([y, mask, *(t.grad for t in ins)])
     for i, (got, want) in enumerate(zip(results[1], results[0])):
         check(f"dropout on replicated DTensors: result {i}", got, want.detach())
+    _parallel_block_dropout(mesh, x, r, dy, w)
     sharded = [_distribute(t, mesh, (Shard(1),)) for t in (x, r)]
-    try:
-        addnorm.add_rms_norm(*sharded, WIDTH, _distribute(w, mesh, (Replicate(),)), dropout_p=0.5)
-    except ValueError as err:
-        assert "dropout_p > 0 needs x and residual replicated" in str(err), err
-    else:
-        raise AssertionError("dropout on sequence-sharded DTensors ran")
+    for kwargs in ({}, {"x1": sharded[1]}, {"x1": sharded[1], "weight1": w}):
+        try:
+            addnorm.add_rms_norm(*sharded, WIDTH, _distribute(w, mesh, (Replicate(),)), dropout_p=0.5, **kwargs)
+        except ValueError as err:
+            assert "dropout_p > 0 needs x and residual replicated" in str(err), err
+        else:
+            raise AssertionError(f"dropout on sequence-sharded DTensors ran ({', '.join(kwargs)})")
+
+
+def _parallel_block_dropout(mesh, x, r, dy, w) -> None:
+    """Parallel blocks' ``x1`` dropped out on replicated DTensors, with and without a residual:
+    the results, both masks and every gradient of a plain call with the same generator."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    x1 = x.flip(0) * 2
+    for residual in (r, None):
+        results = []
+        for distributed in (False, True):
+            given = (x, x1, w, w.flip(0)) + (() if residual is None else (residual,))
+            ins = [_distribute(t, mesh, (Replicate(),)) if distributed else t.clone().requires_grad_() for t in given]
+            out = addnorm.add_layer_norm(
+                ins[0], None if residual is None else ins[4], WIDTH, ins[2], x1=ins[1], weight1=ins[3],
+                prenorm=True, dropout_p=0.3, generator=torch.Generator().manual_seed(5), return_dropout_mask=True,
+            )  # fmt: skip
+            y, y1, s = out[:3]
+            grad = _distribute(dy, mesh, (Shard(1),)) if distributed else dy
+            torch.autograd.backward((y, y1, s), (grad, grad * 0.5, grad * 0.25))
+            results.append([*out, *(t.grad for t in ins)])
+        for i, (got, want) in enumerate(zip(results[1], results[0])):
+            check(f"x1 dropped out on replicated DTensors (residual {residual is not None}): result {i}", got, want)
 
 
 def _distribute(t: torch.Tensor, mesh, placements: tuple) -> torch.Tensor:

@@ -226,21 +226,22 @@ def check_sublayer(x: Tensor, residual: Tensor | None, shape: tuple[int, ...], w
         raise ValueError("zero_centered_weight=True scales by 1 + weight: it needs a weight")
 
 
-def check_dtensors(x, residual, weight, bias, buffers: bool, dropout_p: float) -> None:
+def check_dtensors(x, residual, weight, bias, buffers: bool, dropout_p: float, x1=None) -> None:
     """What DTensors cannot do here (DTensor loaded): write into ``out=`` buffers, and take
     dropout on rows sharded over ranks, whose keep mask is a function of each row's index in the
     call: a shard of the rows would draw the masks of other rows, the same on every rank (the
-    sharding rules would gather the rows instead: a cost better asked for than hidden)."""
+    sharding rules would gather the rows instead: a cost better asked for than hidden). ``x1``:
+    parallel blocks' second sublayer output, dropped out as ``x`` is."""
     dtensor = sys.modules["torch.distributed.tensor"].DTensor
     if buffers and any(isinstance(t, dtensor) for t in (x, residual, weight, bias)):
         raise ValueError("out= and residual_out= take plain tensors, not DTensors")
-    placements = [p for t in (x, residual) if isinstance(t, dtensor) for p in t.placements]
+    placements = [p for t in (x, residual, x1) if isinstance(t, dtensor) for p in t.placements]
     if dropout_p > 0 and not all(p.is_replicate() for p in placements):
         raise ValueError(
-            "dropout_p > 0 needs x and residual replicated when they are DTensors: the keep mask is a function "
-            "of each row's index, which a shard of the rows does not know. Keep dropout_p=0 and apply "
-            "torch.nn.Dropout to the sublayer output before the norm, or redistribute x and residual to "
-            "Replicate()"
+            "dropout_p > 0 needs x and residual replicated when they are DTensors (and x1, when given): the "
+            "keep mask is a function of each row's index, which a shard of the rows does not know. Keep "
+            "dropout_p=0 and apply torch.nn.Dropout to the sublayer output before the norm, or redistribute "
+            "them to Replicate()"
         )
 
 

@@ -12,6 +12,7 @@ call returns. The compiled kernels' ``dropped`` runs either direction in one pas
 from __future__ import annotations
 
 import inspect
+import sys
 
 import torch
 from torch import Tensor
@@ -83,13 +84,19 @@ def _dropped(t: Tensor, n: int, p: float, seed: Tensor | None) -> Tensor:
 def keep_mask_of(t: Tensor, n: int, p: float, seed: Tensor) -> Tensor:
     """:func:`addnorm.reference.keep_mask` of ``t``'s rows of ``n`` features, ``(rows, n)``: for a
     plain CPU tensor in eager mode by the cpu backend's hash (the same bits, one compiled loop
-    instead of a dozen int64 torch ops over the whole tensor), else by the reference's ops."""
+    instead of a dozen int64 torch ops over the whole tensor), else by the reference's ops; for a
+    DTensor (replicated: a shard of the rows cannot draw their masks) a replicated DTensor."""
     rows = t.numel() // n if n else 0
     if _eager_cpu(t, seed):
         from .kernels import cpu  # (numba: imported on the first such call)
 
         return cpu.keep_mask(seed, rows, n, p)
-    return reference.keep_mask(seed, torch.arange(rows, device=t.device), n, p)
+    keep = reference.keep_mask(seed, torch.arange(rows, device=t.device), n, p)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):  # replicated: checks.check_dtensors
+        mesh = t.device_mesh
+        return dtensor.DTensor.from_local(keep, mesh, [dtensor.Replicate()] * mesh.ndim, run_check=False)
+    return keep
 
 
 def _eager(*tensors: Tensor) -> bool:

@@ -384,6 +384,8 @@ def _parallel(
     check_sublayer(x, residual, norm_shape, weight, sublayer)  # (before x1's seed is drawn)
     n = math.prod(norm_shape)
     p = float(sublayer.dropout_p)
+    if x1 is not None and p > 0 and _dtensor_rules():  # (x1's mask is drawn before the norm's checks)
+        check_dtensors(x, residual, weight, bias, False, p, x1)
     masks, added = (), None
     if x1 is not None:
         sd = residual_dtype or reference.stream_dtype(x, residual, None)  # (in residual_dtype without a residual)
