@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -180,6 +181,30 @@ def test_seeds_come_from_the_generator():
     assert not torch.equal(draw(), first)  # and the next call draws a new mask
     g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
     assert torch.equal(draw(generator=g()), draw(generator=g()))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_replays_the_masks(backend, reentrant):
+    """torch.utils.checkpoint recomputes the forward in the backward pass: with torch's default
+    generator, whose state it restores, the same masks and the plain run's gradients; with a
+    generator of one's own, which it does not restore, a warning that the recomputed mask differs."""
+    from torch.utils.checkpoint import checkpoint
+
+    def grads(checkpointed, **kw):
+        torch.manual_seed(3)
+        m = addnorm.AddNorm(32, prenorm=True, dropout=0.5, backend=backend, **kw)
+        h = torch.randn(4, 32, requires_grad=True)
+        r = torch.randn(4, 32)
+        y, s = checkpoint(m, h, r, use_reentrant=reentrant) if checkpointed else m(h, r)
+        ((y * y).sum() + (s * s * s).sum()).backward()
+        return h.grad, m.norm.weight.grad
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for got, want in zip(grads(True), grads(False)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.warns(RuntimeWarning, match="generator= is drawing its seed in a backward pass"):
+        grads(True, generator=torch.Generator().manual_seed(5))
 
 
 def test_no_mask_is_saved_for_backward(backend):

@@ -83,6 +83,61 @@ def test_tiny_normalized_shape_warns(n):
     torch.testing.assert_close(y, TF.layer_norm(x, (n,)))
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_tiny_normalized_shape_compiles_fullgraph(n):
+    """The warning above is left out of compiled graphs (a warning is a graph break)."""
+    torch._dynamo.reset()
+    x = torch.randn(3, n)
+    torch.testing.assert_close(
+        torch.compile(lambda t: addnorm.layer_norm(t, n), fullgraph=True)(x), TF.layer_norm(x, (n,))
+    )
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_calls_write_into_out_buffers(fullgraph):
+    """Under torch.compile, out= and residual_out= are written and returned as in eager mode, with
+    one or several normalized dims and out=x in place."""
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(2, 4, 8, generator=g), torch.randn(2, 4, 8, generator=g)
+    cases = {
+        "add_layer_norm, both buffers": (
+            lambda x, r, o, ro: addnorm.add_layer_norm(x, r, 8, out=o, residual_out=ro, prenorm=True),
+            (TF.layer_norm(x + r, (8,)), x + r),
+        ),
+        "add_rms_norm, out": (lambda x, r, o, ro: addnorm.add_rms_norm(x, r, 8, out=o), (TF.rms_norm(x + r, (8,)),)),
+        "layer_norm over two dims": (
+            lambda x, r, o, ro: addnorm.layer_norm(x, (4, 8), out=o),
+            (TF.layer_norm(x, (4, 8)),),
+        ),
+        "out=x": (lambda x, r, o, ro: addnorm.layer_norm(o, 8, out=o), (TF.layer_norm(x, (8,)),)),
+    }
+    for name, (fn, want) in cases.items():
+        torch._dynamo.reset()
+        buffers = [x.clone() if name == "out=x" else torch.zeros_like(x), torch.zeros_like(x)]
+        got = torch.compile(fn, fullgraph=fullgraph, backend="aot_eager")(x, r, *buffers)
+        got = got if type(got) is tuple else (got,)
+        for i, (t, buffer, expected) in enumerate(zip(got, buffers, want)):
+            assert t is buffer, f"{name}: result {i} is not its buffer"
+            torch.testing.assert_close(buffer, expected, msg=lambda m, name=name, i=i: f"{name}, result {i}: {m}")
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap"])
+def test_torch_func_transforms_compile(transform):
+    """torch.compile of a torch.func transform of addnorm: the transform's results, as of torch's
+    own ops (the custom op cannot run under a transform: the reference formulas do)."""
+    torch._dynamo.reset()
+    x, r, w, b = (t.detach() for t in _inputs())
+    if transform == "vmap":
+        f = lambda x: addnorm.add_layer_norm(x, r[0], 16, w, b)  # noqa: E731
+        ft = lambda x: TF.layer_norm(x + r[0], (16,), w, b)  # noqa: E731
+    else:
+        f = lambda x: addnorm.add_layer_norm(x, r, 16, w, b).pow(2).sum()  # noqa: E731
+        ft = lambda x: TF.layer_norm(x + r, (16,), w, b).pow(2).sum()  # noqa: E731
+    wrap = getattr(torch.func, transform)
+    got = torch.compile(wrap(f), fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, wrap(ft)(x))
+
+
 def test_three_features_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

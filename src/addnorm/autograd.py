@@ -480,5 +480,8 @@ class EagerSecondNorm(torch.autograd.Function):
 
 def transformed() -> bool:
     """Whether a torch.func transform (vmap, grad, jvp, ...) or forward-mode AD is active: then the
-    tensors are seen through the autograd.Functions' own rules, never the eager shortcuts."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
+    tensors are seen through the autograd.Functions' own rules, never the eager shortcuts. (An
+    ``isinstance`` test rather than ``is not None``: torch.compile traces the stack's top as an
+    object, which is never None, where ``isinstance`` reads what it holds.)"""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    return isinstance(interpreter, torch._C._functorch.CInterpreter) or torch.autograd.forward_ad._current_level >= 0

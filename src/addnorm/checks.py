@@ -119,7 +119,7 @@ def check_inputs(
         if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
             raise ValueError(f"x of shape {tuple(x.shape)} must end with normalized_shape {shape}")
         n = math.prod(shape)
-        if n <= 2:
+        if n <= 2 and not torch.compiler.is_compiling():  # (a warning would break the graph)
             warnings.warn(
                 f"normalizing over {n} feature(s): every output row is then ±1 (or 0) times weight, "
                 "plus bias, whatever the input; project the features to a wider dimension first",
@@ -188,8 +188,9 @@ def _span(t: Tensor) -> tuple[int, int]:
 
 
 def overlaps(a: Tensor, b: Tensor) -> bool:
-    """Whether two plain tensors' memory spans intersect (tensor subclasses: never checked)."""
-    if type(a) not in PLAIN or type(b) not in PLAIN or a.device != b.device:
+    """Whether two plain tensors' memory spans intersect (tensor subclasses: never checked; nor
+    under torch.compile, whose graphs write buffers by copying results made whole first)."""
+    if type(a) not in PLAIN or type(b) not in PLAIN or a.device != b.device or torch.compiler.is_compiling():
         return False
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1

@@ -15,8 +15,9 @@ inference     plain tensors in eager mode without gradients (``no_grad``, or no 
               grad), or any call writing into ``out=``/``residual_out=``: the backend's forward
               alone, nothing saved, the stream and the statistics written only when returned
 compiled      ``torch.compile`` / ``torch.export`` graphs: the custom op ``addnorm::forward``
-transform     ``torch.func`` transforms and forward-mode AD: the reference formulas as
-              differentiable torch ops (:func:`addnorm.kernels.torch.composite`)
+              (into ``out=``/``residual_out=``: its results copied there)
+transform     ``torch.func`` transforms and forward-mode AD, compiled or not: the reference
+              formulas as differentiable torch ops (:func:`addnorm.kernels.torch.composite`)
 subclass      tensor subclasses (FakeTensor, DTensor through :mod:`addnorm.sharding`) and
               ``torch.jit.trace``: the custom op, after DTensor's own checks
 ============  =====================================================================================
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -187,7 +189,12 @@ def add_norm(
     a = op_args(
         (x, residual, weight, bias, eps, rms, residual_dtype, backend, prenorm, dropout_p, seed, layer_scale, rowscale)
     )
-    y, s = _route(a, traced, buffers, needs_grad)(a, out, residual_out)
+    y, s = _route(a, traced, needs_grad)(a, out, residual_out)
+    if buffers:  # routes that make fresh outputs (compiled, transforms): copied into the buffers
+        if out is not None and y is not out:
+            y = out.copy_(y)
+        if residual_out is not None and s is not residual_out:
+            s = residual_out.copy_(s)
     if len(shape) == 1 and not prenorm and not sublayer.return_dropout_mask:
         return y  # the common case, without the tuple below
     result = (y, s) if prenorm else (y,)
@@ -205,7 +212,7 @@ def add_norm(
 Route = Callable[[OpArgs, "Tensor | None", "Tensor | None"], tuple]
 
 
-def _route(a: OpArgs, traced: bool, buffers: bool, needs_grad: bool) -> Route:
+def _route(a: OpArgs, traced: bool, needs_grad: bool) -> Route:
     """The route of a call (module docstring), from its tensors' types and what torch is doing
     (``traced``: exporting or ``torch.jit.trace``; ONNX export has been routed already)."""
     x, residual, weight, bias = a.x, a.residual, a.weight, a.bias
@@ -219,10 +226,10 @@ def _route(a: OpArgs, traced: bool, buffers: bool, needs_grad: bool) -> Route:
         and not (traced or compiling or transformed)
     ):
         return _training if needs_grad else _inference
-    if (compiling or _is_exporting()) and not buffers:
-        return _compiled
-    if transformed:
+    if transformed:  # (first: the custom op cannot run under a transform, compiled or not)
         return _transform
+    if compiling or _is_exporting():
+        return _compiled
     return _subclass
 
 
@@ -318,7 +325,22 @@ def _sublayer(x, residual, shape, weight, sub: Sublayer) -> tuple[Tensor | None,
 
 def draw_seed(generator: torch.Generator | None, device: torch.device) -> Tensor:
     """The dropout mask's 0-d int64 seed for one call, drawn from ``generator`` (torch's default
-    generator of ``device`` when None): on the device, so a CUDA call does not synchronize."""
+    generator of ``device`` when None): on the device, so a CUDA call does not synchronize.
+
+    A forward run during a backward pass with grad enabled is activation checkpointing's
+    recompute (``torch.utils.checkpoint``), which restores torch's default generators alone: a
+    seed drawn there from ``generator`` is not the forward's, and the gradients would come from
+    another mask. That is warned of (not under torch.compile, which does not take generators)."""
+    if generator is not None and not torch.compiler.is_compiling() and torch.is_grad_enabled():
+        if torch._C._current_graph_task_id() != -1:
+            warnings.warn(
+                "addnorm: dropout with generator= is drawing its seed in a backward pass, as activation "
+                "checkpointing recomputes a forward. torch.utils.checkpoint restores torch's default generator "
+                "alone, so this mask is not the forward's and the gradients are wrong: under checkpointing leave "
+                "generator=None (torch.manual_seed reproduces the run)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=generator)
 
 
