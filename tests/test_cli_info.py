@@ -43,6 +43,28 @@ def test_console_script_runs():
     assert done.returncode == 0 and done.stdout.startswith("addnorm ")
 
 
+def test_ctrl_c_while_the_package_imports_is_one_line():
+    """The installed command starts outside the package, so that a Ctrl-C during the seconds
+    torch and numba take to import ends it with one line and status 130, as later."""
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="addnorm")
+    assert script.value == "addnorm_cli:main"
+    code = (
+        "import builtins, sys\n"
+        "real = builtins.__import__\n"
+        "def interrupted(name, *args, **kwargs):\n"
+        "    if name == 'addnorm.tools.cli':\n"
+        "        raise KeyboardInterrupt\n"
+        "    return real(name, *args, **kwargs)\n"
+        "builtins.__import__ = interrupted\n"
+        "import addnorm_cli\n"
+        "sys.exit(addnorm_cli.main())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (done.returncode, done.stderr) == (130, "addnorm: error: interrupted\n")
+
+
 # --------------------------------------------------------------------------- one error mechanism
 
 
