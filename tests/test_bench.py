@@ -161,3 +161,32 @@ def test_plot_of_this_run(tmp_path, capsys):
     assert f"wrote {tmp_path / 'bench.png'}" in capsys.readouterr().out
     image = imread(tmp_path / "bench.png")
     assert image.shape[0] > 300 and image.shape[1] > 600
+
+
+def test_ctrl_c_shows_saves_and_draws_what_had_finished(tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the second configuration: the first one's rows are printed, kept in
+    --results and drawn, then the command stops with status 130 and says how far it got."""
+    from matplotlib.image import imread
+
+    real, calls = bench.run_config, []
+
+    def run_config(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(bench, "run_config", run_config)
+    results, png = tmp_path / "rows.jsonl", tmp_path / "b.png"
+    argv = [*TINY, "--pass", "fwd,fwd+bwd", "--impl", "torch-eager,addnorm-reference", "--save", "--results"]
+    assert main([*argv, str(results), "--plot", str(png)]) == 130
+    out, err = capsys.readouterr()
+    assert "layer_norm fwd, 4x64, float32" in out and "fwd+bwd" not in out
+    assert err.endswith(
+        "addnorm bench: error: interrupted: 1 of 2 configurations had finished; their rows are shown above\n"
+    )
+    assert [json.loads(line)["impl"] for line in results.read_text().splitlines()] == [
+        "torch-eager",
+        "addnorm-reference",
+    ]
+    assert imread(png).shape[0] > 300

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ..cli import UsageError, check_threads, output_file
+from ..cli import Interrupted, UsageError, check_threads, output_file
 from .impls import DROPOUT_P, DTYPES, EPS, OTHER_IMPLS, all_impls, make_impl, out_variant, runner, traffic
 from .measure import Copy, bytes_moved, copy_bandwidth, kernel_copy_bandwidth, kernel_seconds, measure, quantile, sync
 from .rows import (
@@ -192,20 +192,26 @@ def run(args) -> int:
     if args.format == "markdown":
         say("")
     configs = [(op, s, d, p) for op in op_list for s in shapes for d in dtypes for p in passes]
-    results, skipped = [], {}
-    with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("benchmarking", total=len(configs))
-        for op, (rows, cols), dtype, pass_ in configs:
-            progress.update(task, description=f"{op} {pass_} {rows}x{cols} {dtype}")
-            res, skip = run_config(
-                op, rows, cols, dtype, pass_, impls, args.device, args.rounds, args.out_buffers, copy
-            )
-            res = [make_row(run_fields, r) for r in res]
-            results += res
-            skipped.update(skip)
-            if path is not None:  # appended as each configuration finishes
-                append_rows(path, res)
-            progress.advance(task)
+    results, skipped, finished = [], {}, 0
+    try:
+        with Progress(console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("benchmarking", total=len(configs))
+            for op, (rows, cols), dtype, pass_ in configs:
+                progress.update(task, description=f"{op} {pass_} {rows}x{cols} {dtype}")
+                res, skip = run_config(
+                    op, rows, cols, dtype, pass_, impls, args.device, args.rounds, args.out_buffers, copy
+                )
+                res = [make_row(run_fields, r) for r in res]
+                results += res
+                skipped.update(skip)
+                if path is not None:  # appended as each configuration finishes
+                    append_rows(path, res)
+                finished += 1
+                progress.advance(task)
+    except KeyboardInterrupt:  # Ctrl-C: what had finished is shown (and drawn) before stopping
+        stopped = f"interrupted: {finished} of {len(configs)} configurations had finished"
+    else:
+        stopped = None
     print(render(results, skipped, args.format))
     if args.format == "markdown" and skipped:
         say("", *(f"- {name}: {reason}" for name, reason in sorted(skipped.items())))
@@ -218,6 +224,8 @@ def run(args) -> int:
 
         with contextlib.redirect_stdout(for_people):  # it prints where it wrote
             draw_bench(results, plot_path, "this run")
+    if stopped:
+        raise Interrupted(stopped + ("; their rows are shown above" if results else ""))
     return 0
 
 
