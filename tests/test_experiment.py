@@ -362,6 +362,32 @@ def test_cli_interrupted_writes_what_finished(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "none" / "results.json").exists()
 
 
+def test_curves_of_an_interrupted_run_say_how_many_seeds_each_line_holds(tmp_path, monkeypatch):
+    """Ctrl-C during the fourth of four runs: pre-LN's line is the median of 2 seeds, post-LN's
+    is 1 seed, and curves.png says so instead of "median of 2 seeds"."""
+    from matplotlib.figure import Figure
+
+    calls, real, drawn = [], training.train_arm, {}
+
+    def train_arm(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    def savefig(fig, path, **kwargs):
+        ax = fig.axes[0]
+        drawn[pathlib.Path(path).name] = (ax.get_title(), [t.get_text() for t in ax.get_legend().get_texts()])
+
+    monkeypatch.setattr(training, "train_arm", train_arm)
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    argv = ["train", "--quick", "--arms", "pre,post", "--seeds", "2", "--jobs", "1", "--out", str(tmp_path)]
+    assert cli.main(argv) == 130
+    title, labels = drawn["curves.png"]
+    assert title.startswith("Test MSE per epoch (median of the seeds that finished, band: min-max; interrupted)")
+    assert labels == ["pre-LN", "post-LN (1 of 2 seeds)"]
+
+
 def test_dropout_reaches_every_add_and_norm(tmp_path):
     from addnorm.nn import AddNorm
 

@@ -40,6 +40,18 @@ def test_plot_hist_writes_png(tmp_path, capsys):
     assert f"wrote {tmp_path / 'hist.png'}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("points", [1, 2, 8])
+def test_plot_hist_title_fits_the_figure(points, tmp_path, monkeypatch, capsys):
+    from addnorm.tools import plot
+
+    figures, save = [], plot._save
+    monkeypatch.setattr(plot, "_save", lambda fig, path: figures.append(fig) or save(fig, path))
+    plot.plot_hist(tmp_path / "hist.png", points, 256, 23)
+    (fig,) = figures
+    title = fig._suptitle.get_window_extent(fig._get_renderer())  # (as drawn when saved)
+    assert 0 <= title.x0 and title.x1 <= fig.bbox.width, (title, fig.bbox)
+
+
 def bench_rows() -> list[dict]:
     rows = []
     for impl, gbps in [("addnorm-reference", 5.0), ("torch-eager", 8.0)]:

@@ -67,7 +67,7 @@ def _num(v: float) -> str:
 
 def plot_hist(path: Path, points: int, d_model: int, seed: int) -> Path:
     before, after = (t[:, 0].detach().double() for t in hist_data(points, d_model, seed))
-    fig = new_figure(figsize=(3.4 * points + 0.6, 6.4), layout="constrained")
+    fig = new_figure(figsize=(max(3.4 * points + 0.6, 7.4), 6.6), layout="constrained")  # (the title's width)
     axs = fig.subplots(2, points, squeeze=False, sharey="row")
     rows = [("before: positionally encoded input", before, "tab:blue"), ("after LayerNorm", after, "tab:orange")]
     for r, (label, values, color) in enumerate(rows):
@@ -84,8 +84,8 @@ def plot_hist(path: Path, points: int, d_model: int, seed: int) -> Path:
             if i == 0:
                 ax.set_ylabel(f"{label}\n# of features")
     fig.suptitle(
-        f"{points} data points × {d_model} features (randn·√{d_model} + sinusoidal positional "
-        f"encoding, seed {seed}), before and after LayerNorm (eps 1e-5, γ=1, β=0)",
+        f"{points} data point{'s' if points > 1 else ''} × {d_model} features, before and after LayerNorm "
+        f"(eps 1e-5, γ=1, β=0)\ninput: randn·√{d_model} + sinusoidal positional encoding, seed {seed}",
         fontsize=11,
     )
     return _save(fig, path)

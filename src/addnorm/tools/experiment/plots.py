@@ -50,7 +50,8 @@ def _plot_curves(results: Results, out: pathlib.Path, plt) -> pathlib.Path:
         clipped |= bool((median > CLIP).any())
         epochs = np.arange(1, curves.shape[1] + 1)
         style = "--" if arm.norm_position == "pre" else ":" if arm.norm_position == "none" else "-"
-        (line,) = ax.plot(epochs, np.minimum(median, CLIP), style, marker="o", ms=3, label=arm.label)
+        label = arm.label + _runs_note(len(arm.runs), len(results.config.seeds))
+        (line,) = ax.plot(epochs, np.minimum(median, CLIP), style, marker="o", ms=3, label=label)
         if len(curves) > 1:
             lo, hi = np.nanmin(curves, axis=0), np.nanmax(curves, axis=0)
             ax.fill_between(epochs, np.minimum(lo, CLIP), np.minimum(hi, CLIP), color=line.get_color(), alpha=0.15)
@@ -63,8 +64,7 @@ def _plot_curves(results: Results, out: pathlib.Path, plt) -> pathlib.Path:
     ax.set_xlabel("epoch")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("test MSE (autoregressive, log scale)")
-    seeds = len(results.config.seeds)
-    title = f"Test MSE per epoch ({f'median of {seeds} seeds, band: min-max' if seeds > 1 else '1 seed'})"
+    title = f"Test MSE per epoch ({_over_seeds([len(a.runs) for a in results.arms.values()], results)})"
     ax.set_title(title + (f"\nvalues above {CLIP:g} drawn at {CLIP:g}" if clipped else ""), fontsize=11)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -111,7 +111,10 @@ def plot_sweep(results: Results, out: pathlib.Path) -> pathlib.Path:
         finals = [[_clip(r.test_mse[-1]) for r in arm.runs] for arm in by_depth.values()]
         first = next(iter(by_depth.values()))
         style = "--s" if first.norm_position == "pre" else "-o"
-        (line,) = ax.plot(depths, [np.median(f) for f in finals], style, label=first.label)
+        counts = [len(f) for f in finals]
+        seeds = len(results.config.seeds)
+        label = first.label + ("" if set(counts) == {seeds} else f" ({', '.join(map(str, counts))} of {seeds} seeds)")
+        (line,) = ax.plot(depths, [np.median(f) for f in finals], style, label=label)
         ax.fill_between(depths, [min(f) for f in finals], [max(f) for f in finals], color=line.get_color(), alpha=0.15)
     ax.axhline(floor, color="black", lw=1)
     ax.text(min(results.sweep.depth), floor * 0.8, f"noise floor {floor:.4f}", va="top", fontsize=9)
@@ -129,10 +132,8 @@ def plot_sweep(results: Results, out: pathlib.Path) -> pathlib.Path:
     ax.set_xticks(results.sweep.depth)
     ax.set_xlabel("encoder layers = decoder layers")
     ax.set_ylabel("final test MSE (log scale)")
-    seeds = len(results.config.seeds)
-    ax.set_title(
-        f"Final test MSE against depth ({f'median of {seeds} seeds, band: min-max' if seeds > 1 else '1 seed'})"
-    )
+    counts = [len(arm.runs) for by_depth in results.sweep.by_arm().values() for arm in by_depth.values()]
+    ax.set_title(f"Final test MSE against depth ({_over_seeds(counts, results)})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=9)
     fig.tight_layout()
@@ -140,6 +141,19 @@ def plot_sweep(results: Results, out: pathlib.Path) -> pathlib.Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _over_seeds(counts: list[int], results: Results) -> str:
+    """What a line and its band are, from the number of runs behind each line (``counts``): fewer
+    than the seeds planned where a run was interrupted (the legend then says how many)."""
+    seeds = len(results.config.seeds)
+    if set(counts) != {seeds}:
+        return "median of the seeds that finished, band: min-max; interrupted"
+    return f"median of {seeds} seeds, band: min-max" if seeds > 1 else "1 seed"
+
+
+def _runs_note(runs: int, seeds: int) -> str:
+    return "" if runs == seeds else f" ({runs} of {seeds} seeds)"
 
 
 def _clip(v: float) -> float:
