@@ -94,6 +94,7 @@ def test_load_npy_and_csv(tmp_path):
     "name, content, match",
     [
         ("missing.npy", None, "no such file"),
+        ("/dev/null", None, "/dev/null: is not a regular file; expected a .npy or .csv file"),
         ("seq.txt", "1,2", "expected a .npy or .csv"),
         ("wrong.npy", np.zeros((5, 3, 2)), r"shape \[n, 4, 2\].*got shape \[5, 3, 2\]"),
         ("one.npy", np.zeros((1, 4, 2)), "n >= 2"),
@@ -104,6 +105,8 @@ def test_load_npy_and_csv(tmp_path):
 )
 def test_load_errors(tmp_path, name, content, match):
     path = tmp_path / name
+    if name == "/dev/null":  # a file that exists, not a regular one
+        path = pathlib.Path(name)
     if isinstance(content, np.ndarray):
         np.save(path, content)
     elif content is not None:
@@ -125,7 +128,7 @@ def test_cli_reports_bad_data_and_arms(tmp_path, capsys):
     assert cli.main(["train", "--threads", "100000", "--out", str(tmp_path)]) == 2
     assert "--threads must be between 1 and" in capsys.readouterr().err
     assert cli.main(["train", "--data", str(tmp_path), "--out", str(tmp_path)]) == 2
-    assert "is a folder, not a file" in capsys.readouterr().err
+    assert "is a folder; expected a .npy or .csv file" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
 
 

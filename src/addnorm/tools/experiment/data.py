@@ -53,7 +53,8 @@ def load_sequences(path: str | pathlib.Path) -> np.ndarray:
     """
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ValueError(f"--data {path}: {'is a folder, not a file' if path.is_dir() else 'no such file'}")
+        what = "is a folder" if path.is_dir() else "is not a regular file" if path.exists() else "no such file"
+        raise ValueError(f"--data {path}: {what}; expected a .npy or .csv file")
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
