@@ -101,3 +101,30 @@ def test_the_reference_folds_rows_in_an_order_fixed_by_the_width(n):
     exact = x.double().sum(-1, keepdim=True)
     bound = torch.finfo(torch.float32).eps * max(1, math.ceil(math.log2(n))) * x.double().abs().sum(-1, keepdim=True)
     assert ((folded.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", OPS)
+def test_a_row_is_the_same_whatever_the_batch_layout(backend, op, dtype):
+    """The batch's inputs column-major (a transposed activation) and the output gradient one row
+    expanded over the batch (stride 0): each row's results as it gives alone and contiguous."""
+    n, m = 768, 16 if interpreted(backend) else 256
+    g = torch.Generator().manual_seed(5)
+    x, r, dst = ((torch.randn(n, m, generator=g) * 3 + 5).to(dtype).t() for _ in range(3))
+    dy = (torch.randn(n, generator=g) * 3 + 5).to(dtype).expand(m, n)
+    w, b = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+
+    def results(x, r, dy, dst):
+        x, r = x.detach().requires_grad_(), r.detach().requires_grad_()
+        out = _call(x, r, n, w, b, op, backend)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, (dy, dst)[: len(outs)])
+        return [t.detach() for t in outs] + [x.grad] + ([r.grad] if op.startswith("add") else [])
+
+    batch = results(x, r, dy, dst)
+    for i in sorted({0, m // 2, m - 1}):
+        alone = results(*(t[i : i + 1].contiguous() for t in (x, r, dy, dst)))
+        for k, (a, c) in enumerate(zip(alone, batch)):
+            assert torch.equal(a[0], c[i]), (
+                f"result {k} of row {i} differs: {(a[0].double() - c[i].double()).abs().max()}"
+            )

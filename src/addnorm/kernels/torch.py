@@ -35,6 +35,13 @@ def unavailable_reason(x: Tensor | None) -> str | None:
     return None
 
 
+def _rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as contiguous rows of ``n``: torch sums a row of a strided tensor (a transposed
+    input, an expanded gradient) in another order than a contiguous one, and a row's bits must
+    not depend on how the rest of the batch is laid out."""
+    return t.reshape(-1, n).contiguous()
+
+
 def forward(
     x: Tensor,
     residual: Tensor | None,
@@ -64,7 +71,7 @@ def forward(
         s = residual_out.copy_(s)
     cd = reference.stats_dtype(s.dtype)
     n = s.shape[-1]
-    s2 = s.reshape(-1, n)
+    s2 = _rows(s, n)
     m = s2.shape[0]
     y = out if out is not None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y2 = y.view(m, n)
@@ -104,9 +111,9 @@ def backward(
     """
     check_s_parts(s_parts, branch)
     n = s_parts[0].shape[-1]
-    s, *r = (part.reshape(-1, n) for part in s_parts)
-    dy = dy.reshape(-1, n)
-    dstream = dstream.reshape(-1, n) if dstream is not None else None
+    s, *r = (_rows(part, n) for part in s_parts)
+    dy = _rows(dy, n)
+    dstream = _rows(dstream, n) if dstream is not None else None
     cd = rstd.dtype
     m = s.shape[0]
     sd = s_parts[-1].dtype  # the stream dtype (with a branch, residual's)
