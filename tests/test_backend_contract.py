@@ -178,6 +178,12 @@ def test_register_refuses_what_it_cannot_use(registered):
         backends.register("my backend", "toy_backend")
     with pytest.raises(TypeError, match="module must be a module or its import path"):
         backends.register("nothing", 3)
+    for bad in (3, "cpu", ("cpu", 0)):  # a bare string would be taken a letter at a time
+        with pytest.raises(TypeError, match=r"device_types_for_auto takes a tuple of device type names"):
+            backends.register("misfit", "toy_backend", device_types_for_auto=bad)
+        assert "misfit" not in backends.REGISTRY  # refused before anything was registered
+    with pytest.raises(TypeError, match=r"Capabilities.device_types takes a tuple of device type names"):
+        backends.Capabilities(device_types="cpu")
     with pytest.raises(ValueError, match="built in"):
         backends.unregister("reference")
     with pytest.raises(ValueError, match="not registered"):

@@ -73,12 +73,22 @@ class Capabilities:
     adds_x1: bool = False
 
     def __post_init__(self):
+        _check_device_types("Capabilities.device_types", self.device_types, none_is="any device")
         dtypes = self.recomputes_stream
         if not isinstance(dtypes, tuple) or not all(isinstance(d, torch.dtype) for d in dtypes):
             raise TypeError(
                 f"Capabilities.recomputes_stream takes a tuple of torch dtypes (the stream dtypes "
                 f"whose post-norm backward recomputes s), e.g. (torch.float32,); got {dtypes!r}"
             )
+
+
+def _check_device_types(name: str, value, none_is: str | None = None) -> None:
+    """A tuple of device type names (``("cpu",)``): a bare string would be taken a letter at a time."""
+    if value is None and none_is is not None:
+        return
+    if not isinstance(value, tuple) or not all(isinstance(d, str) and d for d in value):
+        also = f", or None ({none_is})" if none_is is not None else ""
+        raise TypeError(f"{name} takes a tuple of device type names, e.g. ('cpu',){also}; got {value!r}")
 
 
 class Branch(NamedTuple):
@@ -238,7 +248,10 @@ def register(
         raise ValueError(f"backend {name!r} is already registered; unregister({name!r}) first")
     if not isinstance(module, (str, ModuleType)):
         raise TypeError(f"module must be a module or its import path, got {type(module).__name__}")
-    if isinstance(module, ModuleType):
+    if isinstance(device_types_for_auto, list):
+        device_types_for_auto = tuple(device_types_for_auto)
+    _check_device_types("device_types_for_auto", device_types_for_auto)
+    if isinstance(module, ModuleType):  # (every check before the registry changes)
         _LOADED[name] = _checked(name, module)
     REGISTRY[name] = BackendSpec(name, module, summary or f"registered from {getattr(module, '__name__', module)}")
     for device_type in device_types_for_auto:
