@@ -126,6 +126,12 @@ FUNCTION_CASES = [
     ("eps inf", lambda b: addnorm.layer_norm(X, 8, eps=math.inf, backend=b), ValueError, r"^eps must be.*finite"),
     ("eps str", lambda b: addnorm.layer_norm(X, 8, eps="1e-5", backend=b), TypeError, r"^eps must be.*str"),
     (
+        "eps inf in float32",
+        lambda b: addnorm.layer_norm(X, 8, eps=1e39, backend=b),
+        ValueError,
+        r"^eps must be at most",
+    ),
+    (
         "eps tensor",
         lambda b: addnorm.rms_norm(X, 8, eps=torch.tensor(1e-5), backend=b),
         TypeError,

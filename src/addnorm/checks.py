@@ -65,7 +65,12 @@ def check_eps(eps: object) -> float:
         raise TypeError(f"eps must be a non-negative finite number, got {type(eps).__name__} {eps!r}")
     if not math.isfinite(eps) or eps < 0:  # eps=inf would silently turn every output into bias
         raise ValueError(f"eps must be a non-negative finite number, got {eps!r}")
+    if eps > _FLOAT32_MAX:  # as inf, in the float32 statistics
+        raise ValueError(f"eps must be at most float32's largest value {_FLOAT32_MAX:.7g}, got {eps!r}")
     return float(eps)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def check_backend(backend: object) -> str:
@@ -144,7 +149,7 @@ def check_inputs(
             raise ValueError(f"residual is on {residual.device} but x is on {x.device}; expected the same device")
     if residual_dtype is not None:
         check_residual_dtype(residual_dtype)
-    if type(eps) is not float or not 0.0 <= eps < math.inf:
+    if type(eps) is not float or not 0.0 <= eps <= _FLOAT32_MAX:  # (the common case without a call)
         eps = check_eps(eps)
     return shape, eps
 
