@@ -118,6 +118,61 @@ def test_the_textbook_variance_fails_the_check_on_rows_far_from_zero(registered)
         check_backend("textbook", dtypes=(torch.float32,))
 
 
+def _two_d_only(x, *args, **kwargs):
+    rows, cols = x.shape  # noqa: F841 (a backend that takes 2-D rows alone)
+    return formulas.forward(x, *args, **kwargs)
+
+
+def _fixed_eps(*args, eps, **kwargs):
+    return formulas.forward(*args, eps=1e-5, **kwargs)
+
+
+def _stream_in_x_dtype(*args, residual_dtype, **kwargs):
+    return formulas.forward(*args, residual_dtype=None, **kwargs)
+
+
+def _contiguous_strides(x, *args, **kwargs):  # reads x's memory as if it were contiguous
+    return formulas.forward(torch.as_strided(x, x.shape, torch.empty(x.shape).stride()), *args, **kwargs)
+
+
+def _stats_in_float64(*args, **kwargs):
+    y, s, mean, rstd = formulas.forward(*args, **kwargs)
+    return y, s, None if mean is None else mean.double(), rstd
+
+
+def _ds_in_float32(*args, **kwargs):
+    g = formulas.backward(*args, **kwargs)
+    return g._replace(ds=g.ds.float())
+
+
+def _stream_not_recomputed(dy, dstream, s_parts, *args, **kwargs):  # takes (x, residual) for (s,)
+    return formulas.backward(dy, dstream, s_parts[:1], *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "functions, recomputes, match",
+    [
+        ({"forward": _two_d_only}, (), r"calls as addnorm makes them: raised ValueError"),
+        ({"forward": _fixed_eps}, (), r"strided, eps=0.1, residual_dtype=None: forward y"),
+        ({"forward": _stream_in_x_dtype}, (), r"residual_dtype=torch.float32: forward s = x \+ residual in"),
+        ({"forward": _contiguous_strides}, (), r"\(2, 3, 64\) strided, .*: forward y"),
+        ({"forward": _stats_in_float64}, (), r"strided, .*: mean is torch.float64"),
+        ({"backward": _ds_in_float32}, (), r"bfloat16 normal 37x256 layer: backward ds is torch.float32, expected"),
+        ({"backward": _stream_not_recomputed}, (torch.float32,), r"backward from \(x, residual\): ds"),
+    ],
+    ids=["2-D only", "eps fixed", "residual_dtype ignored", "strides ignored", "float64 mean", "float32 ds",
+         "stream not recomputed"],
+)  # fmt: skip
+def test_what_addnorm_hands_a_backend_is_checked(registered, functions, recomputes, match):
+    """Leading dims, strides, eps, residual_dtype, the recomputed stream and the results' dtypes:
+    a backend wrong in any of them fails the check, which names the case."""
+    module = _variant("partial", **functions)
+    module.CAPABILITIES = backends.Capabilities(device_types=None, recomputes_stream=recomputes)
+    registered("partial", module)
+    with pytest.raises(AssertionError, match=match):
+        check_backend("partial", dtypes=(torch.float32, torch.bfloat16))
+
+
 def test_a_dropout_mask_of_its_own_fails_the_check(registered):
     def forward(x, residual, weight, bias, *, branch=None, **kwargs):
         if branch is not None and branch.p > 0:  # torch's dropout instead of the documented hash

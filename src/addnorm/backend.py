@@ -1,7 +1,9 @@
 """The backend contract, the registry, and how to write a backend.
 
 A backend is a module (in this package or your own) that computes :mod:`addnorm.reference`'s
-formulas on rows of a 2-D ``(M, N)`` view. It provides the three functions of :class:`Backend`
+formulas on rows: ``x`` and every tensor of its shape hold ``N`` features in their last dim, with
+any leading dims (``M`` rows in all) and any strides (a transposed activation, a gradient
+expanded over the rows). It provides the three functions of :class:`Backend`
 and a :class:`Capabilities` declaration; nothing else is read from it. The registry names each
 backend and imports it on first use; a module that lacks a function or the declaration is
 rejected with the name of what is missing.
@@ -33,7 +35,9 @@ Writing a backend, the checklist:
    ``backend="mine"`` work everywhere (and ``"auto"`` pick it on those device types);
    ``addnorm.testing.check_backend("mine")`` runs the conformance check that every backend of
    this package passes in its test suite: forward and backward against a float64 oracle on the
-   rows that break naive code, batch invariance, the dropout mask bits, zero rows and bad input.
+   rows that break naive code and on calls as addnorm makes them (leading dims, strides, eps,
+   ``residual_dtype``, the recomputed stream, every result's dtype), batch invariance, the
+   dropout mask bits, zero rows and bad input.
 """
 
 from __future__ import annotations
