@@ -230,3 +230,18 @@ def test_statistics_are_fp32_or_fp64(dtype):
 def test_rms_default_eps_is_machine_epsilon(backend):
     x = torch.full((2, 4), 1e-4).bfloat16()
     torch.testing.assert_close(addnorm.rms_norm(x, 4, backend=backend), TF.rms_norm(x, (4,)))
+
+
+@pytest.mark.parametrize("how", ["float64 residual", "residual_dtype=float64"])
+def test_rms_default_eps_is_that_of_the_stream(backend, how):
+    """add_rms_norm normalizes the stream: eps=None is the stream dtype's machine epsilon, as
+    torch's rms_norm of the stream (rows of 1e-5, where float32's epsilon would dominate)."""
+    g = torch.Generator().manual_seed(2)
+    x, r = (torch.randn(3, 16, generator=g, dtype=torch.float64) * 1e-5 for _ in range(2))
+    if how == "float64 residual":
+        y = addnorm.add_rms_norm(x.float(), r, 16, backend=backend)
+        s = x.float().double() + r
+    else:
+        y = addnorm.add_rms_norm(x.float(), r.float(), 16, residual_dtype=torch.float64, backend=backend)
+        s = x.float().double() + r.float().double()
+    torch.testing.assert_close(y, TF.rms_norm(s, (16,)).float())

@@ -191,7 +191,8 @@ def add_rms_norm(
 ) -> Tensor | tuple[Tensor, ...]:
     """Add & Norm with RMSNorm; arguments and results as :func:`add_layer_norm`, the sublayer
     branch (dropout, layer scale, rowscale), ``zero_centered_weight``, ``residual=None`` and the
-    parallel block's ``x1`` / ``weight1`` included."""
+    parallel block's ``x1`` / ``weight1`` included. ``eps=None``: as :func:`rms_norm`'s, for the
+    dtype of the stream it normalizes (``residual_dtype``, or x's and residual's promoted)."""
     if residual is not None and type(residual) is not Tensor:
         check_float_tensor("residual", residual)
     parallel = NO_PARALLEL if x1 is None and weight1 is None else Parallel(x1, weight1)

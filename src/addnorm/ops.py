@@ -78,6 +78,17 @@ _RMS_DEFAULT_EPS = {
 }
 
 
+def _normalized_dtype(x, residual, residual_dtype) -> torch.dtype | None:
+    """The dtype of the tensor the norm normalizes, the stream (None where x is no tensor): RMSNorm's
+    default eps is that dtype's machine epsilon (of its statistics dtype), as torch's for the input."""
+    if residual_dtype is not None:
+        return residual_dtype
+    dtype = getattr(x, "dtype", None)
+    if isinstance(residual, Tensor) and isinstance(dtype, torch.dtype):
+        return torch.promote_types(dtype, residual.dtype)
+    return dtype
+
+
 class Sublayer(NamedTuple):
     """The keyword-only arguments on the sublayer branch of Add & Norm and on the weight (all off
     by default): ``s = residual + rowscale * layer_scale * dropout(x)``, the norm scaled by
@@ -130,7 +141,7 @@ def add_norm(
     starts the stream: ``s = rowscale * layer_scale * dropout(x)`` in ``residual_dtype``
     (:func:`_stream_starts_here`); ``parallel`` adds ``x1`` and a second norm (:func:`_parallel`)."""
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
-        eps = _RMS_DEFAULT_EPS.get(getattr(x, "dtype", None), 0.0)
+        eps = _RMS_DEFAULT_EPS.get(_normalized_dtype(x, residual, residual_dtype), 0.0)
     if type(prenorm) is not bool:  # (before the routes below, whose results it decides)
         check_flag("prenorm", prenorm)
     if residual_dtype is not None:
