@@ -113,6 +113,7 @@ def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkey
         (["--impl", "nope"], "--impl: expected"),
         (["--threads", "0"], "--threads must be between 1 and"),
         (["--threads", "100000"], "--threads must be between 1 and"),  # set_num_threads(100000) crashes
+        (["--results", "rows.jsonl"], "--results names the file --save appends to: add --save"),
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):

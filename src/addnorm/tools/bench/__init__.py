@@ -158,10 +158,12 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if args.rounds < 3:
         raise UsageError(f"--rounds must be at least 3, got {args.rounds}")
+    if args.results is not None and not args.save:  # a file named, and nothing would go there
+        raise UsageError("--results names the file --save appends to: add --save to save the rows")
     if args.out_buffers and passes != ["fwd"]:
         raise UsageError("--out-buffers measures inference: use it with --pass fwd")
     # outputs are checked before the first measurement: a run must not end failing to write them
-    path = output_file(args.results, "--results") if args.save else None
+    path = output_file(args.results or str(DEFAULT_RESULTS), "--results") if args.save else None
     if args.plot:
         from ..plot import new_figure, png_path
 
@@ -272,8 +274,6 @@ def register(sub) -> None:
         "programs, alone on stdout (default %(default)s)",
     )
     p.add_argument("--save", action="store_true", help="append the rows as JSON lines to --results")
-    p.add_argument(
-        "--results", metavar="FILE", default=str(DEFAULT_RESULTS), help="JSONL file for --save (default %(default)s)"
-    )
+    p.add_argument("--results", metavar="FILE", help=f"JSONL file for --save (default {DEFAULT_RESULTS})")
     p.add_argument("--plot", metavar="PNG", help="write a bar chart of GB/s to this .png file (or folder)")
     p.set_defaults(func=run)
