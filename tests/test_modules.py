@@ -74,6 +74,32 @@ def test_reset_parameters_restores_init():
     assert torch.equal(m.weight, torch.ones(6)) and torch.equal(m.bias, torch.zeros(6))
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: addnorm.LayerNorm(6),
+        lambda: addnorm.RMSNorm(6, zero_centered_weight=True),
+        lambda: addnorm.AddNorm(6, layer_scale=True, layer_scale_init=0.1),
+        lambda: addnorm.AddNorm(6, norm="rms", zero_centered_weight=True, layer_scale=True),
+    ],
+    ids=["LayerNorm", "RMSNorm zero-centred", "AddNorm layer scale", "AddNorm rms zero-centred"],
+)
+def test_made_on_the_meta_device_then_reset_as_made(make):
+    """FSDP2's way to build a large model: on the meta device, then to_empty() (memory holding
+    anything) and reset_parameters() of each module that has one: the parameters as made."""
+    want = make().state_dict()
+    with torch.device("meta"):
+        model = torch.nn.Sequential(make())
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        p.detach().fill_(-7.0)  # what uninitialised memory may hold
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    got = model[0].state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), got
+
+
 def test_module_gradients_match_torch(backend):
     torch.manual_seed(0)
     theirs = nn.LayerNorm(32)

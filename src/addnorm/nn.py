@@ -222,10 +222,19 @@ class AddNorm(_NotScriptable, nn.Module):
             raise ValueError(f"dropout must be a probability in [0, 1], got {dropout!r}")
         self.dropout = float(dropout)
         self.generator = generator
-        self.layer_scale = None
+        self.layer_scale, self.layer_scale_init = None, float(layer_scale_init)
         if checks.check_flag("layer_scale", layer_scale):
             shape = self.norm.normalized_shape
             self.layer_scale = nn.Parameter(torch.full(shape, float(layer_scale_init), device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        """The parameters as made: the norm's, and the layer scale at ``layer_scale_init``. A
+        model made on the meta device calls it after ``to_empty`` (FSDP2's way to build a large
+        model), module by module."""
+        self.norm.reset_parameters()
+        if self.layer_scale is not None:
+            with torch.no_grad():
+                self.layer_scale.fill_(self.layer_scale_init)
 
     def forward(
         self, x: Tensor, residual: Tensor | None = None, rowscale: Tensor | None = None
