@@ -225,6 +225,34 @@ def test_an_in_place_change_of_the_stream_gets_the_plain_path():
         torch.testing.assert_close(patched(**inputs).logits, original(**inputs).logits, rtol=1e-5, atol=1e-5)
 
 
+_FIRST_BLOCK = {
+    "llama": lambda m: m.model.layers[0],
+    "gpt2": lambda m: m.transformer.h[0],
+    "gpt_neox": lambda m: m.gpt_neox.layers[0],
+}
+
+
+@pytest.mark.parametrize("name", list(_FIRST_BLOCK))
+def test_inference_mode_runs_and_steering_in_place_is_seen(name):
+    """Under torch.inference_mode (serving, generate), whose tensors have no version counter to
+    tell an in-place change: the logits of the unpatched model, with a hook steering the stream
+    in place between blocks as without one."""
+    original, patched, _ = fused_copy(name)
+    inputs = {k: v for k, v in hf_inputs(name).items() if k != "labels"}
+    steer = torch.randn(32)
+
+    def steering(module, args, out):
+        (out[0] if isinstance(out, tuple) else out).add_(steer)
+
+    for steered in (False, True):
+        if steered:
+            for model in (original, patched):
+                _FIRST_BLOCK[name](model).register_forward_hook(steering)
+        with torch.inference_mode():
+            got, want = patched(**inputs).logits, original(**inputs).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, s=steered: f"steered {s}: {m}")
+
+
 @pytest.mark.parametrize("name,norm", [("llama", "post_attention_layernorm"), ("gpt2", "ln_2"), ("bert", None)])
 def test_a_hooked_norm_inside_a_block_is_called(name, norm):
     """A norm the block would compute inside its fused op runs as a module when hooked (each

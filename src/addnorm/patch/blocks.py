@@ -237,9 +237,11 @@ def _sublayer(block: nn.Module, step: Step, x: Tensor) -> Sublayer:
 
 def _may_hand_off(block: nn.Module, norms: tuple[nn.Module, ...], x: Tensor) -> bool:
     """Whether the last add can be computed with the next norms now: not under torch.compile or
-    activation checkpointing (which replay a block alone), and with the next norms' weights plain
-    tensors on ``x``'s device (not sharded away by FSDP)."""
-    if not norms or torch.compiler.is_compiling():
+    activation checkpointing (which replay a block alone), not on an inference tensor (which has
+    no version counter: an in-place change of the stream before the next norm would go unseen,
+    :func:`.norms.handed_off`), and with the next norms' weights plain tensors on ``x``'s device
+    (not sharded away by FSDP)."""
+    if not norms or torch.compiler.is_compiling() or x.is_inference():
         return False
     if getattr(block, "gradient_checkpointing", False) and block.training:
         return False
