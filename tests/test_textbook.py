@@ -166,7 +166,7 @@ def test_explain_textbook_json_numbers(capsys):
         assert m["dtype_max"] == torch.finfo(row.dtype).max
     offset, constant, bf16, fp16 = (c["measured"] for c in doc["cases"])
     # 1e6 + 0.2, 0.1, 0.3 in float32 are 1000000.1875, .125, .3125: exact mean 1000000.2083...
-    assert offset["mean"] == 1000000.1875 and abs(offset["shift_sigma"] + 0.267) < 1e-3
+    assert offset["mean"] == 1000000.1875 and abs(offset["shift_sigma"] - 0.267) < 1e-3  # x − μ too high: μ too low
     assert constant["centered"] == -0.0625 and abs(constant["y0"] + 0.9987) < 1e-4
     assert bf16["max_square"] > 1e40 and bf16["var"] is None and bf16["float32_error"] > 1  # inf is null in JSON
     assert fp16["max_square"] == pytest.approx(749.85**2, rel=1e-3) and fp16["float32_error"] < 1e-6
@@ -179,10 +179,10 @@ def test_explain_textbook_tables_and_lines(capsys, monkeypatch):
     for text in [
         "1. float32 row at a 1e6 offset",
         "1000000.1875, 1000000.125, 1000000.3125",
-        "float32 mean 1000000.1875, not 1000000.2083",
+        "float32 mean 1000000.1875, not 1000000.2083: every x − μ is shifted by +0.27σ",
         "subtracts mean(x − μ)",
         "y = -0.9987, not 0",
-        "bfloat16's and float32's max",
+        "> 3.39e+38, bfloat16's max (float32's 3.4e+38)",
         "row_scale: the row is scaled by 2^-69",
         "65504, float16's max",
         "statistics in float32 (stats_dtype",

@@ -49,7 +49,8 @@ TEXTBOOK_ROWS = [
         "bfloat16 row near 1e20 (the seeds' row 0 × 1e21)",
         [2e20, 1e20, 3e20],
         torch.bfloat16,
-        "(x − μ)² reaches {max_square:.2g} > {dtype_max:.3g}, bfloat16's and float32's max: var = inf, y = 0",
+        "(x − μ)² reaches {max_square:.2g} > {dtype_max:.3g}, bfloat16's max (float32's {float32_max:.3g}): var = "
+        "inf, y = 0",
         "row_scale: the row is scaled by 2^-{scale_exponent} before squaring (float32 alone: off by "
         "{float32_error:.2g})",
     ),
@@ -105,7 +106,8 @@ def textbook_comparison(eps: float = 1e-5) -> dict:
             "exact_mean": exact_mean,
             "var": tb_rstd.double().item() ** -2 - eps if tb_rstd.item() != 0 else math.inf,
             "exact_var": exact_var,
-            "shift_sigma": (mean - exact_mean) / math.sqrt(exact_var + eps),
+            "shift_sigma": (exact_mean - mean) / math.sqrt(exact_var + eps),  # x − μ moves opposite to μ
+            "float32_max": torch.finfo(torch.float32).max,
             "centered": (x[0, 0] - tb_mean[0, 0]).item(),
             "y0": tb_y[0, 0].item(),
             "max_square": ((x64 - exact_mean) ** 2).max().item(),
