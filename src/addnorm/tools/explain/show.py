@@ -240,7 +240,7 @@ def print_explanation(
     c.print(
         f"row {pr.row_labels[i]}, feature {pr.col_labels[j]}: {pr.num(r['xhat_no_eps'][i, j].item())} "
         f"without ε vs {pr.num(r['xhat'][i, j].item())} with ε = {eps:g}.\n"
-        f"ε matters most where the variance is small (row {pr.row_labels[i]}: "
+        f"ε matters most where the {'mean square' if rms else 'variance'} is small (row {pr.row_labels[i]}: "
         f"{r['var'][i].item():.3g}); it keeps a constant row finite."
     )
     for msg in r["warnings"]:
@@ -264,7 +264,7 @@ def print_backward(
     if not rms:
         cols[f"mean(g) {stat}"] = bw["mean_g"]
     cols[f"mean(g·x̂) {stat}"] = bw["mean_gxhat"]
-    cols["1/std = rstd"] = r["rstd"]
+    cols["1/rms = rstd" if rms else "1/std = rstd"] = r["rstd"]
     pr.columns("per-row sums", cols)
     target = "s (= d x = d residual)" if r["residual"] is not None else "x"
     formula = "rstd·(g − x̂·mean(g·x̂))" if rms else "rstd·(g − mean(g) − x̂·mean(g·x̂))"
