@@ -151,3 +151,23 @@ def test_subcommand_usage_errors_name_the_subcommand(capsys):
     assert capsys.readouterr().err == (
         "addnorm plot hist: error: argument --points: expected one argument (see 'addnorm plot hist --help')\n"
     )
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--arms", ""],
+        ["train", "--out", " "],
+        ["bench", "--impl", ""],
+        ["bench", "--plot", ""],
+        ["explain", "--normalized-shape", ""],
+    ],
+)
+def test_an_empty_value_is_refused_not_taken_for_the_default(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    flag = argv[1]
+    assert err == (
+        f"addnorm {argv[0]}: error: argument {flag}: expected a value, got an empty string "
+        f"(see 'addnorm {argv[0]} --help')\n"
+    )

@@ -55,12 +55,18 @@ class Interrupted(CommandError):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but bad usage is a :class:`UsageError` (one line, exit status 2), and a value
-    that starts like a number (``--eps -1e-5``, ``--gamma -0.5,2``) is never taken for an option."""
+    """argparse, but bad usage is a :class:`UsageError` (one line, exit status 2), a value that
+    starts like a number (``--eps -1e-5``, ``--gamma -0.5,2``) is never taken for an option, and
+    an empty value (``--arms ''``) is refused rather than taken for the default."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = re.compile(r"-\.?\d")  # as Python 3.13's argparse
+
+    def _get_values(self, action, arg_strings):
+        if action.option_strings and any(not s.strip() for s in arg_strings):
+            self.error(f"argument {'/'.join(action.option_strings)}: expected a value, got an empty string")
+        return super()._get_values(action, arg_strings)
 
     def error(self, message: str):
         raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)
