@@ -248,3 +248,9 @@ def test_register_refuses_what_it_cannot_use(registered):
 def test_check_backend_names_an_unknown_backend():
     with pytest.raises(AssertionError, match="backend 'nope' is not registered"):
         check_backend("nope")
+
+
+def test_check_backend_names_a_path_that_does_not_import(registered):
+    registered("typo", "my_package_that_is_not_there.backend")
+    with pytest.raises(AssertionError, match="backend 'typo' could not be imported: No module named"):
+        check_backend("typo")

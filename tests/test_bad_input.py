@@ -333,6 +333,18 @@ FUNCTION_CASES = [
         TypeError,
         r"^linear_weight must be a torch.Tensor, got NoneType",
     ),
+    (
+        "compat linear_weight of another width",
+        lambda b: layer_norm_linear_fn(X, W, None, torch.ones(3, 7), None, backend=b),
+        ValueError,
+        r"^linear_weight must be \(out_features, 8\), the hidden size of x last, got \(3, 7\)",
+    ),
+    (
+        "compat linear_bias of another size",
+        lambda b: layer_norm_linear_fn(X, W, None, torch.ones(3, 8), torch.ones(4), backend=b),
+        ValueError,
+        r"^linear_bias must be \(3,\), one per output feature, got \(4,\)",
+    ),
     # backend (the fixture's backend is not used: these rows are about the name itself)
     ("backend unknown", lambda b: addnorm.layer_norm(X, 8, backend="cuda"), ValueError, r"^backend must be one of"),
     (

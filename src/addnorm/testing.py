@@ -381,6 +381,8 @@ def check_backend(
         raise AssertionError(f"backend {name!r} is not registered ({backends.names()})") from None
     except TypeError as err:
         raise AssertionError(str(err)) from None
+    except ImportError as err:  # a registered path that does not import
+        raise AssertionError(f"backend {name!r} could not be imported: {err}") from None
     if device is None:
         declared = impl.CAPABILITIES.device_types
         device = declared[0] if declared else "cpu"

@@ -211,6 +211,16 @@ def layer_norm_linear_fn(
     linear's backward (in training, one more tensor of ``x``'s shape and dtype)."""
     if not isinstance(linear_weight, Tensor):
         raise TypeError(f"linear_weight must be a torch.Tensor, got {type(linear_weight).__name__}")
+    n = int(x.shape[-1]) if isinstance(x, Tensor) and x.dim() else None
+    if n is not None and (linear_weight.dim() != 2 or linear_weight.shape[1] != n):  # (a bad x: layer_norm_fn says)
+        raise ValueError(
+            f"linear_weight must be (out_features, {n}), the hidden size of x last, got {tuple(linear_weight.shape)}"
+        )
+    if linear_bias is not None and (
+        not isinstance(linear_bias, Tensor) or tuple(linear_bias.shape) != (linear_weight.shape[0],)
+    ):
+        got = tuple(linear_bias.shape) if isinstance(linear_bias, Tensor) else type(linear_bias).__name__
+        raise ValueError(f"linear_bias must be ({linear_weight.shape[0]},), one per output feature, got {got}")
     result = layer_norm_fn(
         x,
         norm_weight,
