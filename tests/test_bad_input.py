@@ -120,6 +120,15 @@ FUNCTION_CASES = [
         ValueError,
         r"^bias is on meta",
     ),
+    # layouts: sparse and mkldnn tensors have no rows to read
+    ("x sparse", lambda b: addnorm.layer_norm(X.to_sparse(), 8, backend=b), TypeError, r"^x must be a dense tensor"),
+    (
+        "residual sparse",
+        lambda b: addnorm.add_rms_norm(X, X.to_sparse(), 8, backend=b),
+        TypeError,
+        r"^residual must be a dense tensor, got layout torch.sparse_coo",
+    ),
+    ("x mkldnn", lambda b: addnorm.rms_norm(X.to_mkldnn(), 8, backend=b), TypeError, r"^x must be a dense tensor"),
     # eps
     ("eps negative", lambda b: addnorm.layer_norm(X, 8, eps=-1e-5, backend=b), ValueError, r"^eps must be"),
     ("eps nan", lambda b: addnorm.rms_norm(X, 8, eps=math.nan, backend=b), ValueError, r"^eps must be.*nan"),

@@ -114,6 +114,7 @@ def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkey
         (["--threads", "0"], "--threads must be between 1 and"),
         (["--threads", "100000"], "--threads must be between 1 and"),  # set_num_threads(100000) crashes
         (["--results", "rows.jsonl"], "--results names the file --save appends to: add --save"),
+        (["--dtype", "float32,,bfloat16"], "--dtype: expected a comma-separated list"),
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):

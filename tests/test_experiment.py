@@ -121,6 +121,8 @@ def test_cli_reports_bad_data_and_arms(tmp_path, capsys):
     assert "--data" in capsys.readouterr().err
     assert cli.main(["train", "--arms", "post,sideways", "--out", str(tmp_path)]) == 2
     assert "sideways" in capsys.readouterr().err
+    assert cli.main(["train", "--arms", "pre,,post", "--out", str(tmp_path)]) == 2
+    assert "--arms: unknown arm(s) ['']" in capsys.readouterr().err
     assert cli.main(["train", "--epochs", "0", "--out", str(tmp_path)]) == 2
     assert "--epochs must be at least 1" in capsys.readouterr().err
     assert cli.main(["train", "--lr", "-1", "--out", str(tmp_path)]) == 2

@@ -28,13 +28,18 @@ _SUPPORTED = frozenset(SUPPORTED_DTYPES)
 
 
 def check_float_tensor(name: str, t: object) -> Tensor:
-    if type(t) in PLAIN and t.dtype in _SUPPORTED:
+    if type(t) in PLAIN and t.dtype in _SUPPORTED and t.layout is _STRIDED:
         return t
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be a floating-point tensor ({_FLOAT_DTYPES}), got {t.dtype}")
+    if t.layout not in (_STRIDED, torch.jagged):  # (jagged: nested tensors, normalized by their values)
+        raise TypeError(f"{name} must be a dense tensor, got layout {t.layout}: call .to_dense() first")
     return t
+
+
+_STRIDED = torch.strided
 
 
 def normalize_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -110,7 +115,7 @@ def check_inputs(
 ) -> tuple[tuple[int, ...], float]:
     """Validate the arguments of a public op; returns ``(normalized_shape, eps)`` (module
     docstring: the common case first)."""
-    if not (type(x) in PLAIN and x.dtype in _SUPPORTED):
+    if not (type(x) in PLAIN and x.dtype in _SUPPORTED and x.layout is _STRIDED):
         x = check_float_tensor("x", x)
     n = normalized_shape
     if type(n) is not int and type(n) in (tuple, torch.Size) and len(n) == 1 and type(n[0]) is int:
@@ -141,7 +146,7 @@ def check_inputs(
     ):
         check_param("bias", bias, shape, x)
     if residual is not None:
-        if not (type(residual) in PLAIN and residual.dtype in _SUPPORTED):
+        if not (type(residual) in PLAIN and residual.dtype in _SUPPORTED and residual.layout is _STRIDED):
             residual = check_float_tensor("residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")

@@ -80,9 +80,9 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def _choices(text: str, allowed: list[str], flag: str) -> list[str]:
-    items = [t for t in text.replace(" ", "").split(",") if t]
-    bad = [t for t in items if t not in allowed]
-    if bad or not items:
+    items = text.replace(" ", "").split(",")
+    bad = [t for t in items if t not in allowed]  # (an empty item too: 'a,,b')
+    if bad:
         raise UsageError(f"{flag}: expected a comma-separated list of {', '.join(allowed)}; got {text!r}")
     return items
 

@@ -34,9 +34,9 @@ def _int_list(text: str, flag: str) -> list[int]:
 def config_from_args(args) -> tuple[Config, list[int] | None]:
     """The run's :class:`Config`, and the depths of a depth sweep (None without ``--sweep``)."""
     default_arms = SWEEP_ARMS if args.sweep else DEFAULT_ARMS
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else list(default_arms)
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or not arms:
+    arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(default_arms)
+    unknown = [a for a in arms if a not in ARMS]  # (an empty item too: 'pre,,post')
+    if unknown:
         raise UsageError(f"--arms: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
     for name in ("seeds", "epochs", "depth", "jobs"):
         value = getattr(args, name)
