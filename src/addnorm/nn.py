@@ -225,7 +225,7 @@ class AddNorm(_NotScriptable, nn.Module):
         self.layer_scale, self.layer_scale_init = None, float(layer_scale_init)
         if checks.check_flag("layer_scale", layer_scale):
             shape = self.norm.normalized_shape
-            self.layer_scale = nn.Parameter(torch.full(shape, float(layer_scale_init), device=device, dtype=dtype))
+            self.layer_scale = nn.Parameter(torch.full(shape, self.layer_scale_init, device=device, dtype=dtype))
 
     def reset_parameters(self) -> None:
         """The parameters as made: the norm's, and the layer scale at ``layer_scale_init``. A

@@ -78,15 +78,13 @@ _RMS_DEFAULT_EPS = {
 }
 
 
-def _normalized_dtype(x, residual, residual_dtype) -> torch.dtype | None:
-    """The dtype of the tensor the norm normalizes, the stream (None where x is no tensor): RMSNorm's
-    default eps is that dtype's machine epsilon (of its statistics dtype), as torch's for the input."""
-    if residual_dtype is not None:
+def _stream_dtype(x, residual, residual_dtype) -> torch.dtype | None:
+    """The dtype of the stream a call normalizes: ``residual_dtype`` when given (with or without a
+    residual), else :func:`addnorm.reference.stream_dtype`'s; None where x is no tensor (before
+    check_inputs says so)."""
+    if residual_dtype is not None or not isinstance(x, Tensor):
         return residual_dtype
-    dtype = getattr(x, "dtype", None)
-    if isinstance(residual, Tensor) and isinstance(dtype, torch.dtype):
-        return torch.promote_types(dtype, residual.dtype)
-    return dtype
+    return reference.stream_dtype(x, residual if isinstance(residual, Tensor) else None, None)
 
 
 class Sublayer(NamedTuple):
@@ -141,7 +139,7 @@ def add_norm(
     starts the stream: ``s = rowscale * layer_scale * dropout(x)`` in ``residual_dtype``
     (:func:`_stream_starts_here`); ``parallel`` adds ``x1`` and a second norm (:func:`_parallel`)."""
     if eps is None and rms:  # RMSNorm's default (a bad x or dtype is reported by check_inputs)
-        eps = _RMS_DEFAULT_EPS.get(_normalized_dtype(x, residual, residual_dtype), 0.0)
+        eps = _RMS_DEFAULT_EPS.get(_stream_dtype(x, residual, residual_dtype), 0.0)  # (the stream's: normalized)
     if type(prenorm) is not bool:  # (before the routes below, whose results it decides)
         check_flag("prenorm", prenorm)
     if residual_dtype is not None:
@@ -421,7 +419,7 @@ def _parallel(
         check_dtensors(x, residual, weight, bias, False, p, x1)
     masks, added = (), None
     if x1 is not None:
-        sd = residual_dtype or reference.stream_dtype(x, residual, None)  # (in residual_dtype without a residual)
+        sd = _stream_dtype(x, residual, residual_dtype)
         seed1 = draw_seed(sublayer.generator, x.device) if p > 0 else None
         base = torch.zeros_like(x1, dtype=sd) if residual is None else residual.to(sd)
         if _adds_x1(backend, x, residual, x1, weight, bias, weight1, bias1, sublayer, prenorm):

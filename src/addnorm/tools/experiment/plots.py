@@ -50,7 +50,7 @@ def _plot_curves(results: Results, out: pathlib.Path, plt) -> pathlib.Path:
         clipped |= bool((median > CLIP).any())
         epochs = np.arange(1, curves.shape[1] + 1)
         style = "--" if arm.norm_position == "pre" else ":" if arm.norm_position == "none" else "-"
-        label = arm.label + _runs_note(len(arm.runs), len(results.config.seeds))
+        label = arm.label + _runs_note([len(arm.runs)], results)
         (line,) = ax.plot(epochs, np.minimum(median, CLIP), style, marker="o", ms=3, label=label)
         if len(curves) > 1:
             lo, hi = np.nanmin(curves, axis=0), np.nanmax(curves, axis=0)
@@ -111,9 +111,7 @@ def plot_sweep(results: Results, out: pathlib.Path) -> pathlib.Path:
         finals = [[_clip(r.test_mse[-1]) for r in arm.runs] for arm in by_depth.values()]
         first = next(iter(by_depth.values()))
         style = "--s" if first.norm_position == "pre" else "-o"
-        counts = [len(f) for f in finals]
-        seeds = len(results.config.seeds)
-        label = first.label + ("" if set(counts) == {seeds} else f" ({', '.join(map(str, counts))} of {seeds} seeds)")
+        label = first.label + _runs_note([len(f) for f in finals], results)
         (line,) = ax.plot(depths, [np.median(f) for f in finals], style, label=label)
         ax.fill_between(depths, [min(f) for f in finals], [max(f) for f in finals], color=line.get_color(), alpha=0.15)
     ax.axhline(floor, color="black", lw=1)
@@ -152,8 +150,11 @@ def _over_seeds(counts: list[int], results: Results) -> str:
     return f"median of {seeds} seeds, band: min-max" if seeds > 1 else "1 seed"
 
 
-def _runs_note(runs: int, seeds: int) -> str:
-    return "" if runs == seeds else f" ({runs} of {seeds} seeds)"
+def _runs_note(counts: list[int], results: Results) -> str:
+    """A line's legend note where its runs (``counts``: one per point, or one for the line) are
+    fewer than the seeds planned: ``" (1 of 3 seeds)"``, ``" (3, 2 of 3 seeds)"``."""
+    seeds = len(results.config.seeds)
+    return "" if set(counts) == {seeds} else f" ({', '.join(map(str, counts))} of {seeds} seeds)"
 
 
 def _clip(v: float) -> float:
