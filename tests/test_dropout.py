@@ -183,8 +183,9 @@ def test_seeds_come_from_the_generator():
     assert torch.equal(draw(generator=g()), draw(generator=g()))
 
 
+@pytest.mark.parametrize("rows", [4, 2100])  # 2100 x 32: past the CPU kernels' threading threshold
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing_replays_the_masks(backend, reentrant):
+def test_activation_checkpointing_replays_the_masks(backend, reentrant, rows):
     """torch.utils.checkpoint recomputes the forward in the backward pass: with torch's default
     generator, whose state it restores, the same masks and the plain run's gradients; with a
     generator of one's own, which it does not restore, a warning that the recomputed mask differs."""
@@ -193,8 +194,8 @@ def test_activation_checkpointing_replays_the_masks(backend, reentrant):
     def grads(checkpointed, **kw):
         torch.manual_seed(3)
         m = addnorm.AddNorm(32, prenorm=True, dropout=0.5, backend=backend, **kw)
-        h = torch.randn(4, 32, requires_grad=True)
-        r = torch.randn(4, 32)
+        h = torch.randn(rows if not interpreted(backend) else 4, 32, requires_grad=True)
+        r = torch.randn(h.shape)
         y, s = checkpoint(m, h, r, use_reentrant=reentrant) if checkpointed else m(h, r)
         ((y * y).sum() + (s * s * s).sum()).backward()
         return h.grad, m.norm.weight.grad
