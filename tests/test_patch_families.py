@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import pathlib
 import re
 import sys
@@ -35,17 +36,31 @@ COVERAGE = {
             ("gemma", "Gemma", 5),
             ("gemma2", "Gemma2", 9),  # sandwich norms: four per layer
             ("gemma3", "Gemma3", 13),  # sandwich norms, q_norm and k_norm
+            ("olmo", "Olmo", 5),  # norms without parameters
+            ("olmoe", "Olmoe", 9),  # q_norm and k_norm too
+            ("smollm3", "SmolLM3", 5),
+            ("ministral", "Ministral", 5),
+            ("starcoder2", "Starcoder2", 5),  # torch.nn.LayerNorm
+            ("seed_oss", "SeedOss", 5),
+            ("helium", "Helium", 5),
+            ("ernie4_5", "Ernie4_5", 5),
+            ("deepseek_v3", "DeepseekV3", 9),  # MLA's q_a_layernorm and kv_a_layernorm too
+            ("glm4_moe", "Glm4Moe", 5),
+            ("gpt_oss", "GptOss", 5),  # its MoE returns (output, router scores)
         ]
     },
-    "olmo2": (
-        9,
-        {
-            "Olmo2DecoderLayer": {
-                "self_attn": "no norm reads the sum: mlp takes the stream itself",
-                "mlp": "the next block's self_attn takes the stream itself",  # the last block's: fused
-            }
-        },
-    ),
+    **{
+        name: (
+            9,
+            {
+                f"{c}DecoderLayer": {
+                    "self_attn": "no norm reads the sum: mlp takes the stream itself",
+                    "mlp": "the next block's self_attn takes the stream itself",  # the last block's: fused
+                }
+            },
+        )
+        for name, c in [("olmo2", "Olmo2"), ("olmo3", "Olmo3")]
+    },
     "gpt2": (5, {"GPT2Block": {"attn": "fused", "mlp": "fused"}}),
     "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
     "roberta": (6, {"RobertaSelfOutput": {"dense": "fused"}, "RobertaOutput": {"dense": "fused"}}),
@@ -66,10 +81,14 @@ COVERAGE = {
     "falcon_7b": (3, {"FalconDecoderLayer": {"self_attention+mlp": "fused"}}),  # one norm
     "falcon_rw": (5, {"FalconDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),  # sequential
     "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
+    "cohere": (3, {"CohereDecoderLayer": {"self_attn+mlp": "fused"}}),  # parallel, one norm
+    "cohere2": (3, {"Cohere2DecoderLayer": {"self_attn+mlp": "fused"}}),
 }
 FAMILIES = list(COVERAGE)
 # MoE experts (torch._grouped_mm) have no float64 oracle
-BF16 = [n for n in FAMILIES if n not in ("mixtral", "qwen2_moe", "qwen3_moe")]
+BF16 = [
+    n for n in FAMILIES if n not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
+]
 DROPOUT = ["bert", "phi3", "t5", "gpt_neox", "falcon", "falcon_rw"]
 LABELS = {
     "qwen2": "Qwen2",
@@ -79,6 +98,18 @@ LABELS = {
     "qwen3_moe": "Qwen3-MoE",
     "phi3": "Phi-3",
     "olmo2": "OLMo 2",
+    "olmo3": "OLMo 3",
+    "olmo": "OLMo",
+    "olmoe": "OLMoE",
+    "smollm3": "SmolLM3",
+    "starcoder2": "StarCoder2",
+    "seed_oss": "Seed-OSS",
+    "ernie4_5": "ERNIE 4.5",
+    "deepseek_v3": "DeepSeek-V3 (MLA, MoE)",
+    "glm4_moe": "GLM-4-MoE",
+    "gpt_oss": "GPT-OSS",
+    "cohere": "Cohere (parallel, 1 norm)",
+    "cohere2": "Cohere2 (parallel, 1 norm)",
     "gpt2": "GPT-2",
     "bert": "BERT",
     "roberta": "RoBERTa",
@@ -122,7 +153,7 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
     for cls, adds in expected.items():
         for add, outcome in adds.items():
             assert outcome in outcomes[cls][add], (cls, add, outcomes[cls])
-    if name == "olmo2":  # only the last block's MLP add is read by a norm: the final one
+    if name in ("olmo2", "olmo3"):  # only the last block's MLP add is read by a norm: the final one
         assert [a.norm for a in report.fused_adds] == ["model.norm"]
     else:
         assert report.fused_adds == report.adds
@@ -348,6 +379,18 @@ def test_gradient_checkpointing_keeps_gradients():
     for model in (original, patched):
         model.gradient_checkpointing_enable()
     assert_same_step(original, patched, hf_inputs("llama"))
+
+
+@pytest.mark.parametrize("model, prefix", blocks_module.LLAMA_COPIES)
+def test_llama_copies_have_llama_s_forward(model, prefix):
+    """The blocks run with Llama's steps have Llama's forward, up to the class names."""
+    import inspect
+
+    def source(m: str, c: str) -> str:
+        cls = getattr(importlib.import_module(f"transformers.models.{m}.modeling_{m}"), f"{c}DecoderLayer")
+        return inspect.getsource(cls.forward).replace(c, "")
+
+    assert source(model, prefix) == source("llama", "Llama")
 
 
 def test_unknown_blocks_are_left_alone_and_reported():

@@ -36,6 +36,31 @@ DECODERS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {}),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=2, num_experts_per_tok=1)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", {}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(residual_dropout=0.0, embedding_dropout=0.0)),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_dropout=0.0, residual_dropout=0.0)),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1, moe_intermediate_size=WIDTH)
+        | dict(num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8)
+        | dict(v_head_dim=8, n_group=1, topk_group=1),
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1, moe_intermediate_size=WIDTH)
+        | dict(n_group=1, topk_group=1),
+    ),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {}),
 }
 SMALL = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
 _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -101,17 +126,10 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropo
     torch.manual_seed(seed)
     if name in DECODERS:
         config_cls, model_cls, extra = DECODERS[name]
-        config = getattr(tf, config_cls)(
-            **SMALL,
-            num_key_value_heads=2,
-            head_dim=WIDTH // 4,
-            vocab_size=VOCAB,
-            max_position_embeddings=SEQ,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            **extra,
+        common = dict(
+            **SMALL, num_key_value_heads=2, head_dim=WIDTH // 4, vocab_size=VOCAB, max_position_embeddings=SEQ
         )
+        config = getattr(tf, config_cls)(**(common | dict(bos_token_id=0, eos_token_id=0, pad_token_id=0) | extra))
         model = getattr(tf, model_cls)(config)
     elif name in OTHERS:
         config_cls, model_cls, extra = OTHERS[name]

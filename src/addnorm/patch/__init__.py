@@ -27,9 +27,9 @@ from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
 from .blocks import FAMILIES, FAMILY, NEXT, ORIGINAL, Family, block_forward, entry_norms, family_of
+from .hf_norms import HF_NORMS
 from .norms import (
     FLASH_ATTN_MODULES,
-    HF_NORMS,
     HF_STYLES,
     STYLES,
     add_norm_forward,
@@ -132,6 +132,10 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
         w = getattr(m, "weight", None)
         if not isinstance(w, Tensor) or w.dim() != 1 or eps_of(m) is None:
             return "expected a 1-D 'weight' and a float 'variance_epsilon' or 'eps'"
+    if style == "olmo":
+        shape = getattr(m, "normalized_shape", None)
+        if not isinstance(shape, tuple) or not all(type(n) is int for n in shape) or any(True for _ in m.parameters()):
+            return "expected a tuple 'normalized_shape' and no parameters"
     if style == "flash_attn" and FLASH_ATTN_MODULES[cls.__module__] and not hasattr(m, "drop"):
         # (its dropout would be lost unseen)
         return "expected flash-attn's 'drop' attribute (its dropout module, or None)"

@@ -40,6 +40,7 @@ class Step:
     layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
     multiplier: str | None = None  # a float attribute of the block scaling the output (Granite)
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
+    first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,9 @@ class Family:
     fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
     extras: bool = False  # the block returns (stream, *the attention's other outputs)
     kwargs: bool = True  # the block passes its ``**kwargs`` on to the attention
-    # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX); "sum" adds their
-    # sum with one dropout (Falcon); the steps' norms may be one module
+    # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX: mlp + attn + s);
+    # "chain" the same in the stream's order (Cohere: s + attn + mlp); "sum" adds their sum with
+    # one dropout (Falcon); the steps' norms may be one module
     parallel: str | None = None
     post_norm: bool = False  # (BERT) the block is ``norm(dropout(sublayer(h)) + input_tensor)``
 
@@ -78,6 +80,21 @@ _T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's pr
     "LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
 }
 
+# models whose decoder layer's forward is, token for token, LlamaDecoderLayer's (a test compares
+# the source)
+LLAMA_COPIES = [
+    ("deepseek_v3", "DeepseekV3"),
+    ("ernie4_5", "Ernie4_5"),
+    ("glm4_moe", "Glm4Moe"),
+    ("helium", "Helium"),
+    ("ministral", "Ministral"),
+    ("olmo", "Olmo"),
+    ("olmoe", "Olmoe"),
+    ("seed_oss", "SeedOss"),
+    ("smollm3", "SmolLM3"),
+    ("starcoder2", "Starcoder2"),
+]
+
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
@@ -91,6 +108,14 @@ FAMILIES: dict[str, Family] = {
         ]
     ),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
+    **dict(_llama(m, c, _PRE) for m, c in LLAMA_COPIES),
+    **dict([_llama("gpt_oss", "GptOss", (_PRE[0], Step("mlp", "post_attention_layernorm", first=True)))]),
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer": Family(
+            (Step("self_attn", "input_layernorm"), Step("mlp", "input_layernorm")), final="norm", parallel="chain"
+        )
+        for m, c in [("cohere", "Cohere"), ("cohere2", "Cohere2")]
+    },
     "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": Family(
         (
             Step("self_attn", "input_layernorm", dropout="resid_attn_dropout"),
@@ -98,10 +123,13 @@ FAMILIES: dict[str, Family] = {
         ),
         final="norm",
     ),
-    "transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer": Family(
-        (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm")),
-        final="norm",
-    ),
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer": Family(
+            (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm")),
+            final="norm",
+        )
+        for m, c in [("olmo2", "Olmo2"), ("olmo3", "Olmo3")]
+    },
     "transformers.models.gpt2.modeling_gpt2.GPT2Block": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_2")),
         final="ln_f",
@@ -321,6 +349,7 @@ def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple
             out, extras = _call_first(self, family, step, h, named)
         else:
             out = getattr(self, step.sublayer)(h)
+            out = out[0] if step.first else out
         if step.post is not None:
             out = getattr(self, step.post)(out)
         if i + 1 < len(steps):
@@ -334,8 +363,9 @@ def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple
 
 
 def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) -> tuple[Tensor, tuple]:
-    """Attention and MLP on the same stream: ``s + dropout(mlp) + dropout(attn)`` (GPT-NeoX, "x1")
-    or ``s + dropout(mlp + attn)`` (Falcon, "sum")."""
+    """Attention and MLP on the same stream: ``s + dropout(mlp) + dropout(attn)`` (GPT-NeoX, "x1";
+    Cohere, "chain") or ``s + dropout(mlp + attn)`` (Falcon, "sum"). The fused op adds ``attn`` (its
+    ``x1``) to ``s`` first, as Cohere does."""
     attn, mlp = family.steps[:2]
     h_attn = getattr(self, attn.norm)(s)
     h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
@@ -352,6 +382,8 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
         return ys[-1], extras
     if out_attn is None:
         return s + _branch(self, mlp, out_mlp), extras
+    if family.parallel == "chain":
+        return s + _branch(self, attn, out_attn) + _branch(self, mlp, out_mlp), extras
     return _branch(self, mlp, out_mlp) + _branch(self, attn, out_attn) + s, extras
 
 

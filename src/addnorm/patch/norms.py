@@ -9,11 +9,15 @@ cast back to the activation dtype (all compute the statistics in float32)::
     "gemma"  GemmaRMSNorm & copies   y = (xhat * (1 + w.float())).to(x.dtype)
     "olmo2"  Olmo2RMSNorm            y = (w * xhat).to(x.dtype)          (weight, then cast)
     "t5"     T5LayerNorm             y = w * xhat.to(w.dtype if w is half else float32)
+    "cohere" CohereLayerNorm         y = (w.float() * xhat).to(x.dtype)  (LayerNorm, no bias)
+    "olmo"   OlmoLayerNorm           y = xhat.to(x.dtype)                (LayerNorm, no parameters)
     "flash_attn"  flash-attn's / mamba_ssm's RMSNorm: its own forward(x, residual, prenorm,
              residual_in_fp32), run by :class:`addnorm.compat.flash_attn.RMSNorm`
 
-``"olmo2"`` is ``"rms"`` on a class with ``variance_epsilon`` instead of torch's attributes; ``"t5"``
-casts to the *weight's* dtype, which is ``"llama"`` whenever the input has the weight's dtype.
+``"olmo2"`` is ``"rms"`` on a class with ``variance_epsilon`` instead of torch's attributes, and
+``"cohere"`` and ``"olmo"`` are ``"layer"`` on such classes; ``"t5"`` casts to the *weight's* dtype,
+which is ``"llama"`` whenever the input has the weight's dtype. :mod:`.hf_norms` lists the Hugging
+Face classes of each style.
 
 A norm may also receive its output ready-made (:func:`hand_off`): the block before it computed the
 residual stream and this norm's output in one fused op. The norm uses it only when it is called
@@ -32,34 +36,10 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
-STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5", "flash_attn")
-HF_STYLES = ("llama", "gemma", "olmo2", "t5")  # Hugging Face classes: a 1-D weight and an epsilon
-
-# Hugging Face norms by exact class path -> style; each entry is checked against the real class
-# by tests/test_patch.py.
-HF_NORMS: dict[str, str] = {
-    **{
-        f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "llama"
-        for m, c in [
-            ("llama", "Llama"),
-            ("mistral", "Mistral"),
-            ("mixtral", "Mixtral"),
-            ("qwen2", "Qwen2"),
-            ("qwen3", "Qwen3"),
-            ("qwen2_moe", "Qwen2Moe"),
-            ("qwen3_moe", "Qwen3Moe"),
-            ("granite", "Granite"),
-            ("phi3", "Phi3"),
-        ]
-    },
-    **{
-        f"transformers.models.{m}.modeling_{m}.{c}RMSNorm": "gemma"
-        for m, c in [("gemma", "Gemma"), ("gemma2", "Gemma2"), ("gemma3", "Gemma3")]
-    },
-    "transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm": "olmo2",
-    "transformers.models.t5.modeling_t5.T5LayerNorm": "t5",
-    "transformers.models.mt5.modeling_mt5.MT5LayerNorm": "t5",
-}
+STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5", "cohere", "olmo", "flash_attn")
+HF_STYLES = ("llama", "gemma", "olmo2", "t5", "cohere")  # Hugging Face classes: a 1-D weight and an epsilon
+_MEAN_STYLES = ("layer", "cohere", "olmo")  # LayerNorm: the mean subtracted
+OLMO_EPS = 1e-5  # OlmoLayerNorm's, written in its forward
 
 _HALF = (torch.float16, torch.bfloat16)
 # flash-attn's fused-norm module and its copies in mamba_ssm, recognised by name and signature
@@ -146,17 +126,17 @@ def add_norm_forward(
         return norm.weight * y.to(_t5_dtype(norm, x))
     parallel = NO_PARALLEL
     if x1 is not None or norm1 is not None:
-        if style not in ("layer", "rms"):
-            raise ValueError("x1 and norm1 take norms of style 'layer' or 'rms'")
+        if norm1 is not None and style not in ("layer", "rms"):  # (x1 alone only changes the stream)
+            raise ValueError("norm1 takes norms of style 'layer' or 'rms'")
         w1, b1 = (None, None) if norm1 is None else (norm1.weight, getattr(norm1, "bias", None))
         parallel = Parallel(x1, w1, b1)
     if style == "gemma":  # the (1 + w) offset in float32 (zero_centered_weight), the cast last
         sublayer = sublayer._replace(zero_centered_weight=True)
-    weight = norm.weight
+    weight = getattr(norm, "weight", None)  # (None: a norm without parameters)
     late = style in ("llama", "t5") and not (
         x.dtype == weight.dtype == torch.float32 and (residual is None or residual.dtype == torch.float32)
     )  # the cast comes before the weight: in float32 it is a no-op and the weight can go into the op
-    common = dict(rms=style != "layer", prenorm=prenorm, residual_dtype=None, backend=norm.backend)
+    common = dict(rms=style not in _MEAN_STYLES, prenorm=prenorm, residual_dtype=None, backend=norm.backend)
     out = add_norm(
         x, residual, *_norm_args(norm, None if late else weight), **common, sublayer=sublayer, parallel=parallel
     )
@@ -170,6 +150,8 @@ def _norm_args(norm: nn.Module, weight: Tensor | None) -> tuple:
     if norm_style(norm) in ("layer", "rms"):
         bias = getattr(norm, "bias", None)
         return norm.normalized_shape, weight, bias, norm.eps
+    if norm_style(norm) == "olmo":
+        return norm.normalized_shape, None, None, OLMO_EPS
     return norm.weight.shape, weight, None, eps_of(norm)
 
 
