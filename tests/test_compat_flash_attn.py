@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import addnorm
-from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, layer_norm_linear_fn, rms_norm_fn
+from addnorm.compat.flash_attn import (
+    RMSNorm,
+    layer_norm_fn,
+    layer_norm_linear_fn,
+    layer_norm_ref,
+    rms_norm_fn,
+    rms_norm_ref,
+)
 
 F = torch.nn.functional
 ATOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -117,6 +124,51 @@ def _acceptance_rule(hidden, dtypes, wdtype, has_residual, rms, prenorm, p, para
         error = (ours.float() - ref.float()).abs() - torch.finfo(ours.dtype).eps * ref.float().abs()
         err = error.max().item()
         assert err <= allowed, f"result {i} ({ours.dtype}): error {err:.3g} beyond one rounding > {allowed:.3g}"
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_reference_functions_give_the_fused_op_s_results_in_float64(rms, parallel):
+    """layer_norm_ref / rms_norm_ref (flash-attn's test oracles, plain torch ops) against the fused
+    op on the same dropout masks: results and gradients, float64."""
+    g = torch.Generator().manual_seed(5)
+    mk = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()  # noqa: E731
+    x, residual, weight, bias = mk(3, 5, 64), mk(3, 5, 64), mk(64), mk(64)
+    x1, weight1, bias1 = (mk(3, 5, 64), mk(64), mk(64)) if parallel else (None, None, None)
+    rowscale = None if parallel else torch.rand(15, generator=g, dtype=torch.float64) + 0.5  # flat, as in flash-attn
+    fn, ref = (rms_norm_fn, rms_norm_ref) if rms else (layer_norm_fn, layer_norm_ref)
+    args = (x, weight, bias, residual, x1, weight1, bias1, 1e-6, 0.3, rowscale, True)
+    *ours, mask, mask1 = fn(*args, zero_centered_weight=True, return_dropout_mask=True)
+    theirs = ref(*args, zero_centered_weight=True, dropout_mask=mask, dropout_mask1=mask1)
+    assert len(theirs) == len(ours) == (3 if parallel else 2) and (mask1 is None) == (not parallel)
+    flat = [None if m is None else m.reshape(15, 64) for m in (mask, mask1)]  # flash-attn's (rows, hidden)
+    for a, b in zip(theirs, ref(*args, zero_centered_weight=True, dropout_mask=flat[0], dropout_mask1=flat[1])):
+        assert torch.equal(a, b)
+    leaves = [t for t in (x, residual, weight, bias, x1, weight1, bias1) if t is not None]
+    cots = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in ours]
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    grads = [torch.autograd.grad(outs, leaves, cots) for outs in (ours, theirs)]
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("ref", [layer_norm_ref, rms_norm_ref])
+def test_reference_functions_compute_in_the_inputs_dtype_or_upcast(ref):
+    x, residual = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()
+    weight = torch.rand(32).bfloat16() + 0.5
+    y, s = ref(x, weight, None, residual, prenorm=True)
+    assert y.dtype == s.dtype == torch.bfloat16 and torch.equal(s, x + residual)
+    y32, s32 = ref(x, weight, None, residual, prenorm=True, upcast=True)
+    assert y32.dtype == torch.bfloat16 and s32.dtype == torch.float32
+    assert torch.equal(s32, x.float() + residual.float())
+    exact = ref(x.double(), weight.double(), None, residual.double())
+    assert (y32.double() - exact).abs().max() <= (y.double() - exact).abs().max()  # float32 is closer
+    torch.manual_seed(0)
+    dropped = ref(torch.ones(64, 64), None, None, dropout_p=0.5, prenorm=True)[1]  # torch's dropout
+    assert set(dropped.unique().tolist()) == {0.0, 2.0} and 0.4 < (dropped == 0).float().mean() < 0.6
+    with pytest.raises(ValueError, match="rowscale with x1"):
+        ref(x, weight, None, residual, x, rowscale=torch.ones(4))
 
 
 def test_rowscale_is_taken_flat_as_flash_attn_takes_it():

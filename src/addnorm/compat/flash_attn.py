@@ -5,7 +5,8 @@ addnorm with one import changed::
 
     from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, layer_norm_linear_fn, rms_norm_fn
 
-The arguments and the order of the results are flash-attn's; the numerics are addnorm's
+and its tests, with ``layer_norm_ref`` / ``rms_norm_ref``, its formulas in plain torch ops. The
+arguments and the order of the results are flash-attn's; the numerics are addnorm's
 (statistics in float32, the corrected mean, the same bits on every backend). mamba_ssm 1.x's
 copy (``mamba_ssm.ops.triton.layernorm``) has no ``x1``: pass its ``eps``, ``prenorm`` and
 ``residual_in_fp32`` by keyword. Where the two differ:
@@ -238,6 +239,92 @@ def layer_norm_linear_fn(
     bias = linear_bias.to(dtype) if linear_bias is not None else None
     out = nn.functional.linear(y.to(dtype), linear_weight.to(dtype), bias)
     return (out, result[1]) if prenorm else out
+
+
+def layer_norm_ref(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None = None,
+    x1: Tensor | None = None,
+    weight1: Tensor | None = None,
+    bias1: Tensor | None = None,
+    eps: float = 1e-6,
+    dropout_p: float = 0.0,
+    rowscale: Tensor | None = None,
+    prenorm: bool = False,
+    zero_centered_weight: bool = False,
+    dropout_mask: Tensor | None = None,
+    dropout_mask1: Tensor | None = None,
+    upcast: bool = False,
+    *,
+    is_rms_norm: bool = False,
+):
+    """flash-attn's ``layer_norm_ref``: :func:`layer_norm_fn`'s result in plain torch ops, unfused,
+    the oracle flash-attn's tests compare it with. Computes in the inputs' dtypes, or in float32
+    with ``upcast``, in flash-attn's order: ``s = (rowscale * x)``, dropped, plus ``x1`` dropped,
+    plus ``residual``; then ``norm(s)`` and ``norm1(s)``, cast to ``x``'s dtype. ``dropout_mask`` /
+    ``dropout_mask1`` (what ``layer_norm_fn(..., return_dropout_mask=True)`` returned) drop the same
+    elements; without them ``dropout_p`` draws torch's dropout. Returns ``y`` or ``(y, y1)``, then
+    ``s`` when ``prenorm``."""
+    if rowscale is not None and x1 is not None:
+        raise ValueError("rowscale with x1 is ambiguous (which sublayer output does it scale?), as in flash-attn")
+    dtype = x.dtype
+    if upcast:
+        x, weight, bias, residual, x1, weight1, bias1 = (
+            None if t is None else t.float() for t in (x, weight, bias, residual, x1, weight1, bias1)
+        )
+    if rowscale is not None:
+        x = x * rowscale.reshape(*x.shape[:-1], 1)
+    if dropout_p > 0:
+        x = _dropped(x, dropout_mask, dropout_p)
+        x1 = None if x1 is None else _dropped(x1, dropout_mask1, dropout_p)
+    s = x if x1 is None else x + x1
+    s = s if residual is None else (s + residual).to(s.dtype)
+
+    def norm(w: Tensor | None, b: Tensor | None) -> Tensor:
+        w = w + 1 if zero_centered_weight and w is not None else w
+        if not is_rms_norm:
+            y = nn.functional.layer_norm(s if w is None else s.to(w.dtype), s.shape[-1:], w, b, eps)
+        else:
+            y = s * torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)
+            y = y if w is None else y * w
+            y = y if b is None else y + b
+        return y.to(dtype)
+
+    y = norm(weight, bias) if weight1 is None else (norm(weight, bias), norm(weight1, bias1))
+    if not prenorm:
+        return y
+    return (*y, s) if weight1 is not None else (y, s)
+
+
+def rms_norm_ref(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None = None,
+    x1: Tensor | None = None,
+    weight1: Tensor | None = None,
+    bias1: Tensor | None = None,
+    eps: float = 1e-6,
+    dropout_p: float = 0.0,
+    rowscale: Tensor | None = None,
+    prenorm: bool = False,
+    zero_centered_weight: bool = False,
+    dropout_mask: Tensor | None = None,
+    dropout_mask1: Tensor | None = None,
+    upcast: bool = False,
+):
+    """flash-attn's ``rms_norm_ref``: :func:`layer_norm_ref` with RMSNorm,
+    ``y = s / sqrt(mean(s²) + eps) * weight + bias``."""
+    args = (x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, prenorm, zero_centered_weight)
+    return layer_norm_ref(*args, dropout_mask, dropout_mask1, upcast, is_rms_norm=True)
+
+
+def _dropped(x: Tensor, keep: Tensor | None, p: float) -> Tensor:
+    """Inverted dropout of ``x``: by the keep mask ``keep`` (in x's shape or flash-attn's ``(rows,
+    hidden)``), or drawn by torch without one."""
+    return nn.functional.dropout(x, p) if keep is None else x.masked_fill(~keep.reshape(x.shape), 0.0) / (1 - p)
 
 
 class RMSNorm(nn.Module):
