@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import importlib
+import inspect
 import pathlib
 import re
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -381,16 +384,29 @@ def test_gradient_checkpointing_keeps_gradients():
     assert_same_step(original, patched, hf_inputs("llama"))
 
 
-@pytest.mark.parametrize("model, prefix", blocks_module.LLAMA_COPIES)
-def test_llama_copies_have_llama_s_forward(model, prefix):
-    """The blocks run with Llama's steps have Llama's forward, up to the class names."""
-    import inspect
+def _statements(model: str, prefix: str) -> str:
+    """The statements of a decoder layer's forward as a syntax tree (docstring, comments and
+    signature aside)."""
+    module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    source = inspect.getsource(getattr(module, f"{prefix}DecoderLayer").forward)
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.dump(ast.Module(body, []))
 
-    def source(m: str, c: str) -> str:
-        cls = getattr(importlib.import_module(f"transformers.models.{m}.modeling_{m}"), f"{c}DecoderLayer")
-        return inspect.getsource(cls.forward).replace(c, "")
 
-    assert source(model, prefix) == source("llama", "Llama")
+COPIES = [
+    (layout, *entry)
+    for layout, entries in blocks_module.COPIES.items()
+    for entry in (e.split(":") for e in entries.split())
+]
+
+
+@pytest.mark.parametrize("layout, model, prefix", COPIES)
+def test_copied_blocks_run_the_statements_of_the_block_they_copy(layout, model, prefix):
+    """The blocks run with Llama's (OLMo 2's) steps run the same statements as Llama's (OLMo 2's)."""
+    original = {"llama": ("llama", "Llama"), "olmo2": ("olmo2", "Olmo2")}[layout]
+    assert _statements(model, prefix) == _statements(*original)
 
 
 def test_unknown_blocks_are_left_alone_and_reported():

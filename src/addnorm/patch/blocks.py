@@ -80,20 +80,24 @@ _T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's pr
     "LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
 }
 
-# models whose decoder layer's forward is, token for token, LlamaDecoderLayer's (a test compares
-# the source)
-LLAMA_COPIES = [
-    ("deepseek_v3", "DeepseekV3"),
-    ("ernie4_5", "Ernie4_5"),
-    ("glm4_moe", "Glm4Moe"),
-    ("helium", "Helium"),
-    ("ministral", "Ministral"),
-    ("olmo", "Olmo"),
-    ("olmoe", "Olmoe"),
-    ("seed_oss", "SeedOss"),
-    ("smollm3", "SmolLM3"),
-    ("starcoder2", "Starcoder2"),
-]
+# (model, class prefix) of decoder layers whose forward runs the statements of Llama's (or OLMo 2's)
+# LlamaDecoderLayer.forward: the same syntax tree, docstring, comments and signature aside (a test
+# compares them; the signature is bound as each class declares it)
+COPIES = {
+    "llama": """
+    arcee:Arcee aria:AriaText bitnet:BitNet csm:Csm cwm:Cwm deepseek_v2:DeepseekV2 deepseek_v3:DeepseekV3
+    deepseek_v32:DeepseekV32 diffllama:DiffLlama dots1:Dots1 ernie4_5:Ernie4_5 ernie4_5_moe:Ernie4_5_Moe
+    exaone_moe:ExaoneMoe glm:Glm glm4_moe:Glm4Moe glm4_moe_lite:Glm4MoeLite glm4v_moe:Glm4vMoeText
+    helium:Helium hunyuan_v1_dense:HunYuanDenseV1 hunyuan_v1_moe:HunYuanMoEV1 jais2:Jais2
+    mimo_v2_flash:MiMoV2Flash ministral:Ministral ministral3:Ministral3 mistral4:Mistral4 olmo:Olmo
+    olmoe:Olmoe qwen2_5_omni:Qwen2_5Omni qwen2_5_vl:Qwen2_5_VL qwen2_vl:Qwen2VL
+    qwen3_omni_moe:Qwen3OmniMoeThinkerText qwen3_vl:Qwen3VLText qwen3_vl_moe:Qwen3VLMoeText
+    seed_oss:SeedOss smollm3:SmolLM3 solar_open:SolarOpen starcoder2:Starcoder2 youtu:Youtu
+    """,
+    "olmo2": "exaone4:Exaone4 olmo3:Olmo3",
+}
+_COPIES = {layout: [entry.split(":") for entry in entries.split()] for layout, entries in COPIES.items()}
+_POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
@@ -108,7 +112,8 @@ FAMILIES: dict[str, Family] = {
         ]
     ),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
-    **dict(_llama(m, c, _PRE) for m, c in LLAMA_COPIES),
+    **dict(_llama(m, c, _PRE) for m, c in _COPIES["llama"]),
+    **dict(_llama(m, c, _POST) for m, c in [("olmo2", "Olmo2"), *_COPIES["olmo2"]]),
     **dict([_llama("gpt_oss", "GptOss", (_PRE[0], Step("mlp", "post_attention_layernorm", first=True)))]),
     **{
         f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer": Family(
@@ -123,13 +128,6 @@ FAMILIES: dict[str, Family] = {
         ),
         final="norm",
     ),
-    **{
-        f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer": Family(
-            (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm")),
-            final="norm",
-        )
-        for m, c in [("olmo2", "Olmo2"), ("olmo3", "Olmo3")]
-    },
     "transformers.models.gpt2.modeling_gpt2.GPT2Block": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_2")),
         final="ln_f",
