@@ -168,6 +168,72 @@ def test_norm_types_selects_and_extends():
     assert torch.equal(custom[2].to(torch.bfloat16)(x), model[2].to(torch.bfloat16)(x))
 
 
+class OptionNorm(MyRMSNorm):
+    """MyRMSNorm with the options some Hugging Face norms of the table have: by default it computes
+    the Llama style; with any of them set, something else (here: the option is simply refused)."""
+
+    def __init__(self, n, *, group_size=None, bias=False, force_float32_reductions=True):
+        super().__init__(n)
+        self.group_size, self.force_float32_reductions = group_size, force_float32_reductions
+        self.bias = nn.Parameter(torch.zeros(n)) if bias is True else None
+        if bias == "buffer":
+            self.register_buffer("offset", torch.zeros(n))
+
+
+@pytest.mark.parametrize(
+    "options, why",
+    [
+        (dict(group_size=4), "group_size=4 changes what it computes"),
+        (dict(force_float32_reductions=False), "force_float32_reductions=False changes what it computes"),
+        (dict(bias=True), "has 'bias' besides 'weight', which style 'llama' does not compute with"),
+        (dict(bias="buffer"), "has 'offset' besides 'weight', which style 'llama' does not compute with"),
+    ],
+)
+def test_norms_with_options_no_style_computes_are_left_alone(options, why):
+    model = nn.Sequential(OptionNorm(16), OptionNorm(16, **options))
+    report = addnorm.patch(model, norm_types={OptionNorm: "llama"})
+    assert [n for n, _, _ in report.replaced] == ["0"] and report.skipped == [("1", "OptionNorm", why)]
+    assert type(model[1]) is OptionNorm
+
+
+def _wrap_forward(module: nn.Module, calls: list) -> None:
+    """Set a forward on the module itself, as accelerate's hooks do (to load offloaded weights
+    before the class's forward runs)."""
+    original = module.forward
+
+    def forward(*args, **kwargs):
+        calls.append(module)
+        return original(*args, **kwargs)
+
+    module.forward = forward
+
+
+def test_modules_with_a_forward_of_their_own_are_left_alone():
+    """A module wrapped before patching: changing its class would change nothing, so it is reported."""
+    model = hf_model("llama")
+    calls = []
+    for m in model.modules():
+        if type(m).__name__ in ("LlamaRMSNorm", "LlamaDecoderLayer"):
+            _wrap_forward(m, calls)
+    report = addnorm.patch(model, fuse_residual=True)
+    assert report.replaced == [] and report.fused == []
+    assert len(report.skipped) == 7 and all("replaced on the module itself" in why for _, _, why in report.skipped)
+
+
+def test_a_norm_wrapped_after_patching_is_called_not_fused():
+    """A norm wrapped after fuse_residual=True (accelerate's offloading) is called, its wrapper
+    first, instead of computed inside the block or handed its output."""
+    original = hf_model("llama")
+    model = copy.deepcopy(original)
+    addnorm.patch(model, fuse_residual=True)
+    calls = []
+    norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+    for norm in norms:
+        _wrap_forward(norm, calls)
+    assert_same_step(original, model, hf_inputs("llama"))
+    assert sorted(map(id, calls)) == sorted(map(id, norms))  # each norm called once, through its wrapper
+
+
 class ScaledNorm(nn.LayerNorm):
     """A subclass of torch's LayerNorm with its own forward, and no "LayerNorm" in its name."""
 

@@ -128,10 +128,12 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
     cls = type(m)
     if "backend" in m.__dict__:
         return "already has an attribute named 'backend'"
+    if "forward" in m.__dict__:
+        return _WRAPPED
     if style in HF_STYLES or style == "flash_attn":
-        w = getattr(m, "weight", None)
-        if not isinstance(w, Tensor) or w.dim() != 1 or eps_of(m) is None:
-            return "expected a 1-D 'weight' and a float 'variance_epsilon' or 'eps'"
+        why = _why_not_hf_norm(m, style)
+        if why is not None:
+            return why
     if style == "olmo":
         shape = getattr(m, "normalized_shape", None)
         if not isinstance(shape, tuple) or not all(type(n) is int for n in shape) or any(True for _ in m.parameters()):
@@ -150,6 +152,29 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
     m.__class__ = new
     m.backend = backend
     m.__dict__[ORIGINAL] = cls
+    return None
+
+
+_WRAPPED = "its forward is replaced on the module itself (accelerate's hooks?): patch before dispatching or offloading"
+# attributes some Hugging Face norm classes have which, away from their default, change what they
+# compute (a norm per group of features; statistics in the input's dtype): none of the styles
+_OPTIONS = {"group_size": None, "force_float32_reductions": True}
+
+
+def _why_not_hf_norm(m: nn.Module, style: str) -> str | None:
+    """Why ``m``, of a class computing ``style`` as constructed by default, does not compute it."""
+    w = getattr(m, "weight", None)
+    if not isinstance(w, Tensor) or w.dim() != 1:
+        return "expected a 1-D 'weight', one per feature of the last dim"
+    if eps_of(m) is None:
+        return "expected a float 'variance_epsilon' or 'eps'"
+    extra = [n for n, _ in m.named_parameters(recurse=False) if n != "weight"]
+    extra += [n for n, _ in m.named_buffers(recurse=False)]
+    if extra:
+        return f"has {extra[0]!r} besides 'weight', which style {style!r} does not compute with"
+    for name, default in _OPTIONS.items():
+        if getattr(m, name, default) != default:
+            return f"{name}={getattr(m, name)!r} changes what it computes"
     return None
 
 
@@ -188,6 +213,9 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         ]
         if missing:
             report.skipped.append((name, type(m).__name__, f"has no {', '.join(missing)}: not the layout fused"))
+            continue
+        if "forward" in m.__dict__:
+            report.skipped.append((name, type(m).__name__, _WRAPPED))
             continue
         blocks.append((name, m, family))
     stacks: dict[str, list] = {}

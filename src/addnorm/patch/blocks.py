@@ -265,24 +265,30 @@ def _may_hand_off(block: nn.Module, norms: tuple[nn.Module, ...], x: Tensor) -> 
     """Whether the last add can be computed with the next norms now: not under torch.compile or
     activation checkpointing (which replay a block alone), not on an inference tensor (which has
     no version counter: an in-place change of the stream before the next norm would go unseen,
-    :func:`.norms.handed_off`), and with the next norms' weights plain tensors on ``x``'s device
-    (not sharded away by FSDP)."""
+    :func:`.norms.handed_off`), and with outputs the next norms can take (:func:`_computable`)."""
     if not norms or torch.compiler.is_compiling() or x.is_inference():
         return False
     if getattr(block, "gradient_checkpointing", False) and block.training:
         return False
-    for norm in norms:
-        w = getattr(norm, "weight", None)
-        if w is not None and (type(w.data) is not Tensor or w.device != x.device):
-            return False
-    return all(fusable(norm, x) for norm in norms)
+    return all(_computable(norm, x) for norm in norms)
+
+
+def _computable(norm: nn.Module, x: Tensor) -> bool:
+    """Whether ``norm``'s output on ``x`` can come out of a fused op: its output can
+    (:func:`.norms.fusable`), its weight is a plain tensor on ``x``'s device (not sharded away by
+    FSDP, not offloaded), and calling it runs its class's forward alone (no forward set on the
+    module itself, as accelerate's hooks set one to load the weights first)."""
+    w = getattr(norm, "weight", None)
+    if w is not None and (type(w.data) is not Tensor or w.device != x.device):
+        return False
+    return "forward" not in norm.__dict__ and fusable(norm, x)
 
 
 def _inline(norm: nn.Module | None, x: Tensor) -> bool:
     """Whether a norm called inside the block can be computed by the block's fused op instead:
     its output can come from it, and nothing hooks the norm's call (a hook on it, or a global
     module hook), which the fused op would skip."""
-    if norm is None or not fusable(norm, x):
+    if norm is None or not _computable(norm, x):
         return False
     hooks = nn.modules.module
     return not (
