@@ -196,6 +196,20 @@ def test_norms_with_options_no_style_computes_are_left_alone(options, why):
     assert type(model[1]) is OptionNorm
 
 
+def test_olmo_style_takes_olmo_s_epsilon_only():
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    class EpsNorm(OlmoLayerNorm):
+        eps = 1e-6
+
+    model = nn.Sequential(OlmoLayerNorm(8), EpsNorm(8))
+    report = addnorm.patch(model, norm_types={OlmoLayerNorm: "olmo", EpsNorm: "olmo"})
+    assert [n for n, _, _ in report.replaced] == ["0"]
+    assert report.skipped == [
+        ("1", "EpsNorm", "style 'olmo' computes with eps 1e-05 (OlmoLayerNorm's), the module's is 1e-06")
+    ]
+
+
 def _wrap_forward(module: nn.Module, calls: list) -> None:
     """Set a forward on the module itself, as accelerate's hooks do (to load offloaded weights
     before the class's forward runs)."""

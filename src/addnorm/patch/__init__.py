@@ -31,6 +31,7 @@ from .hf_norms import HF_NORMS
 from .norms import (
     FLASH_ATTN_MODULES,
     HF_STYLES,
+    OLMO_EPS,
     STYLES,
     add_norm_forward,
     eps_of,
@@ -138,6 +139,8 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
         shape = getattr(m, "normalized_shape", None)
         if not isinstance(shape, tuple) or not all(type(n) is int for n in shape) or any(True for _ in m.parameters()):
             return "expected a tuple 'normalized_shape' and no parameters"
+        if eps_of(m) not in (None, OLMO_EPS):
+            return f"style 'olmo' computes with eps {OLMO_EPS} (OlmoLayerNorm's), the module's is {eps_of(m)}"
     if style == "flash_attn" and FLASH_ATTN_MODULES[cls.__module__] and not hasattr(m, "drop"):
         # (its dropout would be lost unseen)
         return "expected flash-attn's 'drop' attribute (its dropout module, or None)"
