@@ -50,6 +50,7 @@ COVERAGE = {
             ("deepseek_v3", "DeepseekV3", 9),  # MLA's q_a_layernorm and kv_a_layernorm too
             ("glm4_moe", "Glm4Moe", 5),
             ("gpt_oss", "GptOss", 5),  # its MoE returns (output, router scores)
+            ("glm4", "Glm4", 9),  # sandwich norms
         ]
     },
     **{
@@ -84,6 +85,9 @@ COVERAGE = {
     "falcon_7b": (3, {"FalconDecoderLayer": {"self_attention+mlp": "fused"}}),  # one norm
     "falcon_rw": (5, {"FalconDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),  # sequential
     "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
+    "llama4": (5, {"Llama4TextDecoderLayer": {"self_attn": "fused", "feed_forward": "fused"}}),  # MoE rows flat
+    "phi": (3, {"PhiDecoderLayer": {"self_attn+mlp": "fused"}}),  # parallel, one norm, a dropout each
+    "gptj": (3, {"GPTJBlock": {"attn+mlp": "fused"}}),  # parallel, one norm, their sum added
     "cohere": (3, {"CohereDecoderLayer": {"self_attn+mlp": "fused"}}),  # parallel, one norm
     "cohere2": (3, {"Cohere2DecoderLayer": {"self_attn+mlp": "fused"}}),
 }
@@ -92,7 +96,7 @@ FAMILIES = list(COVERAGE)
 BF16 = [
     n for n in FAMILIES if n not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
 ]
-DROPOUT = ["bert", "phi3", "t5", "gpt_neox", "falcon", "falcon_rw"]
+DROPOUT = ["bert", "phi3", "phi", "t5", "gpt_neox", "falcon", "falcon_rw"]
 LABELS = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
@@ -111,6 +115,10 @@ LABELS = {
     "deepseek_v3": "DeepSeek-V3 (MLA, MoE)",
     "glm4_moe": "GLM-4-MoE",
     "gpt_oss": "GPT-OSS",
+    "glm4": "GLM-4 (sandwich norms)",
+    "llama4": "Llama 4 (text, dense and MoE layers)",
+    "phi": "Phi-2 (parallel, 1 norm)",
+    "gptj": "GPT-J (parallel, 1 norm)",
     "cohere": "Cohere (parallel, 1 norm)",
     "cohere2": "Cohere2 (parallel, 1 norm)",
     "gpt2": "GPT-2",

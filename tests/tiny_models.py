@@ -59,6 +59,12 @@ DECODERS = {
         | dict(n_group=1, topk_group=1),
     ),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",  # the second layer a mixture of experts
+        dict(intermediate_size_mlp=2 * WIDTH, num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2),
+    ),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {}),
 }
@@ -91,6 +97,18 @@ OTHERS = {
         )
         for name, parallel in [("gpt_neox", True), ("gpt_neox_sequential", False)]
     },
+    "phi": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ, **_IDS)
+        | dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    ),
+    "gptj": (
+        "GPTJConfig",
+        "GPTJForCausalLM",
+        dict(n_layer=2, n_embd=WIDTH, n_head=4, rotary_dim=4, vocab_size=VOCAB, n_positions=SEQ, **_IDS)
+        | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
     **{
         name: (
             "FalconConfig",

@@ -41,6 +41,7 @@ class Step:
     multiplier: str | None = None  # a float attribute of the block scaling the output (Granite)
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
     first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
+    flat: bool = False  # the sublayer returns the rows flat, (tokens, hidden) (Llama 4's MoE)
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,37 @@ FAMILIES: dict[str, Family] = {
         )
         for m, c in [("cohere", "Cohere"), ("cohere2", "Cohere2")]
     },
+    **dict(
+        [
+            _llama(
+                "glm4",
+                "Glm4",
+                (
+                    Step("self_attn", "input_layernorm", post="post_self_attn_layernorm"),
+                    Step("mlp", "post_attention_layernorm", post="post_mlp_layernorm"),
+                ),
+            )
+        ]
+    ),
+    "transformers.models.llama4.modeling_llama4.Llama4TextDecoderLayer": lambda block: Family(
+        (
+            Step("self_attn", "input_layernorm"),
+            Step("feed_forward", "post_attention_layernorm", first=block.is_moe_layer, flat=True),
+        ),
+        final="norm",
+        drop=("position_ids",),
+    ),
+    "transformers.models.phi.modeling_phi.PhiDecoderLayer": Family(
+        (
+            Step("self_attn", "input_layernorm", dropout="resid_dropout"),
+            Step("mlp", "input_layernorm", dropout="resid_dropout"),
+        ),
+        final="final_layernorm",
+        parallel="x1",
+    ),
+    "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
+        (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
+    ),
     "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": Family(
         (
             Step("self_attn", "input_layernorm", dropout="resid_attn_dropout"),
@@ -354,6 +386,7 @@ def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple
         else:
             out = getattr(self, step.sublayer)(h)
             out = out[0] if step.first else out
+            out = out.view(s.shape) if step.flat else out
         if step.post is not None:
             out = getattr(self, step.post)(out)
         if i + 1 < len(steps):
