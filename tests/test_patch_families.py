@@ -88,6 +88,8 @@ COVERAGE = {
     "llama4": (5, {"Llama4TextDecoderLayer": {"self_attn": "fused", "feed_forward": "fused"}}),  # MoE rows flat
     "phi": (3, {"PhiDecoderLayer": {"self_attn+mlp": "fused"}}),  # parallel, one norm, a dropout each
     "gptj": (3, {"GPTJBlock": {"attn+mlp": "fused"}}),  # parallel, one norm, their sum added
+    "stablelm": (5, {"StableLmDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
+    "stablelm_parallel": (3, {"StableLmDecoderLayer": {"self_attn+mlp": "fused"}}),  # s + attn + dropout(mlp)
     "cohere": (3, {"CohereDecoderLayer": {"self_attn+mlp": "fused"}}),  # parallel, one norm
     "cohere2": (3, {"Cohere2DecoderLayer": {"self_attn+mlp": "fused"}}),
 }
@@ -96,7 +98,7 @@ FAMILIES = list(COVERAGE)
 BF16 = [
     n for n in FAMILIES if n not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
 ]
-DROPOUT = ["bert", "phi3", "phi", "t5", "gpt_neox", "falcon", "falcon_rw"]
+DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw"]
 LABELS = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
@@ -119,6 +121,8 @@ LABELS = {
     "llama4": "Llama 4 (text, dense and MoE layers)",
     "phi": "Phi-2 (parallel, 1 norm)",
     "gptj": "GPT-J (parallel, 1 norm)",
+    "stablelm": "StableLM (sequential)",
+    "stablelm_parallel": "StableLM (`use_parallel_residual=True`)",
     "cohere": "Cohere (parallel, 1 norm)",
     "cohere2": "Cohere2 (parallel, 1 norm)",
     "gpt2": "GPT-2",
@@ -344,6 +348,19 @@ def test_activation_checkpointing_of_any_module_keeps_gradients(how, reentrant):
                 model.model.layers[0].gradient_checkpointing = False
         model.enable_input_require_grads()
     assert_same_step(original, patched, hf_inputs(name))
+
+
+def test_parallel_dropout_on_one_output_runs_unfused_as_the_model_does(fused_calls):
+    """StableLM's parallel block drops the MLP output alone, which one op cannot (x and x1 take one
+    probability): the add stays unfused and draws torch's dropout as the model does, the same bits."""
+    original, patched, report = fused_copy("stablelm_parallel", dropout=0.25)
+    inputs = hf_inputs("stablelm_parallel")
+    steps = []
+    for model in (original, patched):
+        torch.manual_seed(3)
+        steps.append(step(model, inputs))
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-5)  # logits and every gradient
+    assert len(report.fused_adds) == 2 and not any(with_residual for with_residual, _ in fused_calls)
 
 
 def test_dropout_follows_the_dropout_module_s_own_mode():

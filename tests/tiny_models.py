@@ -103,6 +103,15 @@ OTHERS = {
         dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ, **_IDS)
         | dict(resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
     ),
+    **{
+        name: (
+            "StableLmConfig",
+            "StableLmForCausalLM",
+            dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ, use_parallel_residual=parallel, **_IDS)
+            | dict(num_key_value_heads=4, hidden_dropout=0.0, attention_dropout=0.0),
+        )
+        for name, parallel in [("stablelm", False), ("stablelm_parallel", True)]
+    },
     "gptj": (
         "GPTJConfig",
         "GPTJForCausalLM",

@@ -150,6 +150,19 @@ FAMILIES: dict[str, Family] = {
         final="final_layernorm",
         parallel="x1",
     ),
+    "transformers.models.stablelm.modeling_stablelm.StableLmDecoderLayer": lambda block: Family(
+        (
+            Step("self_attn", "input_layernorm"),
+            Step(
+                "mlp",
+                "input_layernorm" if block.use_parallel_residual else "post_attention_layernorm",
+                dropout="dropout",
+            ),
+        ),
+        final="norm",
+        kwargs=False,
+        parallel="chain" if block.use_parallel_residual else None,
+    ),
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
     ),
