@@ -85,6 +85,12 @@ COVERAGE = {
     "falcon_7b": (3, {"FalconDecoderLayer": {"self_attention+mlp": "fused"}}),  # one norm
     "falcon_rw": (5, {"FalconDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),  # sequential
     "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
+    # CLIP's vision encoder normalizes only its pooled token: its last add has no norm to feed
+    "clip": (
+        6,
+        {"CLIPEncoderLayer": {"self_attn": "fused", "mlp": "no final norm 'final_layer_norm' found above the block"}},
+    ),
+    "siglip": (6, {"SiglipEncoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # post_layernorm: the stream
     "llama4": (5, {"Llama4TextDecoderLayer": {"self_attn": "fused", "feed_forward": "fused"}}),  # MoE rows flat
     "phi": (3, {"PhiDecoderLayer": {"self_attn+mlp": "fused"}}),  # parallel, one norm, a dropout each
     "gptj": (3, {"GPTJBlock": {"attn+mlp": "fused"}}),  # parallel, one norm, their sum added
@@ -121,6 +127,8 @@ LABELS = {
     "llama4": "Llama 4 (text, dense and MoE layers)",
     "phi": "Phi-2 (parallel, 1 norm)",
     "gptj": "GPT-J (parallel, 1 norm)",
+    "clip": "CLIP (vision encoder)",
+    "siglip": "SigLIP (vision encoder)",
     "stablelm": "StableLM (sequential)",
     "stablelm_parallel": "StableLM (`use_parallel_residual=True`)",
     "cohere": "Cohere (parallel, 1 norm)",
@@ -170,6 +178,8 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
             assert outcome in outcomes[cls][add], (cls, add, outcomes[cls])
     if name in ("olmo2", "olmo3"):  # only the last block's MLP add is read by a norm: the final one
         assert [a.norm for a in report.fused_adds] == ["model.norm"]
+    elif name == "clip":
+        assert report.fused_adds == report.adds[:-1]
     else:
         assert report.fused_adds == report.adds
     inputs = hf_inputs(name)
@@ -409,29 +419,41 @@ def test_gradient_checkpointing_keeps_gradients():
     assert_same_step(original, patched, hf_inputs("llama"))
 
 
-def _statements(model: str, prefix: str) -> str:
-    """The statements of a decoder layer's forward as a syntax tree (docstring, comments and
-    signature aside)."""
+def _statements(model: str, cls: str) -> str:
+    """The statements of a layer's forward as a syntax tree (docstring, comments and signature aside)."""
     module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
-    source = inspect.getsource(getattr(module, f"{prefix}DecoderLayer").forward)
+    source = inspect.getsource(getattr(module, cls).forward)
     body = ast.parse(textwrap.dedent(source)).body[0].body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
     return ast.dump(ast.Module(body, []))
 
 
+# (model, class) of each copy, and the (model, class) it copies
 COPIES = [
-    (layout, *entry)
+    ((m, f"{prefix}DecoderLayer"), (layout, f"{layout.capitalize()}DecoderLayer"))
     for layout, entries in blocks_module.COPIES.items()
-    for entry in (e.split(":") for e in entries.split())
+    for m, prefix in (e.split(":") for e in entries.split())
+]
+COPIES += [
+    ((m, f"{p}EncoderLayer"), ("clip", "CLIPEncoderLayer"))
+    for m, p in (e.split(":") for e in blocks_module.CLIP_COPIES.split())
 ]
 
 
-@pytest.mark.parametrize("layout, model, prefix", COPIES)
-def test_copied_blocks_run_the_statements_of_the_block_they_copy(layout, model, prefix):
-    """The blocks run with Llama's (OLMo 2's) steps run the same statements as Llama's (OLMo 2's)."""
-    original = {"llama": ("llama", "Llama"), "olmo2": ("olmo2", "Olmo2")}[layout]
-    assert _statements(model, prefix) == _statements(*original)
+@pytest.mark.parametrize("copy_, original", COPIES, ids=[c[1] for c, _ in COPIES])
+def test_copied_blocks_run_the_statements_of_the_block_they_copy(copy_, original):
+    """The blocks run with another's steps (Llama's, OLMo 2's, CLIP's) run the same statements."""
+    assert _statements(*copy_) == _statements(*original)
+
+
+def test_stacks_without_a_final_norm_are_wired_apart():
+    """Two encoders with no final norm: each block list is a stack of its own, so the last block
+    of one hands nothing to the first norm of the other."""
+    towers = torch.nn.ModuleDict({t: hf_model("clip").vision_model for t in ("a", "b")})
+    report = addnorm.patch(towers, fuse_residual=True)
+    last = [a for a in report.adds if a.block.endswith("layers.1") and a.add == "mlp"]
+    assert [(a.block, a.norm) for a in last] == [("a.encoder.layers.1", None), ("b.encoder.layers.1", None)]
 
 
 def test_unknown_blocks_are_left_alone_and_reported():

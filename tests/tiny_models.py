@@ -71,6 +71,7 @@ DECODERS = {
 SMALL = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
 _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 _IMAGE = dict(**_ENCODER, image_size=8, patch_size=4, num_channels=3, num_labels=5)
+_VISION = dict(**SMALL, image_size=8, patch_size=4, num_channels=3)
 _IDS = dict(bos_token_id=0, eos_token_id=0)
 # other layouts: name -> (config class, model class, config arguments)
 OTHERS = {
@@ -96,6 +97,18 @@ OTHERS = {
             | dict(hidden_dropout=0.0, attention_dropout=0.0),
         )
         for name, parallel in [("gpt_neox", True), ("gpt_neox_sequential", False)]
+    },
+    **{
+        name: (
+            f"{prefix}Config",
+            f"{prefix}ForImageClassification",
+            dict(
+                vision_config=_VISION,
+                text_config=dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ),
+                num_labels=5,
+            ),
+        )
+        for name, prefix in [("clip", "CLIP"), ("siglip", "Siglip")]
     },
     "phi": (
         "PhiConfig",
@@ -141,7 +154,7 @@ OTHERS = {
         for name, prefix in [("t5", "T5"), ("mt5", "MT5")]
     },
 }
-IMAGES = ("vit", "dinov2")
+IMAGES = ("vit", "dinov2", "clip", "siglip")
 
 
 def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.0) -> nn.Module:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
-from .blocks import FAMILIES, FAMILY, NEXT, ORIGINAL, Family, block_forward, entry_norms, family_of
+from .blocks import FAMILIES, FAMILY, NEXT, ORIGINAL, Family, block_forward, entry_norms, family_of, final_names
 from .hf_norms import HF_NORMS
 from .norms import (
     FLASH_ATTN_MODULES,
@@ -193,14 +193,15 @@ def _why_not_norm(norm: nn.Module | None, name: str) -> str | None:
 
 
 def _stack(model: nn.Module, name: str, family: Family) -> tuple[str, nn.Module | None]:
-    """The nearest ancestor of block ``name`` holding the family's final norm, and that norm."""
+    """The nearest ancestor of block ``name`` holding the family's final norm, and that norm; without
+    one, the block's parent (its list of blocks: a stack of its own) and None."""
     parts = name.split(".")
     for i in range(len(parts) - 1, -1, -1):
         prefix = ".".join(parts[:i])
-        final = getattr(model.get_submodule(prefix), family.final, None) if family.final else None
-        if isinstance(final, nn.Module):
-            return prefix, final
-    return "", None
+        for final in (getattr(model.get_submodule(prefix), n, None) for n in final_names(family)):
+            if isinstance(final, nn.Module):
+                return prefix, final
+    return ".".join(parts[:-1]), None
 
 
 def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
@@ -274,7 +275,7 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     else:
         _, final = _stack(model, name, family)
         targets = [(_module_name(model, final), final)] if final is not None else [(None, None)]
-        where = f"no final norm '{family.final}' found above the block"
+        where = f"no final norm {' or '.join(map(repr, final_names(family)))} found above the block"
     why = _handoff_problem(targets, where)
     if why is None:
         m.__dict__[NEXT] = tuple(norm for _, norm in targets)

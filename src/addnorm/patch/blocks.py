@@ -50,7 +50,7 @@ class Family:
     of the nearest ancestor that has it), and how its first sublayer is called."""
 
     steps: tuple[Step, ...]
-    final: str | None = None
+    final: str | tuple[str, ...] | None = None  # the stack's final norm (the first name its holder has)
     rename: tuple[tuple[str, str], ...] = ()  # block argument -> attention argument
     drop: tuple[str, ...] = ()  # block arguments the attention does not take
     fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
@@ -97,6 +97,11 @@ COPIES = {
     """,
     "olmo2": "exaone4:Exaone4 olmo3:Olmo3",
 }
+# encoder layers whose forward runs the statements of CLIPEncoderLayer.forward, in models whose
+# encoders end with a norm of the whole stream: the text encoder's ``final_layer_norm``, the vision
+# encoder's ``post_layernorm`` (CLIP's vision encoder normalizes only its pooled token: not fused)
+CLIP_COPIES = "siglip:Siglip siglip2:Siglip2 idefics2:Idefics2 idefics3:Idefics3 smolvlm:SmolVLM"
+_CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
 _COPIES = {layout: [entry.split(":") for entry in entries.split()] for layout, entries in COPIES.items()}
 _POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
 
@@ -163,6 +168,13 @@ FAMILIES: dict[str, Family] = {
         kwargs=False,
         parallel="chain" if block.use_parallel_residual else None,
     ),
+    "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}EncoderLayer": Family(
+            _CLIP, final=("final_layer_norm", "post_layernorm")
+        )
+        for m, c in (entry.split(":") for entry in CLIP_COPIES.split())
+    },
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
     ),
@@ -229,6 +241,11 @@ def family_of(block: nn.Module) -> Family | None:
     """The Family of a block of a class in ``FAMILIES`` (resolved from its config where it varies)."""
     entry = FAMILIES.get(f"{type(block).__module__}.{type(block).__qualname__}")
     return entry(block) if callable(entry) else entry
+
+
+def final_names(family: Family) -> tuple[str, ...]:
+    """The names the final norm of a block's stack may have, in the order they are looked for."""
+    return (family.final,) if isinstance(family.final, str) else family.final or ()
 
 
 def entry_norms(family: Family) -> tuple[str | None, ...]:
