@@ -66,6 +66,8 @@ COVERAGE = {
         for name, c in [("olmo2", "Olmo2"), ("olmo3", "Olmo3")]
     },
     "gpt2": (5, {"GPT2Block": {"attn": "fused", "mlp": "fused"}}),
+    "gpt_bigcode": (5, {"GPTBigCodeBlock": {"attn": "fused", "mlp": "fused"}}),
+    "granitemoe": (5, {"GraniteMoeDecoderLayer": {"self_attn": "fused", "block_sparse_moe": "fused"}}),
     "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
     "roberta": (6, {"RobertaSelfOutput": {"dense": "fused"}, "RobertaOutput": {"dense": "fused"}}),
     **{
@@ -101,9 +103,8 @@ COVERAGE = {
 }
 FAMILIES = list(COVERAGE)
 # MoE experts (torch._grouped_mm) have no float64 oracle
-BF16 = [
-    n for n in FAMILIES if n not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
-]
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
+BF16 = [n for n in FAMILIES if n not in MOE]
 DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw"]
 LABELS = {
     "qwen2": "Qwen2",
@@ -127,6 +128,8 @@ LABELS = {
     "llama4": "Llama 4 (text, dense and MoE layers)",
     "phi": "Phi-2 (parallel, 1 norm)",
     "gptj": "GPT-J (parallel, 1 norm)",
+    "gpt_bigcode": "GPTBigCode (StarCoder, SantaCoder)",
+    "granitemoe": "Granite-MoE (residual multiplier)",
     "clip": "CLIP (vision encoder)",
     "siglip": "SigLIP (vision encoder)",
     "stablelm": "StableLM (sequential)",

@@ -60,6 +60,11 @@ DECODERS = {
     ),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1)),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(num_local_experts=2, num_experts_per_tok=1, residual_multiplier=0.3),
+    ),
     "llama4": (
         "Llama4TextConfig",
         "Llama4ForCausalLM",  # the second layer a mixture of experts
@@ -110,6 +115,12 @@ OTHERS = {
         )
         for name, prefix in [("clip", "CLIP"), ("siglip", "Siglip")]
     },
+    "gpt_bigcode": (
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(n_layer=2, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=SEQ, **_IDS)
+        | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
     "phi": (
         "PhiConfig",
         "PhiForCausalLM",

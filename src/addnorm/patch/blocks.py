@@ -115,6 +115,11 @@ FAMILIES: dict[str, Family] = {
             ("qwen2_moe", "Qwen2Moe", _PRE),
             ("qwen3_moe", "Qwen3Moe", _PRE),
             ("granite", "Granite", _GRANITE),
+            (
+                "granitemoe",
+                "GraniteMoe",
+                (_GRANITE[0], Step("block_sparse_moe", "post_attention_layernorm", multiplier="residual_multiplier")),
+            ),
         ]
     ),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
@@ -185,12 +190,15 @@ FAMILIES: dict[str, Family] = {
         ),
         final="norm",
     ),
-    "transformers.models.gpt2.modeling_gpt2.GPT2Block": Family(
-        (Step("attn", "ln_1"), Step("mlp", "ln_2")),
-        final="ln_f",
-        drop=("encoder_attention_mask",),
-        fallback=("encoder_hidden_states",),  # cross-attention sits between the adds
-    ),
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}Block": Family(
+            (Step("attn", "ln_1"), Step("mlp", "ln_2")),
+            final="ln_f",
+            drop=("encoder_attention_mask",),
+            fallback=("encoder_hidden_states",),  # cross-attention sits between the adds
+        )
+        for m, c in [("gpt2", "GPT2"), ("gpt_bigcode", "GPTBigCode")]
+    },
     "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer": lambda block: Family(
         (
             Step("attention", "input_layernorm", dropout="post_attention_dropout"),
