@@ -87,6 +87,7 @@ COVERAGE = {
     "falcon_7b": (3, {"FalconDecoderLayer": {"self_attention+mlp": "fused"}}),  # one norm
     "falcon_rw": (5, {"FalconDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),  # sequential
     "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
+    "vit": (5, {"ViTLayer": {"attention": "fused", "mlp": "fused"}}),
     # CLIP's vision encoder normalizes only its pooled token: its last add has no norm to feed
     "clip": (
         6,
@@ -105,7 +106,7 @@ FAMILIES = list(COVERAGE)
 # MoE experts (torch._grouped_mm) have no float64 oracle
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
 BF16 = [n for n in FAMILIES if n not in MOE]
-DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw"]
+DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit"]
 LABELS = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
@@ -130,6 +131,7 @@ LABELS = {
     "gptj": "GPT-J (parallel, 1 norm)",
     "gpt_bigcode": "GPTBigCode (StarCoder, SantaCoder)",
     "granitemoe": "Granite-MoE (residual multiplier)",
+    "vit": "ViT",
     "clip": "CLIP (vision encoder)",
     "siglip": "SigLIP (vision encoder)",
     "stablelm": "StableLM (sequential)",
@@ -442,11 +444,12 @@ COPIES += [
     ((m, f"{p}EncoderLayer"), ("clip", "CLIPEncoderLayer"))
     for m, p in (e.split(":") for e in blocks_module.CLIP_COPIES.split())
 ]
+COPIES += [((m, f"{p}Layer"), ("vit", "ViTLayer")) for m, p in (e.split(":") for e in blocks_module.VIT_COPIES.split())]
 
 
 @pytest.mark.parametrize("copy_, original", COPIES, ids=[c[1] for c, _ in COPIES])
 def test_copied_blocks_run_the_statements_of_the_block_they_copy(copy_, original):
-    """The blocks run with another's steps (Llama's, OLMo 2's, CLIP's) run the same statements."""
+    """The blocks run with another's steps (Llama's, OLMo 2's, CLIP's, ViT's) run the same statements."""
     assert _statements(*copy_) == _statements(*original)
 
 
@@ -460,14 +463,14 @@ def test_stacks_without_a_final_norm_are_wired_apart():
 
 
 def test_unknown_blocks_are_left_alone_and_reported():
-    original, patched, report = fused_copy("vit")
+    original, patched, report = fused_copy("opt")
     assert len(report.replaced) == 5 and report.adds == [] and report.fused == []
     assert [(n, c) for n, c, _ in report.skipped] == [
-        ("vit.layers.0", "ViTLayer"),
-        ("vit.layers.1", "ViTLayer"),
+        ("model.decoder.layers.0", "OPTDecoderLayer"),
+        ("model.decoder.layers.1", "OPTDecoderLayer"),
     ]
     assert all("not in addnorm.patch.FAMILIES" in why for _, _, why in report.skipped)
-    assert_same_step(original, patched, hf_inputs("vit"))
+    assert_same_step(original, patched, hf_inputs("opt"))
 
 
 @pytest.mark.parametrize("cls_name", ["T5LayerNorm", "Olmo2RMSNorm"])

@@ -115,6 +115,12 @@ OTHERS = {
         )
         for name, prefix in [("clip", "CLIP"), ("siglip", "Siglip")]
     },
+    "opt": (
+        "OPTConfig",
+        "OPTForCausalLM",
+        dict(hidden_size=WIDTH, num_hidden_layers=2, ffn_dim=2 * WIDTH, num_attention_heads=4, vocab_size=VOCAB)
+        | dict(max_position_embeddings=SEQ, word_embed_proj_dim=WIDTH, dropout=0.0, **_IDS),
+    ),
     "gpt_bigcode": (
         "GPTBigCodeConfig",
         "GPTBigCodeForCausalLM",

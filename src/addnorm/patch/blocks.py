@@ -102,6 +102,12 @@ COPIES = {
 # encoder's ``post_layernorm`` (CLIP's vision encoder normalizes only its pooled token: not fused)
 CLIP_COPIES = "siglip:Siglip siglip2:Siglip2 idefics2:Idefics2 idefics3:Idefics3 smolvlm:SmolVLM"
 _CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
+# layers whose forward runs the statements of ViTLayer.forward (model:class prefix of <prefix>Layer)
+VIT_COPIES = """
+    audio_spectrogram_transformer:AST deit:DeiT ijepa:IJepa videoprism:VideoPrism vit_mae:ViTMAE vit_msn:ViTMSN
+    vivit:Vivit
+"""
+_VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
 _COPIES = {layout: [entry.split(":") for entry in entries.split()] for layout, entries in COPIES.items()}
 _POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
 
@@ -174,6 +180,10 @@ FAMILIES: dict[str, Family] = {
         parallel="chain" if block.use_parallel_residual else None,
     ),
     "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
+    **{
+        f"transformers.models.{m}.modeling_{m}.{c}Layer": Family(_VIT, final="layernorm")
+        for m, c in [("vit", "ViT"), *(entry.split(":") for entry in VIT_COPIES.split())]
+    },
     **{
         f"transformers.models.{m}.modeling_{m}.{c}EncoderLayer": Family(
             _CLIP, final=("final_layer_norm", "post_layernorm")
