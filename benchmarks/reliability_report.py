@@ -103,7 +103,7 @@ def main() -> None:
     warnings.simplefilter("ignore", UserWarning)
     p = print
     p(
-        f"Run: `PYTHONPATH=src python benchmarks/reliability_report.py --examples {args.examples}` on "
+        f"Run: `PYTHONPATH=src python benchmarks/reliability_report.py {' '.join(sys.argv[1:])}` on "
         f"{platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} torch threads.\n"
     )
     for backend in args.backend:

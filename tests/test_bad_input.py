@@ -43,6 +43,18 @@ FUNCTION_CASES = [
         TypeError,
         r"^x must be a floating.*float8",
     ),
+    (  # (RMSNorm's default eps is the stream dtype's: the dtype is checked first)
+        "x float8, default eps",
+        lambda b: addnorm.add_rms_norm(X.to(torch.float8_e4m3fn), X, 8, backend=b),
+        TypeError,
+        r"^x must be a floating.*float8",
+    ),
+    (
+        "residual float8, default eps",
+        lambda b: addnorm.AddNorm(8, norm="rms", backend=b)(X, X.to(torch.float8_e5m2)),
+        TypeError,
+        r"^residual must be a floating.*float8",
+    ),
     (
         "x 0-d",
         lambda b: addnorm.layer_norm(torch.tensor(1.0), 1, backend=b),
@@ -372,6 +384,18 @@ FUNCTION_CASES = [
     ("backend positional", lambda b: addnorm.layer_norm(X, 8, None, None, 1e-5, b), TypeError, r"positional"),
     # modules: constructor arguments, then forward inputs
     ("LayerNorm backend", lambda b: addnorm.LayerNorm(8, backend="gpu"), ValueError, r"^backend must be one of"),
+    (
+        "LayerNorm shape float",
+        lambda b: addnorm.LayerNorm(8.0, backend=b),
+        TypeError,
+        r"^normalized_shape must be an int",
+    ),
+    (
+        "RMSNorm shape zero",
+        lambda b: addnorm.RMSNorm([8, 0], backend=b),
+        ValueError,
+        r"^normalized_shape must be one or",
+    ),
     ("RMSNorm backend", lambda b: addnorm.RMSNorm(8, backend=1), TypeError, r"^backend must be a string"),
     ("AddNorm norm", lambda b: addnorm.AddNorm(8, norm="batch", backend=b), ValueError, r"^norm must be"),
     ("AddNorm prenorm", lambda b: addnorm.AddNorm(8, prenorm="yes", backend=b), TypeError, r"^prenorm must be"),

@@ -155,6 +155,26 @@ def test_peak_memory_of_training_step_at_most_torch_eager(backend, dtype, prenor
     assert peak_bytes(ours) <= peak_bytes(eager) + working_buffer
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "auto"])
+def test_beyond_eager_the_cpu_kernels_hold_the_partial_rows_alone(kernels):
+    """From 1024 rows the CPU backward sums dweight and dbias in 64 partial rows of N float32
+    each (the reduction contract): all the memory a bf16 post-norm step holds beyond eager's, its
+    tree summed in place (docs/reliability.md, section 4)."""
+    m, n = 2048, 2048
+    x, r, w, b = _inputs(m, n, torch.bfloat16, rms=False)
+    dy = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def ours():
+        torch.autograd.grad(_call(x, r, w, b, rms=False, prenorm=False, backend=kernels), (x, r, w, b), dy)
+
+    def eager():
+        torch.autograd.grad(TF.layer_norm(x + r, (n,), w, b), (x, r, w, b), dy)
+
+    ours(), eager()
+    partial_rows = 2 * 64 * n * 4  # dweight's and dbias's
+    assert peak_bytes(ours) <= peak_bytes(eager) + partial_rows + (1 << 17)
+
+
 def test_post_norm_catches_inputs_changed_in_place_before_backward(backend):
     """Where post-norm keeps x and residual (not their sum) for backward, changing either in
     place afterwards is autograd's error, never a silently wrong gradient."""

@@ -96,7 +96,8 @@ class LayerNorm(_Norm, nn.LayerNorm):
         zero_centered_weight: bool = False,
         backend: str = "auto",
     ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        shape = checks.normalize_shape(normalized_shape)  # (a clear error: torch's names no argument)
+        super().__init__(shape, eps, elementwise_affine, bias, device, dtype)
         self._setup(zero_centered_weight, backend)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -136,7 +137,8 @@ class RMSNorm(_Norm, nn.RMSNorm):
         zero_centered_weight: bool = False,
         backend: str = "auto",
     ) -> None:
-        super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
+        shape = checks.normalize_shape(normalized_shape)
+        super().__init__(shape, eps, elementwise_affine, device, dtype)
         self._setup(zero_centered_weight, backend)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -54,6 +54,7 @@ from .autograd import (
 )
 from .checks import (
     PLAIN,
+    SUPPORTED_DTYPES,
     check_backend,
     check_dtensors,
     check_flag,
@@ -84,7 +85,10 @@ def _stream_dtype(x, residual, residual_dtype) -> torch.dtype | None:
     check_inputs says so)."""
     if residual_dtype is not None or not isinstance(x, Tensor):
         return residual_dtype
-    return reference.stream_dtype(x, residual if isinstance(residual, Tensor) else None, None)
+    residual = residual if isinstance(residual, Tensor) else None
+    if x.dtype not in SUPPORTED_DTYPES or (residual is not None and residual.dtype not in SUPPORTED_DTYPES):
+        return None  # (a float8 tensor, say: check_inputs names it)
+    return reference.stream_dtype(x, residual, None)
 
 
 class Sublayer(NamedTuple):

@@ -197,12 +197,16 @@ def sum_partials(partials: Tensor) -> Tensor:
     """The sum over dim 0 of the ``(blocks, N)`` partial rows of a parameter gradient, in a fixed
     pairwise tree: ``p[i] + p[i + half]`` level by level, each level one elementwise add, so the
     order of every sum depends on the number of blocks alone, never on threads (the reduction
-    contract: docs/reliability.md)."""
-    while partials.shape[0] > 1:
-        half = partials.shape[0] // 2
-        pairs = partials[:half] + partials[half : 2 * half]
-        partials = torch.cat((pairs, partials[2 * half :])) if partials.shape[0] % 2 else pairs
-    return partials[0]
+    contract: docs/reliability.md). In place: each level is written over the first rows of the
+    one before (``partials`` is overwritten), so the tree needs no memory beyond the rows."""
+    rows = partials.shape[0]
+    while rows > 1:
+        half = rows // 2
+        partials[:half] += partials[half : 2 * half]
+        if rows % 2:  # the odd row out joins the next level
+            partials[half] = partials[2 * half]
+        rows = half + rows % 2
+    return partials[0].clone()  # (not a view holding every partial row)
 
 
 def row_scale(sf: Tensor) -> Tensor:
