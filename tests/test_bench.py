@@ -51,6 +51,23 @@ def test_bench_writes_rows_in_the_documented_format(tmp_path, capsys):
     assert len(results.read_text().splitlines()) == 2 * len(rows)
 
 
+def test_a_configuration_named_twice_is_measured_once(capsys):
+    argv = TINY[:4] + ["4x64,4x64", "--shapes", "4x64"] + TINY[5:] + ["--impl", "torch-eager", "--format", "json"]
+    argv[argv.index("--dtype") + 1] = "float32,float32"
+    assert main(argv) == 0
+    assert len(json.loads(capsys.readouterr().out)["rows"]) == 1
+
+
+def test_torch_compile_keeps_its_backward_rows(capsys):
+    """--pass bwd times backward calls of one kept forward (retain_graph), which torch.compile's
+    donated buffers refuse: the bench turns them off, so torch-compile is measured, not skipped."""
+    argv = [*TINY[:-4], "--pass", "bwd", "--rounds", "3", "--impl", "torch-eager,torch-compile", "--format", "json"]
+    argv[argv.index("--op") + 1] = "add_layer_norm"
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["impl"] for r in out["rows"]] == ["torch-eager", "torch-compile"] and not out["skipped"]
+
+
 def test_an_impl_failing_on_its_first_call_is_reported_not_fatal(monkeypatch):
     real = bench.make_impl
 
@@ -115,6 +132,9 @@ def test_git_commit_flags_a_working_tree_that_differs_from_head(tmp_path, monkey
         (["--threads", "100000"], "--threads must be between 1 and"),  # set_num_threads(100000) crashes
         (["--results", "rows.jsonl"], "--results names the file --save appends to: add --save"),
         (["--dtype", "float32,,bfloat16"], "--dtype: expected a comma-separated list"),
+        (["--shapes", "2x\u00b2"], "expected ROWSxCOLS"),  # (str.isdigit takes a superscript two)
+        (["--shapes", "\uff18x8"], "expected ROWSxCOLS"),  # (and a full-width eight)
+        (["--shapes", "1000000x1000000"], "needs about 44703.5 GiB"),  # before the copy is timed
     ],
 )
 def test_bad_arguments_are_one_line_usage_errors(argv, message, capsys):

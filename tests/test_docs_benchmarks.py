@@ -3,7 +3,9 @@ and the links and section names other docs and the code point at are there."""
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,40 @@ def test_the_tables_are_generated_from_the_saved_rows():
     assert sorted(names) == sorted(bt.PAGE_TABLES), "a table marker is missing or unknown"
     expected = bt.render_page(text, read_rows(RESULTS))
     assert text == expected, "docs/benchmarks.md is stale: python benchmarks/bench_table.py --page docs/benchmarks.md"
+
+
+def _row(time: str, impl: str, median_ms: float, **more) -> dict:
+    run = dict(time=time, commit="c0ffee0", machine="m", device="cpu", threads=2, torch="2.13.0+cpu")
+    config = dict(op="layer_norm", **{"pass": "fwd"}, rows=4, cols=64, dtype="float32", impl=impl)
+    timing = dict(median_ms=median_ms, p20_ms=median_ms, p80_ms=median_ms, bytes=2048, gbps=2048 / median_ms / 1e6)
+    return run | config | timing | more
+
+
+def test_since_shows_each_run_against_its_own_torch_eager(tmp_path, monkeypatch, capsys):
+    """Two runs of one configuration: each addnorm row is compared with its own run's torch eager,
+    each run a table of its own; a row saved without times is left out, not a crash."""
+    rows = [_row("2026-01-01T00:00", "torch-eager", 1.0), _row("2026-01-01T00:00", "addnorm", 0.5)]
+    rows += [_row("2026-01-02T00:00", "torch-eager", 4.0), _row("2026-01-02T00:00", "addnorm", 2.0)]
+    old = {k: v for k, v in _row("2026-01-01T12:00", "addnorm", 1.0).items() if not k.endswith("_ms")}
+    results = tmp_path / "rows.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in [*rows, old]))
+    monkeypatch.setattr(sys, "argv", ["bench_table.py", "--results", str(results), "--since", "2026"])
+    assert _bench_table().main() == 0
+    out = capsys.readouterr().out
+    assert out.count("| op | pass |") == 2 and out.count("2.00x") == 2 and "4.00x" not in out
+
+
+def test_a_row_of_a_backend_missing_here_keeps_its_saved_gbps(monkeypatch):
+    """The page recounts GB/s with today's byte counts, which needs the row's backend; where it is
+    not installed (no triton, no CUDA), the GB/s the row was saved with, not a crash."""
+    bt = _bench_table()
+
+    def missing(*args):
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(bt, "traffic", missing)
+    row = _row("2026-01-01T00:00", "addnorm-triton", 0.5, gbps=123.0)
+    assert bt._recounted_gbps(row) == 123.0
 
 
 def test_a_changed_row_changes_the_page():

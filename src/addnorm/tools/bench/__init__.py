@@ -73,10 +73,14 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     shapes = []
     for part in text.replace(" ", "").split(","):
         rows, sep, cols = part.lower().partition("x")
-        if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) < 1 or int(cols) < 1:
+        if not sep or not _digits(rows) or not _digits(cols) or int(rows) < 1 or int(cols) < 1:
             raise UsageError(f"--shapes: expected ROWSxCOLS with positive ints (e.g. 4096x768), got {part!r}")
         shapes.append((int(rows), int(cols)))
     return shapes
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # (str.isdigit alone takes '²' and full-width digits)
 
 
 def _choices(text: str, allowed: list[str], flag: str) -> list[str]:
@@ -84,7 +88,31 @@ def _choices(text: str, allowed: list[str], flag: str) -> list[str]:
     bad = [t for t in items if t not in allowed]  # (an empty item too: 'a,,b')
     if bad:
         raise UsageError(f"{flag}: expected a comma-separated list of {', '.join(allowed)}; got {text!r}")
-    return items
+    return list(dict.fromkeys(items))  # each once: a repeated configuration would be timed twice
+
+
+# the (rows, cols) tensors a configuration holds at most: inputs, output gradients, outputs and
+# gradients, and an unfused implementation's intermediates
+_TENSORS_HELD = 12
+
+
+def check_fits(shapes, dtypes, device: str) -> None:
+    """A UsageError, before any measurement, for a configuration whose tensors cannot fit in the
+    device's memory (physical memory on the CPU)."""
+    if device == "cuda":
+        total = torch.cuda.mem_get_info()[1]
+    elif hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        return
+    size = max(torch.empty(0, dtype=d).element_size() for d in dtypes)
+    for rows, cols in shapes:
+        need = _TENSORS_HELD * rows * cols * size
+        if need > total:
+            raise UsageError(
+                f"--shapes: {rows}x{cols} needs about {need / 2**30:.1f} GiB ({_TENSORS_HELD} tensors of it), "
+                f"more than the {total / 2**30:.1f} GiB of {device} memory here"
+            )
 
 
 _COPY = object()  # the copy's key among a configuration's runs: no implementation's name
@@ -150,7 +178,7 @@ def run(args) -> int:
     passes = _choices(args.pass_, PASSES, "--pass")
     dtypes = [DTYPES[d] for d in _choices(args.dtype, list(DTYPES), "--dtype")]
     impls = _choices(args.impl, all_impls(), "--impl") if args.impl else all_impls()
-    shapes = [s for text in (args.shapes or [DEFAULT_SHAPES]) for s in parse_shapes(text)]
+    shapes = list(dict.fromkeys(s for text in (args.shapes or [DEFAULT_SHAPES]) for s in parse_shapes(text)))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here")
     if args.threads is not None:
@@ -162,6 +190,11 @@ def run(args) -> int:
         raise UsageError("--results names the file --save appends to: add --save to save the rows")
     if args.out_buffers and passes != ["fwd"]:
         raise UsageError("--out-buffers measures inference: use it with --pass fwd")
+    check_fits(shapes, dtypes, args.device)
+    if "torch-compile" in impls and "bwd" in passes:
+        # --pass bwd times backward calls of one forward kept (retain_graph), which a compiled
+        # graph that donates its saved buffers to its backward refuses (at random configurations)
+        torch._functorch.config.donated_buffer = False
     # outputs are checked before the first measurement: a run must not end failing to write them
     path = output_file(args.results or str(DEFAULT_RESULTS), "--results") if args.save else None
     if args.plot:
@@ -215,7 +248,7 @@ def run(args) -> int:
     else:
         stopped = None
     print(render(results, skipped, args.format))
-    if args.format == "markdown" and skipped:
+    if args.format in ("markdown", "csv") and skipped:  # (table and json show them themselves)
         say("", *(f"- {name}: {reason}" for name, reason in sorted(skipped.items())))
     if path is not None:
         say(f"appended {len(results)} rows to {path}")

@@ -42,12 +42,13 @@ def grouped(rows: list[dict]) -> list[list[tuple[dict, dict]]]:
 
 def derived(rows: list[dict]) -> list[dict]:
     """``copy_fraction`` (None without a copy bandwidth) and ``vs_torch_eager`` (None without a
-    torch eager row of the same configuration), one dict per row."""
-    eager = {config_key(r): r["median_ms"] for r in rows if r["impl"] == "torch-eager"}
+    torch eager row of the same configuration in the same run), one dict per row."""
+    key = lambda r: (r.get("time"), r.get("commit"), r.get("machine"), r.get("threads"), config_key(r))  # noqa: E731
+    eager = {key(r): r["median_ms"] for r in rows if r["impl"] == "torch-eager"}
     out = []
     for r in rows:
         copy = r.get("copy_gbps")
-        base = eager.get(config_key(r))
+        base = eager.get(key(r))
         out.append(
             {
                 "copy_fraction": r["gbps"] / copy if copy else None,
