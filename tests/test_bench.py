@@ -63,9 +63,13 @@ def test_torch_compile_keeps_its_backward_rows(capsys):
     donated buffers refuse: the bench turns them off, so torch-compile is measured, not skipped."""
     argv = [*TINY[:-4], "--pass", "bwd", "--rounds", "3", "--impl", "torch-eager,torch-compile", "--format", "json"]
     argv[argv.index("--op") + 1] = "add_layer_norm"
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.donated_buffer
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["impl"] for r in out["rows"]] == ["torch-eager", "torch-compile"] and not out["skipped"]
+    assert functorch_config.donated_buffer == before  # (off for the run alone)
 
 
 def test_an_impl_failing_on_its_first_call_is_reported_not_fatal(monkeypatch):

@@ -153,6 +153,13 @@ def test_reference_functions_give_the_fused_op_s_results_in_float64(rms, paralle
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+def test_rms_norm_ref_rounds_as_flash_attn_s():
+    """flash-attn's tests size their tolerances from its reference: rstd = 1 / sqrt(.), not rsqrt."""
+    x, w = torch.randn(64, 256) * 3, torch.rand(256) + 0.5
+    want = x * (1 / torch.sqrt(x.square().mean(-1, keepdim=True) + 1e-6)) * w
+    assert torch.equal(rms_norm_ref(x, w, None), want)
+
+
 @pytest.mark.parametrize("ref", [layer_norm_ref, rms_norm_ref])
 def test_reference_functions_compute_in_the_inputs_dtype_or_upcast(ref):
     x, residual = torch.randn(4, 32).bfloat16(), torch.randn(4, 32).bfloat16()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as TF
@@ -42,6 +43,15 @@ def test_layer_norm_is_a_drop_in(backend, shape, kwargs):
         assert ours.weight is None and ours.bias is None
     if kwargs.get("bias") is False:
         assert ours.bias is None and "bias" not in dict(ours.named_parameters())
+
+
+@pytest.mark.parametrize(
+    "shape", [np.array([3, 8]), np.int64(8), torch.Size([8]), range(8, 9), [3, 8]], ids=lambda s: type(s).__name__
+)
+def test_normalized_shape_takes_what_torch_takes(shape):
+    for ours, theirs in [(addnorm.LayerNorm, nn.LayerNorm), (addnorm.RMSNorm, nn.RMSNorm)]:
+        assert ours(shape).normalized_shape == theirs(shape).normalized_shape
+    assert addnorm.RMSNorm(n for n in (3, 8)).normalized_shape == (3, 8)  # (a generator, read once)
 
 
 def test_a_zero_centred_weight_shows_in_the_repr():

@@ -11,7 +11,7 @@ import math
 import numbers
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -46,8 +46,8 @@ def normalize_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
     """``normalized_shape`` as a tuple of positive ints, or a clear error."""
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         shape: tuple = (int(normalized_shape),)
-    elif isinstance(normalized_shape, (Sequence, torch.Size)) and not isinstance(normalized_shape, str):
-        shape = tuple(normalized_shape)
+    elif isinstance(normalized_shape, Iterable) and not isinstance(normalized_shape, (str, bytes, torch.Tensor)):
+        shape = tuple(normalized_shape)  # (as torch: a numpy array or a generator too)
     else:
         raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__}")
     if not shape or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d > 0 for d in shape):

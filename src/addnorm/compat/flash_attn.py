@@ -287,7 +287,7 @@ def layer_norm_ref(
         if not is_rms_norm:
             y = nn.functional.layer_norm(s if w is None else s.to(w.dtype), s.shape[-1:], w, b, eps)
         else:
-            y = s * torch.rsqrt(s.square().mean(-1, keepdim=True) + eps)
+            y = s * (1 / torch.sqrt(s.square().mean(-1, keepdim=True) + eps))  # (flash-attn's rounding)
             y = y if w is None else y * w
             y = y if b is None else y + b
         return y.to(dtype)

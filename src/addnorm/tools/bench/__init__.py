@@ -191,10 +191,6 @@ def run(args) -> int:
     if args.out_buffers and passes != ["fwd"]:
         raise UsageError("--out-buffers measures inference: use it with --pass fwd")
     check_fits(shapes, dtypes, args.device)
-    if "torch-compile" in impls and "bwd" in passes:
-        # --pass bwd times backward calls of one forward kept (retain_graph), which a compiled
-        # graph that donates its saved buffers to its backward refuses (at random configurations)
-        torch._functorch.config.donated_buffer = False
     # outputs are checked before the first measurement: a run must not end failing to write them
     path = output_file(args.results or str(DEFAULT_RESULTS), "--results") if args.save else None
     if args.plot:
@@ -228,8 +224,17 @@ def run(args) -> int:
         say("")
     configs = [(op, s, d, p) for op in op_list for s in shapes for d in dtypes for p in passes]
     results, skipped, finished = [], {}, 0
+    # --pass bwd times backward calls of one forward kept (retain_graph), which a compiled graph
+    # that donates its saved buffers to its backward refuses (at random configurations): off for
+    # the run, as torch.compile's setting
+    import torch._functorch.config as functorch_config
+
+    keep_buffers = "torch-compile" in impls and "bwd" in passes
     try:
-        with Progress(console=Console(stderr=True), transient=True) as progress:
+        with (
+            functorch_config.patch(donated_buffer=False) if keep_buffers else contextlib.nullcontext(),
+            Progress(console=Console(stderr=True), transient=True) as progress,
+        ):
             task = progress.add_task("benchmarking", total=len(configs))
             for op, (rows, cols), dtype, pass_ in configs:
                 progress.update(task, description=f"{op} {pass_} {rows}x{cols} {dtype}")

@@ -43,7 +43,8 @@ def grouped(rows: list[dict]) -> list[list[tuple[dict, dict]]]:
 def derived(rows: list[dict]) -> list[dict]:
     """``copy_fraction`` (None without a copy bandwidth) and ``vs_torch_eager`` (None without a
     torch eager row of the same configuration in the same run), one dict per row."""
-    key = lambda r: (r.get("time"), r.get("commit"), r.get("machine"), r.get("threads"), config_key(r))  # noqa: E731
+    run = ("time", "commit", "machine", "device", "threads")  # (rows.run_key's fields)
+    key = lambda r: (*(r.get(f) for f in run), config_key(r))  # noqa: E731
     eager = {key(r): r["median_ms"] for r in rows if r["impl"] == "torch-eager"}
     out = []
     for r in rows:
