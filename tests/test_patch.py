@@ -111,6 +111,28 @@ def test_unpatch_restores_classes_and_outputs():
     assert_same_step(original, model, hf_inputs("llama"), exact=True)
 
 
+def test_unpatch_keeps_a_parametrization_made_after_patching():
+    """torch's parametrize gives the module a class of its own made from the patched one: unpatch
+    makes the same from the original class, so the parametrized weight stays (and can be removed)."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    original = hf_model("llama")
+    model = copy.deepcopy(original)
+    addnorm.patch(model)
+    for m in (original, model):
+        parametrize.register_parametrization(m.model.norm, "weight", Doubled())
+    addnorm.unpatch(model)
+    norm = model.model.norm
+    assert type(norm).__name__ == "ParametrizedLlamaRMSNorm" and parametrize.is_parametrized(norm, "weight")
+    assert_same_step(original, model, hf_inputs("llama"), exact=True)
+    parametrize.remove_parametrizations(norm, "weight")
+    assert type(norm) is type(original.model.layers[0].input_layernorm)
+
+
 def test_patch_is_idempotent_and_keeps_optimizer_working():
     model = hf_model("gpt2")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

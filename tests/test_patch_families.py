@@ -286,6 +286,34 @@ def test_an_in_place_change_of_the_stream_gets_the_plain_path():
         torch.testing.assert_close(patched(**inputs).logits, original(**inputs).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_norm_changed_after_the_block_ran_computes_afresh():
+    """The final norm's weight and bias edited in place between the last block and the norm's
+    call: the output handed to it was made with the old ones, and is not used."""
+    _, patched, _ = fused_copy("gpt2")
+    patched.eval()
+    final, h0 = patched.transformer.ln_f, torch.randn(2, 8, 32)
+    with torch.no_grad():
+        h = patched.transformer.h[1](h0)
+        final.weight.mul_(2), final.bias.add_(1)
+        want = torch.nn.functional.layer_norm(h, (32,), final.weight, final.bias, final.eps)
+        torch.testing.assert_close(final(h), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pruned_norm_is_computed_by_its_own_call():
+    """torch's pruning rebuilds a norm's weight in a forward pre-hook: the block before it cannot
+    compute that norm's output (it would use the weight of the call before)."""
+    import torch.nn.utils.prune as prune
+
+    original, patched, _ = fused_copy("llama")
+    for model in (original, patched):
+        prune.l1_unstructured(model.model.norm, "weight", amount=0.25)
+        with torch.no_grad():
+            model.model.norm.weight_orig.mul_(3.0)  # (an optimizer step, say)
+    with torch.no_grad():
+        want, got = (m(**hf_inputs("llama")).logits for m in (original, patched))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 _FIRST_BLOCK = {
     "llama": lambda m: m.model.layers[0],
     "gpt2": lambda m: m.transformer.h[0],

@@ -368,6 +368,21 @@ def unpatch(model: nn.Module) -> int:
         if original is not None:
             if norm_style(m) is not None:
                 del m.backend
-            m.__class__ = original
+            m.__class__ = _remade_on(original, type(m))
             count += 1
     return count
+
+
+def _patched_class(cls: type) -> bool:
+    """Whether :func:`patch` made ``cls`` (in this process or, unpickled, in another)."""
+    return cls in (addnorm_nn.LayerNorm, addnorm_nn.RMSNorm) or "_addnorm_made_from" in cls.__dict__
+
+
+def _remade_on(original: type, cls: type) -> type:
+    """``original`` for a module of a class :func:`patch` made; for one of a class made from that
+    after patching (torch's parametrize makes one per module, holding the properties of the
+    parametrized tensors), the same class made from ``original`` instead."""
+    if _patched_class(cls) or not _patched_class(cls.__bases__[0]):
+        return original
+    body = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    return type(cls.__name__.replace(cls.__bases__[0].__name__, original.__name__), (original,), body)

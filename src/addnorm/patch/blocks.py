@@ -350,7 +350,10 @@ def _may_hand_off(block: nn.Module, norms: tuple[nn.Module, ...], x: Tensor) -> 
         return False
     if getattr(block, "gradient_checkpointing", False) and block.training:
         return False
-    return all(_computable(norm, x) for norm in norms)
+    # a forward pre-hook runs before the norm's forward, and may set what it computes with (torch's
+    # pruning rebuilds the weight in one): the output is then computed by the norm's own call
+    pre_hooks = any(n._forward_pre_hooks for n in norms) or nn.modules.module._global_forward_pre_hooks
+    return not pre_hooks and all(_computable(norm, x) for norm in norms)
 
 
 def _computable(norm: nn.Module, x: Tensor) -> bool:

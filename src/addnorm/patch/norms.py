@@ -21,8 +21,9 @@ Face classes of each style.
 
 A norm may also receive its output ready-made (:func:`hand_off`): the block before it computed the
 residual stream and this norm's output in one fused op. The norm uses it only when it is called
-with that very stream tensor, so anything that changes the stream in between (a hook, a clamp, a
-dtype cast) makes it compute as usual.
+with that very stream tensor and still holds the weight and bias it was made with, so anything
+that changes either in between (a hook, a clamp, a dtype cast, an edit of the weight) makes it
+compute as usual.
 """
 
 from __future__ import annotations
@@ -176,22 +177,32 @@ def _autograd_context() -> tuple:
     return torch.is_grad_enabled(), torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+def _parameters(norm: nn.Module) -> tuple:
+    """The tensors ``norm`` computes with, and their versions: an output made with them is stale
+    once one is replaced or changed in place (an optimizer step, an edit between two calls)."""
+    return tuple((t, t._version) for t in (getattr(norm, n, None) for n in ("weight", "bias")) if t is not None)
+
+
 def hand_off(norm: nn.Module, stream: Tensor, output: Tensor) -> None:
     """Give ``norm`` its output on ``stream``, computed by the block before it."""
-    _PENDING[norm] = (stream, stream._version, _autograd_context(), output)
+    _PENDING[norm] = (stream, stream._version, _autograd_context(), _parameters(norm), output)
 
 
 def handed_off(norm: nn.Module, x: Tensor) -> Tensor | None:
     """The output handed to ``norm`` for the input ``x``, if ``x`` is that very stream tensor,
-    unchanged since (no in-place op, e.g. a hook steering the stream) and in the same autograd
-    context (:func:`_autograd_context`)."""
+    unchanged since (no in-place op, e.g. a hook steering the stream), in the same autograd
+    context (:func:`_autograd_context`), and the norm's weight and bias the very tensors it was
+    computed with, unchanged since."""
     if torch.compiler.is_compiling() or not _PENDING:
         return None
     pending = _PENDING.pop(norm, None)
     if pending is None:
         return None
-    stream, version, context, output = pending
+    stream, version, context, parameters, output = pending
     if stream is not x or x._version != version or context != _autograd_context():
+        return None
+    now = _parameters(norm)
+    if len(now) != len(parameters) or any(a is not b or v != w for (a, v), (b, w) in zip(now, parameters)):
         return None
     return output
 
