@@ -224,6 +224,17 @@ def test_bf16_gradients_within_twice_torchs_error(name):
         assert err <= 2 * ref + 1e-2 * want.abs().max().item(), f"{key}: {err:.3g} vs torch's {ref:.3g}"
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gpt_neox", "phi", "gptj", "falcon", "cohere", "stablelm_parallel"])
+def test_fused_bf16_logits_are_the_model_s_bits_with_the_reference(name):
+    """The reference backend does torch's float32 ops, and the fused adds sum in the model's
+    order (the parallel blocks' outputs first, then the stream): bf16 inference logits bit for bit."""
+    original = hf_model(name, torch.bfloat16).eval()
+    patched = copy.deepcopy(original)
+    assert addnorm.patch(patched, fuse_residual=True, backend="reference").fused_adds
+    with torch.no_grad():
+        assert torch.equal(patched(**hf_inputs(name)).logits, original(**hf_inputs(name)).logits)
+
+
 @pytest.mark.parametrize("name", DROPOUT)
 def test_dropout_runs_fused_and_a_seed_reproduces_it(name, fused_calls):
     _, patched, _ = fused_copy(name, dropout=0.25)

@@ -453,14 +453,16 @@ def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple
 def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) -> tuple[Tensor, tuple]:
     """Attention and MLP on the same stream: ``s + dropout(mlp) + dropout(attn)`` (GPT-NeoX, "x1";
     Cohere, "chain") or ``s + dropout(mlp + attn)`` (Falcon, "sum"). The fused op adds ``attn`` (its
-    ``x1``) to ``s`` first, as Cohere does."""
+    ``x1``) to ``s`` first, as Cohere does; without dropout "x1" adds the outputs' sum, as GPT-NeoX."""
     attn, mlp = family.steps[:2]
     h_attn = getattr(self, attn.norm)(s)
     h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
     out_attn, extras = _call_first(self, family, attn, h_attn, named)
     out_mlp = getattr(self, mlp.sublayer)(h_mlp)
     p = _dropout_p(self, mlp)
-    if family.parallel == "sum":
+    if family.parallel == "sum" or (family.parallel == "x1" and not p and not _dropout_p(self, attn)):
+        # (without dropout, GPT-NeoX's and Phi's mlp + attn + s is s plus the outputs' sum: the
+        # model's own bits)
         out_mlp, out_attn = out_mlp + out_attn, None
     if nxt and (out_attn is None or p == _dropout_p(self, attn)):
         second = nxt[1] if len(nxt) > 1 else None
