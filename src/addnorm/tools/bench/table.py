@@ -14,7 +14,7 @@ import json
 import math
 import textwrap
 
-from .rows import ROW_FIELDS
+from .rows import ROW_FIELDS, run_key
 
 FORMATS = ["table", "markdown", "csv", "json"]
 WIDTH = 80
@@ -43,8 +43,7 @@ def grouped(rows: list[dict]) -> list[list[tuple[dict, dict]]]:
 def derived(rows: list[dict]) -> list[dict]:
     """``copy_fraction`` (None without a copy bandwidth) and ``vs_torch_eager`` (None without a
     torch eager row of the same configuration in the same run), one dict per row."""
-    run = ("time", "commit", "machine", "device", "threads")  # (rows.run_key's fields)
-    key = lambda r: (*(r.get(f) for f in run), config_key(r))  # noqa: E731
+    key = lambda r: (run_key(r), config_key(r))  # noqa: E731
     eager = {key(r): r["median_ms"] for r in rows if r["impl"] == "torch-eager"}
     out = []
     for r in rows:
