@@ -12,6 +12,7 @@ from torch import nn
 
 import addnorm
 from addnorm.patch import HF_NORMS, norm_style
+from addnorm.patch.hf_norms import hf_path, pairs
 from tiny_models import TinyTransformer, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 patch_module = sys.modules["addnorm.patch"]  # addnorm.patch is the function
@@ -65,9 +66,8 @@ DTYPES += [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
 
 
 def test_the_norm_table_s_classes_are_installed():
-    for entry in SINCE_5_0:
-        m, c = entry.split(".")
-        assert f"transformers.models.{m}.modeling_{m}.{c}" in PRESENT, entry
+    for m, c in pairs(" ".join(SINCE_5_0)):
+        assert hf_path(m, c) in PRESENT, (m, c)
 
 
 @pytest.mark.parametrize("path", PRESENT)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import addnorm
+from addnorm.patch.hf_norms import pairs
 from tiny_models import assert_same_step, hf_inputs, hf_model, round_trip, step
 
 pytest.importorskip("transformers")
@@ -477,13 +478,10 @@ def _statements(model: str, cls: str) -> str:
 COPIES = [
     ((m, f"{prefix}DecoderLayer"), (layout, f"{layout.capitalize()}DecoderLayer"))
     for layout, entries in blocks_module.COPIES.items()
-    for m, prefix in (e.split(":") for e in entries.split())
+    for m, prefix in pairs(entries)
 ]
-COPIES += [
-    ((m, f"{p}EncoderLayer"), ("clip", "CLIPEncoderLayer"))
-    for m, p in (e.split(":") for e in blocks_module.CLIP_COPIES.split())
-]
-COPIES += [((m, f"{p}Layer"), ("vit", "ViTLayer")) for m, p in (e.split(":") for e in blocks_module.VIT_COPIES.split())]
+COPIES += [((m, f"{p}EncoderLayer"), ("clip", "CLIPEncoderLayer")) for m, p in pairs(blocks_module.CLIP_COPIES)]
+COPIES += [((m, f"{p}Layer"), ("vit", "ViTLayer")) for m, p in pairs(blocks_module.VIT_COPIES)]
 
 
 @pytest.mark.parametrize("copy_, original", COPIES, ids=[c[1] for c, _ in COPIES])

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..ops import Sublayer
+from .hf_norms import hf_path, pairs
 from .norms import add_norm_forward, fusable, hand_off
 
 ORIGINAL = "_addnorm_original_class"
@@ -64,7 +65,7 @@ class Family:
 
 
 def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
-    return f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer", Family(steps, final="norm")
+    return hf_path(m, f"{c}DecoderLayer"), Family(steps, final="norm")
 
 
 _PRE = (Step("self_attn", "input_layernorm"), Step("mlp", "post_attention_layernorm"))
@@ -86,29 +87,28 @@ _T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's pr
 # compares them; the signature is bound as each class declares it)
 COPIES = {
     "llama": """
-    arcee:Arcee aria:AriaText bitnet:BitNet csm:Csm cwm:Cwm deepseek_v2:DeepseekV2 deepseek_v3:DeepseekV3
-    deepseek_v32:DeepseekV32 diffllama:DiffLlama dots1:Dots1 ernie4_5:Ernie4_5 ernie4_5_moe:Ernie4_5_Moe
-    exaone_moe:ExaoneMoe glm:Glm glm4_moe:Glm4Moe glm4_moe_lite:Glm4MoeLite glm4v_moe:Glm4vMoeText
-    helium:Helium hunyuan_v1_dense:HunYuanDenseV1 hunyuan_v1_moe:HunYuanMoEV1 jais2:Jais2
-    mimo_v2_flash:MiMoV2Flash ministral:Ministral ministral3:Ministral3 mistral4:Mistral4 olmo:Olmo
-    olmoe:Olmoe qwen2_5_omni:Qwen2_5Omni qwen2_5_vl:Qwen2_5_VL qwen2_vl:Qwen2VL
-    qwen3_omni_moe:Qwen3OmniMoeThinkerText qwen3_vl:Qwen3VLText qwen3_vl_moe:Qwen3VLMoeText
-    seed_oss:SeedOss smollm3:SmolLM3 solar_open:SolarOpen starcoder2:Starcoder2 youtu:Youtu
+    arcee.Arcee aria.AriaText bitnet.BitNet csm.Csm cwm.Cwm deepseek_v2.DeepseekV2 deepseek_v3.DeepseekV3
+    deepseek_v32.DeepseekV32 diffllama.DiffLlama dots1.Dots1 ernie4_5.Ernie4_5 ernie4_5_moe.Ernie4_5_Moe
+    exaone_moe.ExaoneMoe glm.Glm glm4_moe.Glm4Moe glm4_moe_lite.Glm4MoeLite glm4v_moe.Glm4vMoeText
+    helium.Helium hunyuan_v1_dense.HunYuanDenseV1 hunyuan_v1_moe.HunYuanMoEV1 jais2.Jais2
+    mimo_v2_flash.MiMoV2Flash ministral.Ministral ministral3.Ministral3 mistral4.Mistral4 olmo.Olmo
+    olmoe.Olmoe qwen2_5_omni.Qwen2_5Omni qwen2_5_vl.Qwen2_5_VL qwen2_vl.Qwen2VL
+    qwen3_omni_moe.Qwen3OmniMoeThinkerText qwen3_vl.Qwen3VLText qwen3_vl_moe.Qwen3VLMoeText
+    seed_oss.SeedOss smollm3.SmolLM3 solar_open.SolarOpen starcoder2.Starcoder2 youtu.Youtu
     """,
-    "olmo2": "exaone4:Exaone4 olmo3:Olmo3",
+    "olmo2": "exaone4.Exaone4 olmo3.Olmo3",
 }
 # encoder layers whose forward runs the statements of CLIPEncoderLayer.forward, in models whose
 # encoders end with a norm of the whole stream: the text encoder's ``final_layer_norm``, the vision
 # encoder's ``post_layernorm`` (CLIP's vision encoder normalizes only its pooled token: not fused)
-CLIP_COPIES = "siglip:Siglip siglip2:Siglip2 idefics2:Idefics2 idefics3:Idefics3 smolvlm:SmolVLM"
+CLIP_COPIES = "siglip.Siglip siglip2.Siglip2 idefics2.Idefics2 idefics3.Idefics3 smolvlm.SmolVLM"
 _CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
-# layers whose forward runs the statements of ViTLayer.forward (model:class prefix of <prefix>Layer)
+# layers whose forward runs the statements of ViTLayer.forward (model.class prefix of <prefix>Layer)
 VIT_COPIES = """
-    audio_spectrogram_transformer:AST deit:DeiT ijepa:IJepa videoprism:VideoPrism vit_mae:ViTMAE vit_msn:ViTMSN
-    vivit:Vivit
+    audio_spectrogram_transformer.AST deit.DeiT ijepa.IJepa videoprism.VideoPrism vit_mae.ViTMAE vit_msn.ViTMSN
+    vivit.Vivit
 """
 _VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
-_COPIES = {layout: [entry.split(":") for entry in entries.split()] for layout, entries in COPIES.items()}
 _POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
@@ -129,26 +129,23 @@ FAMILIES: dict[str, Family] = {
         ]
     ),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
-    **dict(_llama(m, c, _PRE) for m, c in _COPIES["llama"]),
-    **dict(_llama(m, c, _POST) for m, c in [("olmo2", "Olmo2"), *_COPIES["olmo2"]]),
-    **dict([_llama("gpt_oss", "GptOss", (_PRE[0], Step("mlp", "post_attention_layernorm", first=True)))]),
+    **dict(_llama(m, c, _PRE) for m, c in pairs(COPIES["llama"])),
+    **dict(_llama(m, c, _POST) for m, c in [("olmo2", "Olmo2"), *pairs(COPIES["olmo2"])]),
+    hf_path("gpt_oss", "GptOssDecoderLayer"): Family(
+        (_PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
+    ),
     **{
-        f"transformers.models.{m}.modeling_{m}.{c}DecoderLayer": Family(
+        hf_path(m, f"{c}DecoderLayer"): Family(
             (Step("self_attn", "input_layernorm"), Step("mlp", "input_layernorm")), final="norm", parallel="chain"
         )
         for m, c in [("cohere", "Cohere"), ("cohere2", "Cohere2")]
     },
-    **dict(
-        [
-            _llama(
-                "glm4",
-                "Glm4",
-                (
-                    Step("self_attn", "input_layernorm", post="post_self_attn_layernorm"),
-                    Step("mlp", "post_attention_layernorm", post="post_mlp_layernorm"),
-                ),
-            )
-        ]
+    hf_path("glm4", "Glm4DecoderLayer"): Family(
+        (
+            Step("self_attn", "input_layernorm", post="post_self_attn_layernorm"),
+            Step("mlp", "post_attention_layernorm", post="post_mlp_layernorm"),
+        ),
+        final="norm",
     ),
     "transformers.models.llama4.modeling_llama4.Llama4TextDecoderLayer": lambda block: Family(
         (
@@ -180,15 +177,10 @@ FAMILIES: dict[str, Family] = {
         parallel="chain" if block.use_parallel_residual else None,
     ),
     "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
+    **{hf_path(m, f"{c}Layer"): Family(_VIT, final="layernorm") for m, c in [("vit", "ViT"), *pairs(VIT_COPIES)]},
     **{
-        f"transformers.models.{m}.modeling_{m}.{c}Layer": Family(_VIT, final="layernorm")
-        for m, c in [("vit", "ViT"), *(entry.split(":") for entry in VIT_COPIES.split())]
-    },
-    **{
-        f"transformers.models.{m}.modeling_{m}.{c}EncoderLayer": Family(
-            _CLIP, final=("final_layer_norm", "post_layernorm")
-        )
-        for m, c in (entry.split(":") for entry in CLIP_COPIES.split())
+        hf_path(m, f"{c}EncoderLayer"): Family(_CLIP, final=("final_layer_norm", "post_layernorm"))
+        for m, c in pairs(CLIP_COPIES)
     },
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
@@ -201,7 +193,7 @@ FAMILIES: dict[str, Family] = {
         final="norm",
     ),
     **{
-        f"transformers.models.{m}.modeling_{m}.{c}Block": Family(
+        hf_path(m, f"{c}Block"): Family(
             (Step("attn", "ln_1"), Step("mlp", "ln_2")),
             final="ln_f",
             drop=("encoder_attention_mask",),
@@ -226,7 +218,7 @@ FAMILIES: dict[str, Family] = {
         final="layernorm",
     ),
     **{
-        f"transformers.models.{m}.modeling_{m}.{c}{layer}": family
+        hf_path(m, f"{c}{layer}"): family
         for m, c in [("t5", "T5"), ("mt5", "MT5")]
         for layer, family in _T5_LAYERS.items()
     },

@@ -85,8 +85,16 @@ _BY_STYLE = {
     "olmo": "olmo.OlmoLayerNorm",
 }
 
-HF_NORMS: dict[str, str] = {
-    f"transformers.models.{m}.modeling_{m}.{c}": style
-    for style, entries in _BY_STYLE.items()
-    for m, c in (entry.split(".") for entry in entries.split())
-}
+
+def hf_path(model: str, name: str) -> str:
+    """The path of class ``name`` of a Hugging Face model: ``transformers.models.<model>.modeling_<model>.<name>``."""
+    return f"transformers.models.{model}.modeling_{model}.{name}"
+
+
+def pairs(entries: str) -> list[tuple[str, str]]:
+    """``"llama.LlamaRMSNorm gpt2.GPT2"`` -> ``[("llama", "LlamaRMSNorm"), ("gpt2", "GPT2")]``: the
+    tables' entries, each a model and a class name (or its prefix), whitespace apart."""
+    return [tuple(entry.split(".")) for entry in entries.split()]
+
+
+HF_NORMS: dict[str, str] = {hf_path(m, c): style for style, entries in _BY_STYLE.items() for m, c in pairs(entries)}
