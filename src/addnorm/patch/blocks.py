@@ -451,12 +451,12 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
     h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
     out_attn, extras = _call_first(self, family, attn, h_attn, named)
     out_mlp = getattr(self, mlp.sublayer)(h_mlp)
-    p = _dropout_p(self, mlp)
-    if family.parallel == "sum" or (family.parallel == "x1" and not p and not _dropout_p(self, attn)):
+    p, p_attn = _dropout_p(self, mlp), _dropout_p(self, attn)
+    if family.parallel == "sum" or (family.parallel == "x1" and not p and not p_attn):
         # (without dropout, GPT-NeoX's and Phi's mlp + attn + s is s plus the outputs' sum: the
         # model's own bits)
         out_mlp, out_attn = out_mlp + out_attn, None
-    if nxt and (out_attn is None or p == _dropout_p(self, attn)):
+    if nxt and (out_attn is None or p == p_attn):
         second = nxt[1] if len(nxt) > 1 else None
         ys = add_norm_forward(nxt[0], out_mlp, s, sublayer=Sublayer(dropout_p=p), x1=out_attn, norm1=second)
         for norm, y in zip(nxt, ys[:-1], strict=True):
