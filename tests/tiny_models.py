@@ -115,11 +115,33 @@ OTHERS = {
         )
         for name, prefix in [("clip", "CLIP"), ("siglip", "Siglip")]
     },
-    "opt": (
-        "OPTConfig",
-        "OPTForCausalLM",
-        dict(hidden_size=WIDTH, num_hidden_layers=2, ffn_dim=2 * WIDTH, num_attention_heads=4, vocab_size=VOCAB)
-        | dict(max_position_embeddings=SEQ, word_embed_proj_dim=WIDTH, dropout=0.0, **_IDS),
+    **{
+        name: (
+            "OPTConfig",
+            "OPTForCausalLM",
+            dict(hidden_size=WIDTH, num_hidden_layers=2, ffn_dim=2 * WIDTH, num_attention_heads=4, vocab_size=VOCAB)
+            | dict(max_position_embeddings=SEQ, word_embed_proj_dim=WIDTH, dropout=0.0, **_IDS)
+            | dict(do_layer_norm_before=before),
+        )
+        for name, before in [("opt", True), ("opt_350m", False)]  # OPT-350m: a norm after each add
+    },
+    **{
+        name: (
+            f"{prefix}Config",
+            f"{prefix}ForCausalLM",
+            dict(num_hidden_layers=2, hidden_size=WIDTH, vocab_size=VOCAB) | extra,
+        )
+        for name, prefix, extra in [
+            ("mamba", "Mamba", dict(state_size=4, time_step_rank=4)),
+            ("mamba2", "Mamba2", dict(state_size=4, num_heads=4, head_dim=16, n_groups=1, chunk_size=4)),
+            ("falcon_mamba", "FalconMamba", dict(state_size=4, time_step_rank=4)),
+        ]
+    },
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        dict(hidden_size=WIDTH, n_layer=2, n_head=4, vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0)
+        | _IDS,
     ),
     "gpt_bigcode": (
         "GPTBigCodeConfig",
@@ -198,6 +220,9 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropo
             m.p = dropout
     if name.startswith("falcon"):  # applied from the config, not by modules
         model.config.hidden_dropout = model.config.attention_dropout = dropout
+    if name.startswith("opt"):  # a float attribute of each layer, applied by F.dropout
+        for layer in model.model.decoder.layers:
+            layer.dropout = dropout
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:

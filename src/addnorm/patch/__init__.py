@@ -212,9 +212,8 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         family = family_of(m)
         if family is None:
             continue
-        missing = [
-            a for s in family.steps for a in (s.sublayer, s.norm, s.post, s.layer_scale) if a and not hasattr(m, a)
-        ]
+        names = [a for s in family.steps for a in (*s.sublayer.split(), s.norm, s.post, s.layer_scale) if a]
+        missing = [a for a in dict.fromkeys(names) if not hasattr(m, a)]
         if missing:
             report.skipped.append((name, type(m).__name__, f"has no {', '.join(missing)}: not the layout fused"))
             continue

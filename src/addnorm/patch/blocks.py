@@ -34,7 +34,7 @@ FAMILY = "_addnorm_family"  # the block's Family, set by patch() (some depend on
 class Step:
     """One sublayer and its add: ``s = s + branch(post(sublayer(norm(s))))``."""
 
-    sublayer: str
+    sublayer: str  # a module, or several applied in turn ("fc1 activation_fn fc2": OPT's MLP)
     norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
@@ -62,6 +62,9 @@ class Family:
     # one dropout (Falcon); the steps' norms may be one module
     parallel: str | None = None
     post_norm: bool = False  # (BERT) the block is ``norm(dropout(sublayer(h)) + input_tensor)``
+    # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
+    # in float32 where the block's ``residual_in_fp32`` is set
+    cast: bool = False
 
 
 def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
@@ -176,6 +179,10 @@ FAMILIES: dict[str, Family] = {
         kwargs=False,
         parallel="chain" if block.use_parallel_residual else None,
     ),
+    **{
+        hf_path(m, f"{c}Block"): Family((Step("mixer", "norm"),), final="norm_f", kwargs=m == "mamba2", cast=True)
+        for m, c in [("mamba", "Mamba"), ("mamba2", "Mamba2"), ("falcon_mamba", "FalconMamba")]
+    },
     "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
     **{hf_path(m, f"{c}Layer"): Family(_VIT, final="layernorm") for m, c in [("vit", "ViT"), *pairs(VIT_COPIES)]},
     **{
@@ -184,6 +191,19 @@ FAMILIES: dict[str, Family] = {
     },
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
+    ),
+    # OPT-350m normalizes after each add (do_layer_norm_before=False): not fused
+    "transformers.models.opt.modeling_opt.OPTDecoderLayer": lambda block: (
+        Family(
+            (
+                Step("self_attn", "self_attn_layer_norm", dropout="dropout"),
+                Step("fc1 activation_fn fc2", "final_layer_norm", dropout="dropout"),
+            ),
+            final="final_layer_norm",
+            drop=("use_cache",),
+        )
+        if block.do_layer_norm_before
+        else None
     ),
     "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": Family(
         (
@@ -387,6 +407,13 @@ def _add(block: nn.Module, step: Step, out: Tensor, s: Tensor, norm: nn.Module |
     return (s, s) if norm is None else (norm(s), s)
 
 
+def _run(block: nn.Module, step: Step, h: Tensor) -> Tensor:
+    """The step's sublayer (its modules in turn) on ``h``."""
+    for name in step.sublayer.split():
+        h = getattr(block, name)(h)
+    return h
+
+
 def _call_first(block: nn.Module, family: Family, step: Step, h: Tensor, named: dict) -> tuple[Tensor, tuple]:
     for old, new in family.rename:
         named[new] = named.pop(old)
@@ -418,23 +445,35 @@ def _norm(block: nn.Module, name: str | None) -> nn.Module | None:
     return None if name is None else getattr(block, name)
 
 
+def _reads_the_stream(family: Family, norm: nn.Module, s: Tensor, out: Tensor) -> bool:
+    """Whether ``norm`` is called on the new stream ``s + out`` itself: in a family that casts the
+    stream to the norm's weight dtype first, only where that cast changes nothing (else the norm
+    reads a copy, and a handed-off output would go unused)."""
+    return not family.cast or torch.result_type(s, out) == norm.weight.dtype
+
+
 def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) -> tuple[Tensor, tuple]:
     steps = family.steps
     first = _norm(self, steps[0].norm)
-    h = s if first is None else first(s)
+    if family.cast:
+        h = first(s.to(first.weight.dtype))
+        s = s.to(torch.float32) if self.residual_in_fp32 else s
+    else:
+        h = s if first is None else first(s)
     extras = ()
     for i, step in enumerate(steps):
         if i == 0:
             out, extras = _call_first(self, family, step, h, named)
         else:
-            out = getattr(self, step.sublayer)(h)
+            out = _run(self, step, h)
             out = out[0] if step.first else out
             out = out.view(s.shape) if step.flat else out
         if step.post is not None:
             out = getattr(self, step.post)(out)
         if i + 1 < len(steps):
             h, s = _add(self, step, out, s, _norm(self, steps[i + 1].norm))
-        elif nxt and fusable(nxt[0], out):  # (the next norm is called by the model: its hooks run there)
+        elif nxt and fusable(nxt[0], out) and _reads_the_stream(family, nxt[0], s, out):
+            # (the next norm is called by the model: its hooks run there)
             y, s = add_norm_forward(nxt[0], out, s, sublayer=_sublayer(self, step, out))
             hand_off(nxt[0], s, y)
         else:
@@ -450,7 +489,7 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
     h_attn = getattr(self, attn.norm)(s)
     h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
     out_attn, extras = _call_first(self, family, attn, h_attn, named)
-    out_mlp = getattr(self, mlp.sublayer)(h_mlp)
+    out_mlp = _run(self, mlp, h_mlp)
     p, p_attn = _dropout_p(self, mlp), _dropout_p(self, attn)
     if family.parallel == "sum" or (family.parallel == "x1" and not p and not p_attn):
         # (without dropout, GPT-NeoX's and Phi's mlp + attn + s is s plus the outputs' sum: the
@@ -472,7 +511,7 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
 def _post_norm_forward(self, family: Family, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
     """BERT's output: ``norm(dropout(dense(h)) + input_tensor)``, dropout, add and norm in one op."""
     (step,) = family.steps
-    out = getattr(self, step.sublayer)(hidden_states)
+    out = _run(self, step, hidden_states)
     norm = getattr(self, step.norm)
     if not _inline(norm, out):
         return norm(_branch(self, step, out) + input_tensor)
