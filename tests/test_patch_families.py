@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 norms_module = sys.modules["addnorm.patch.norms"]
 blocks_module = sys.modules["addnorm.patch.blocks"]
 
+_MLP = "fc1 activation_fn activation_dropout fc2"  # Whisper's MLP, in the block itself
 # family -> (norms replaced, {block class: {add: "fused" or why not}}), counted in each model's code
 COVERAGE = {
     **{
@@ -72,6 +73,17 @@ COVERAGE = {
         for name, c in [("mamba", "Mamba"), ("mamba2", "Mamba2"), ("falcon_mamba", "FalconMamba")]
     },
     "opt": (5, {"OPTDecoderLayer": {"self_attn": "fused", "fc1 activation_fn fc2": "fused"}}),  # MLP inline
+    **{
+        name: (
+            norms,
+            {
+                f"{c}EncoderLayer": {"self_attn": "fused", _MLP: "fused"},
+                f"{c}DecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"},
+            },
+        )
+        for name, c, norms in [("whisper", "Whisper", 12), ("mbart", "MBart", 14)]  # mBART: layernorm_embedding
+    },
+    "xglm": (5, {"XGLMDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # no cross-attention
     "gpt_bigcode": (5, {"GPTBigCodeBlock": {"attn": "fused", "mlp": "fused"}}),
     "granitemoe": (5, {"GraniteMoeDecoderLayer": {"self_attn": "fused", "block_sparse_moe": "fused"}}),
     "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
@@ -113,8 +125,9 @@ FAMILIES = list(COVERAGE)
 SKIPPED = {"mamba2": {"MambaRMSNormGated"}, "falcon_mamba": {"FalconMambaWeightlessRMSNorm"}}  # gated; no weight
 # MoE experts (torch._grouped_mm) have no float64 oracle
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
-BF16 = [n for n in FAMILIES if n not in MOE]
-DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt"]
+# XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
+BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
+DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt", "whisper"]
 LABELS = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
@@ -148,6 +161,9 @@ LABELS = {
     "cohere2": "Cohere2 (parallel, 1 norm)",
     "gpt2": "GPT-2",
     "opt": "OPT (all but OPT-350m)",
+    "whisper": "Whisper (encoder-decoder)",
+    "mbart": "mBART (encoder-decoder)",
+    "xglm": "XGLM",
     "mamba": "Mamba",
     "mamba2": "Mamba-2",
     "falcon_mamba": "Falcon Mamba",
@@ -224,10 +240,11 @@ def test_bf16_gradients_within_twice_torchs_error(name):
     oracle = hf_model(name, torch.float64)
     torch_bf16, ours, _ = fused_copy(name, dtype=torch.bfloat16)
     inputs = hf_inputs(name)
-    if "pixel_values" in inputs:
-        inputs_for = lambda m: {**inputs, "pixel_values": inputs["pixel_values"].to(next(m.parameters()).dtype)}  # noqa: E731
-    else:
-        inputs_for = lambda m: inputs  # noqa: E731
+
+    def inputs_for(model):  # images and audio features in the model's dtype
+        dtype = next(model.parameters()).dtype
+        return {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
     (lo, go), (lu, gu), (lt, gt) = (step(m, inputs_for(m)) for m in (oracle, ours, torch_bf16))
     for key, want in [("logits", lo), *go.items()]:
         got, theirs = (lu, lt) if key == "logits" else (gu[key], gt[key])
@@ -237,7 +254,21 @@ def test_bf16_gradients_within_twice_torchs_error(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["gpt2", "llama", "gpt_neox", "phi", "gptj", "falcon", "cohere", "stablelm_parallel", "opt", "mamba"]
+    "name",
+    [
+        "gpt2",
+        "llama",
+        "gpt_neox",
+        "phi",
+        "gptj",
+        "falcon",
+        "cohere",
+        "stablelm_parallel",
+        "opt",
+        "mamba",
+        "whisper",
+        "mbart",
+    ],
 )
 def test_fused_bf16_logits_are_the_model_s_bits_with_the_reference(name):
     """The reference backend does torch's float32 ops, and the fused adds sum in the model's
@@ -245,8 +276,25 @@ def test_fused_bf16_logits_are_the_model_s_bits_with_the_reference(name):
     original = hf_model(name, torch.bfloat16).eval()
     patched = copy.deepcopy(original)
     assert addnorm.patch(patched, fuse_residual=True, backend="reference").fused_adds
+    inputs = hf_inputs(name, torch.bfloat16)
     with torch.no_grad():
-        assert torch.equal(patched(**hf_inputs(name)).logits, original(**hf_inputs(name)).logits)
+        assert torch.equal(patched(**inputs).logits, original(**inputs).logits)
+
+
+def test_a_float16_whisper_encoder_runs_its_own_forward_for_the_clamp(fused_calls):
+    """Whisper's encoder layers clamp a float16 stream after their last add: in float16 they run
+    their own forward (its norms addnorm's: the bits of the model with its norms alone patched),
+    the decoder's adds fused."""
+    original = hf_model("whisper", torch.float16).eval()
+    norms_only, fused = copy.deepcopy(original), copy.deepcopy(original)
+    addnorm.patch(norms_only)
+    addnorm.patch(fused, fuse_residual=True)
+    inputs = hf_inputs("whisper", torch.float16)
+    with torch.no_grad():
+        want, got = norms_only(**inputs), fused(**inputs)
+        torch.testing.assert_close(got.logits, original(**inputs).logits, rtol=1e-2, atol=1e-2)
+    assert torch.equal(got.encoder_last_hidden_state, want.encoder_last_hidden_state)
+    assert sum(residual for residual, _ in fused_calls) == 6  # the decoder's 3 adds per layer
 
 
 @pytest.mark.parametrize("name", DROPOUT)
@@ -477,11 +525,23 @@ def test_gradient_checkpointing_keeps_gradients():
     assert_same_step(original, patched, hf_inputs("llama"))
 
 
-def _statements(model: str, cls: str) -> str:
-    """The statements of a layer's forward as a syntax tree (docstring, comments and signature aside)."""
+def _statements(model: str, cls: str, stream_first: bool = False) -> str:
+    """The statements of a layer's forward as a syntax tree (docstring, comments and signature
+    aside); with ``stream_first``, a call's keyword ``hidden_states=`` given before any other
+    argument counted as its first positional argument."""
     module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
     source = inspect.getsource(getattr(module, cls).forward)
-    body = ast.parse(textwrap.dedent(source)).body[0].body
+    tree = ast.parse(textwrap.dedent(source))
+    if stream_first:
+        for call in ast.walk(tree):
+            if (
+                isinstance(call, ast.Call)
+                and not call.args
+                and call.keywords
+                and call.keywords[0].arg == "hidden_states"
+            ):
+                call.args, call.keywords = [call.keywords[0].value], call.keywords[1:]
+    body = tree.body[0].body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
     return ast.dump(ast.Module(body, []))
@@ -501,6 +561,31 @@ COPIES += [((m, f"{p}Layer"), ("vit", "ViTLayer")) for m, p in pairs(blocks_modu
 def test_copied_blocks_run_the_statements_of_the_block_they_copy(copy_, original):
     """The blocks run with another's steps (Llama's, OLMo 2's, CLIP's, ViT's) run the same statements."""
     assert _statements(*copy_) == _statements(*original)
+
+
+WHISPER_COPIES = [
+    ((m, c), ("whisper", f"Whisper{side.capitalize()}Layer"))
+    for side, entries in blocks_module.WHISPER_COPIES.items()
+    for m, c in pairs(entries)
+]
+
+
+@pytest.mark.parametrize("copy_, original", WHISPER_COPIES, ids=[c[1] for c, _ in WHISPER_COPIES])
+def test_whisper_copies_run_its_statements_and_attentions_take_the_stream_first(copy_, original):
+    """The layers run with Whisper's steps run its statements, where a sublayer called with
+    ``hidden_states=h`` counts as called with ``h`` first: each attention class of the model takes
+    ``hidden_states`` first, as the fused forward passes it."""
+    assert _statements(*copy_, stream_first=True) == _statements(*original, stream_first=True)
+    module = importlib.import_module(f"transformers.models.{copy_[0]}.modeling_{copy_[0]}")
+    init = ast.parse(textwrap.dedent(inspect.getsource(getattr(module, copy_[1]).__init__)))
+    attentions = [  # the classes of self.self_attn and self.encoder_attn
+        getattr(module, node.value.func.id)
+        for node in ast.walk(init)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.targets[0], ast.Attribute)
+        and node.targets[0].attr in ("self_attn", "encoder_attn")
+    ]
+    assert attentions and all(list(inspect.signature(c.forward).parameters)[1] == "hidden_states" for c in attentions)
 
 
 def test_stacks_without_a_final_norm_are_wired_apart():

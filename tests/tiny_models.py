@@ -78,6 +78,9 @@ _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0
 _IMAGE = dict(**_ENCODER, image_size=8, patch_size=4, num_channels=3, num_labels=5)
 _VISION = dict(**SMALL, image_size=8, patch_size=4, num_channels=3)
 _IDS = dict(bos_token_id=0, eos_token_id=0)
+_SEQ2SEQ = dict(
+    vocab_size=VOCAB, d_model=WIDTH, encoder_layers=2, decoder_layers=2, pad_token_id=0, dropout=0.0, **_IDS
+) | dict(encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH)
 # other layouts: name -> (config class, model class, config arguments)
 OTHERS = {
     "gpt2": (
@@ -137,6 +140,18 @@ OTHERS = {
             ("falcon_mamba", "FalconMamba", dict(state_size=4, time_step_rank=4)),
         ]
     },
+    "whisper": (
+        "WhisperConfig",
+        "WhisperForConditionalGeneration",
+        dict(_SEQ2SEQ, num_mel_bins=8, max_source_positions=SEQ, max_target_positions=SEQ, decoder_start_token_id=0),
+    ),
+    "mbart": ("MBartConfig", "MBartForConditionalGeneration", dict(_SEQ2SEQ, max_position_embeddings=SEQ)),
+    "xglm": (  # Whisper's decoder layer without cross-attention
+        "XGLMConfig",
+        "XGLMForCausalLM",
+        dict(vocab_size=VOCAB, d_model=WIDTH, num_layers=2, attention_heads=4, ffn_dim=2 * WIDTH)
+        | dict(max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **_IDS),
+    ),
     "bloom": (
         "BloomConfig",
         "BloomForCausalLM",
@@ -220,9 +235,9 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropo
             m.p = dropout
     if name.startswith("falcon"):  # applied from the config, not by modules
         model.config.hidden_dropout = model.config.attention_dropout = dropout
-    if name.startswith("opt"):  # a float attribute of each layer, applied by F.dropout
-        for layer in model.model.decoder.layers:
-            layer.dropout = dropout
+    for m in model.modules():  # (OPT, Whisper: a float attribute of each layer, applied by F.dropout)
+        if type(m).__name__.endswith("Layer") and isinstance(getattr(m, "dropout", None), float):
+            m.dropout = dropout
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
@@ -237,6 +252,8 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
             pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype), labels=torch.randint(0, 5, (2,), generator=g)
         )
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    if name == "whisper":  # log-mel features: 8 bins, two frames per encoder position
+        return dict(input_features=torch.randn(2, 8, 2 * SEQ, generator=g).to(dtype), labels=ids[:, :5])
     return dict(input_ids=ids, labels=ids)
 
 

@@ -15,6 +15,7 @@ op and hand the next block both of its norms (``x1``, ``norm1``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,9 @@ FAMILY = "_addnorm_family"  # the block's Family, set by patch() (some depend on
 class Step:
     """One sublayer and its add: ``s = s + branch(post(sublayer(norm(s))))``."""
 
-    sublayer: str  # a module, or several applied in turn ("fc1 activation_fn fc2": OPT's MLP)
+    # a module, or several applied in turn ("fc1 activation_fn fc2": OPT's MLP), a float attribute
+    # among them a dropout probability (Whisper's "activation_dropout")
+    sublayer: str
     norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
@@ -43,6 +46,10 @@ class Step:
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
     first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
     flat: bool = False  # the sublayer returns the rows flat, (tokens, hidden) (Llama 4's MoE)
+    # after the first step: block argument -> sublayer keyword, passed with the block's **kwargs
+    # (Whisper's cross-attention: encoder_hidden_states -> key_value_states)
+    call: tuple[tuple[str, str], ...] = ()
+    needs: str | None = None  # a block argument without which the step is skipped (cross-attention)
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class Family:
     # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
     # in float32 where the block's ``residual_in_fp32`` is set
     cast: bool = False
+    clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
 
 
 def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
@@ -113,6 +121,47 @@ VIT_COPIES = """
 """
 _VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
 _POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
+# encoder and decoder layers whose forward runs the statements of Whisper's (a keyword
+# ``hidden_states=`` to a sublayer counted as its first argument): mBART, NLLB, Pegasus, ...
+WHISPER_COPIES = {
+    "encoder": """
+    audioflamingo3.AudioFlamingo3EncoderLayer blenderbot.BlenderbotEncoderLayer m2m_100.M2M100EncoderLayer
+    mbart.MBartEncoderLayer moss_transcribe_diarize.MossTranscribeDiarizeAudioLayer pegasus.PegasusEncoderLayer
+    qwen2_audio.Qwen2AudioEncoderLayer speech_to_text.Speech2TextEncoderLayer voxtral.VoxtralEncoderLayer
+    """,
+    "decoder": """
+    bigbird_pegasus.BigBirdPegasusDecoderLayer blenderbot.BlenderbotDecoderLayer m2m_100.M2M100DecoderLayer
+    mbart.MBartDecoderLayer musicgen.MusicgenDecoderLayer pegasus.PegasusDecoderLayer
+    pegasus_x.PegasusXDecoderLayer pp_formulanet.PPFormulaNetDecoderLayer speech_to_text.Speech2TextDecoderLayer
+    xglm.XGLMDecoderLayer
+    """,
+}
+_WHISPER_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="dropout")
+_WHISPER_MLP = Step("fc1 activation_fn activation_dropout fc2", "final_layer_norm", dropout="dropout")
+_WHISPER = {
+    # the encoder clamps a float16 stream after each layer
+    "encoder": Family((_WHISPER_ATTENTION, _WHISPER_MLP), final="layer_norm", clamp16=True),
+    "decoder": Family(
+        (
+            _WHISPER_ATTENTION,
+            Step(
+                "encoder_attn",
+                "encoder_attn_layer_norm",
+                dropout="dropout",
+                first=True,
+                call=(
+                    ("encoder_hidden_states", "key_value_states"),
+                    ("encoder_attention_mask", "attention_mask"),
+                    ("cache", "cache"),
+                ),
+                needs="encoder_hidden_states",
+            ),
+            _WHISPER_MLP,
+        ),
+        final="layer_norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
+    ),
+}
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
@@ -185,6 +234,11 @@ FAMILIES: dict[str, Family] = {
     },
     "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
     **{hf_path(m, f"{c}Layer"): Family(_VIT, final="layernorm") for m, c in [("vit", "ViT"), *pairs(VIT_COPIES)]},
+    **{
+        hf_path(m, c): _WHISPER[side]
+        for side, entries in WHISPER_COPIES.items()
+        for m, c in [("whisper", f"Whisper{side.capitalize()}Layer"), *pairs(entries)]
+    },
     **{
         hf_path(m, f"{c}EncoderLayer"): Family(_CLIP, final=("final_layer_norm", "post_layernorm"))
         for m, c in pairs(CLIP_COPIES)
@@ -268,9 +322,16 @@ def _falcon(config) -> Family:
 
 
 def family_of(block: nn.Module) -> Family | None:
-    """The Family of a block of a class in ``FAMILIES`` (resolved from its config where it varies)."""
+    """The Family of a block of a class in ``FAMILIES`` (resolved from its config where it varies),
+    without the optional steps whose sublayer the block was built without (XGLM without
+    cross-attention)."""
     entry = FAMILIES.get(f"{type(block).__module__}.{type(block).__qualname__}")
-    return entry(block) if callable(entry) else entry
+    family = entry(block) if callable(entry) else entry
+    if family is None or all(hasattr(block, st.sublayer) for st in family.steps if st.needs):
+        return family
+    return dataclasses.replace(
+        family, steps=tuple(st for st in family.steps if not st.needs or hasattr(block, st.sublayer))
+    )
 
 
 def final_names(family: Family) -> tuple[str, ...]:
@@ -289,18 +350,16 @@ def entry_norms(family: Family) -> tuple[str | None, ...]:
 # --------------------------------------------------------------------------- the fused forward
 
 
-def _arguments(self, hidden_states, args, kwargs) -> dict:
+def _arguments(self, hidden_states, args, kwargs) -> tuple[dict, dict]:
     """The arguments of the original block forward after ``hidden_states``, by name, with its
     defaults filled in and its ``**kwargs`` spread (passed on as the original does, whichever
-    name its cache argument has)."""
+    name its cache argument has); and those ``**kwargs`` alone."""
     bound = type(self)._addnorm_signature.bind(self, hidden_states, *args, **kwargs)
     bound.apply_defaults()
     named = dict(bound.arguments)
     del named["self"], named["hidden_states"]
-    spread = named.pop("kwargs", {})
-    if self.__dict__[FAMILY].kwargs:
-        named.update(spread)
-    return named
+    spread = named.pop("kwargs", {}) if self.__dict__[FAMILY].kwargs else {}
+    return named | spread, spread
 
 
 def _dropout_p(block: nn.Module, step: Step) -> float:
@@ -407,10 +466,15 @@ def _add(block: nn.Module, step: Step, out: Tensor, s: Tensor, norm: nn.Module |
     return (s, s) if norm is None else (norm(s), s)
 
 
-def _run(block: nn.Module, step: Step, h: Tensor) -> Tensor:
-    """The step's sublayer (its modules in turn) on ``h``."""
+def _run(block: nn.Module, step: Step, h: Tensor, call: dict) -> Tensor:
+    """The step's sublayer (its modules in turn, a float among them a dropout) on ``h``; ``call``:
+    the keyword arguments of a sublayer that takes the block's (:attr:`Step.call`)."""
     for name in step.sublayer.split():
-        h = getattr(block, name)(h)
+        module = getattr(block, name)
+        if isinstance(module, float):  # as F.dropout(h, p=self.<name>, training=self.training)
+            h = F.dropout(h, module, training=block.training) if module else h
+        else:
+            h = module(h, **call)
     return h
 
 
@@ -426,9 +490,13 @@ def block_forward(self, hidden_states, *args, **kwargs):
     family = self.__dict__[FAMILY]
     if family.post_norm:
         return _post_norm_forward(self, family, hidden_states, *args, **kwargs)
-    named = _arguments(self, hidden_states, args, kwargs)
-    if any(named.get(name) is not None for name in family.fallback):
+    named, spread = _arguments(self, hidden_states, args, kwargs)
+    if any(named.get(name) is not None for name in family.fallback) or (
+        family.clamp16 and hidden_states.dtype == torch.float16
+    ):
         return self.__dict__[ORIGINAL].forward(self, hidden_states, *args, **kwargs)
+    steps = tuple(st for st in family.steps if st.needs is None or named.get(st.needs) is not None)
+    calls = [{new: named.get(old) for old, new in st.call} | spread if st.call else {} for st in steps]
     for name in family.fallback + family.drop:
         named.pop(name, None)
     nxt = tuple(self.__dict__.get(NEXT, ()))
@@ -437,7 +505,7 @@ def block_forward(self, hidden_states, *args, **kwargs):
     if family.parallel:
         s, extras = _parallel_forward(self, family, hidden_states, named, nxt)
     else:
-        s, extras = _sequential_forward(self, family, hidden_states, named, nxt)
+        s, extras = _sequential_forward(self, family, steps, hidden_states, named, calls, nxt)
     return (s, *extras) if family.extras else s
 
 
@@ -452,8 +520,8 @@ def _reads_the_stream(family: Family, norm: nn.Module, s: Tensor, out: Tensor) -
     return not family.cast or torch.result_type(s, out) == norm.weight.dtype
 
 
-def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) -> tuple[Tensor, tuple]:
-    steps = family.steps
+def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list, nxt: tuple) -> tuple[Tensor, tuple]:
+    """The steps that run this call (each with its keyword arguments in ``calls``), one by one."""
     first = _norm(self, steps[0].norm)
     if family.cast:
         h = first(s.to(first.weight.dtype))
@@ -465,7 +533,7 @@ def _sequential_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple
         if i == 0:
             out, extras = _call_first(self, family, step, h, named)
         else:
-            out = _run(self, step, h)
+            out = _run(self, step, h, calls[i])
             out = out[0] if step.first else out
             out = out.view(s.shape) if step.flat else out
         if step.post is not None:
@@ -489,7 +557,7 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
     h_attn = getattr(self, attn.norm)(s)
     h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
     out_attn, extras = _call_first(self, family, attn, h_attn, named)
-    out_mlp = _run(self, mlp, h_mlp)
+    out_mlp = _run(self, mlp, h_mlp, {})
     p, p_attn = _dropout_p(self, mlp), _dropout_p(self, attn)
     if family.parallel == "sum" or (family.parallel == "x1" and not p and not p_attn):
         # (without dropout, GPT-NeoX's and Phi's mlp + attn + s is s plus the outputs' sum: the
@@ -511,7 +579,7 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
 def _post_norm_forward(self, family: Family, hidden_states: Tensor, input_tensor: Tensor) -> Tensor:
     """BERT's output: ``norm(dropout(dense(h)) + input_tensor)``, dropout, add and norm in one op."""
     (step,) = family.steps
-    out = _run(self, step, hidden_states)
+    out = _run(self, step, hidden_states, {})
     norm = getattr(self, step.norm)
     if not _inline(norm, out):
         return norm(_branch(self, step, out) + input_tensor)
