@@ -22,6 +22,7 @@ from tiny_models import assert_same_step, hf_inputs, hf_model, round_trip, step
 pytest.importorskip("transformers")
 norms_module = sys.modules["addnorm.patch.norms"]
 blocks_module = sys.modules["addnorm.patch.blocks"]
+families_module = sys.modules["addnorm.patch.families"]
 
 _MLP = "fc1 activation_fn activation_dropout fc2"  # Whisper's MLP, in the block itself
 # family -> (norms replaced, {block class: {add: "fused" or why not}}), counted in each model's code
@@ -81,8 +82,15 @@ COVERAGE = {
                 f"{c}DecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"},
             },
         )
-        for name, c, norms in [("whisper", "Whisper", 12), ("mbart", "MBart", 14)]  # mBART: layernorm_embedding
+        # mBART and BART: layernorm_embedding; BART and Marian: post-norm (each add feeds its own norm)
+        for name, c, norms in [
+            ("whisper", "Whisper", 12),
+            ("mbart", "MBart", 14),
+            ("bart", "Bart", 12),
+            ("marian", "Marian", 10),
+        ]
     },
+    "opt_350m": (4, {"OPTDecoderLayer": {"self_attn": "fused", "fc1 activation_fn fc2": "fused"}}),  # post-norm
     "xglm": (5, {"XGLMDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # no cross-attention
     "gpt_bigcode": (5, {"GPTBigCodeBlock": {"attn": "fused", "mlp": "fused"}}),
     "granitemoe": (5, {"GraniteMoeDecoderLayer": {"self_attn": "fused", "block_sparse_moe": "fused"}}),
@@ -127,7 +135,7 @@ SKIPPED = {"mamba2": {"MambaRMSNormGated"}, "falcon_mamba": {"FalconMambaWeightl
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
-DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt", "whisper"]
+DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt", "whisper", "bart"]
 LABELS = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
@@ -160,10 +168,13 @@ LABELS = {
     "cohere": "Cohere (parallel, 1 norm)",
     "cohere2": "Cohere2 (parallel, 1 norm)",
     "gpt2": "GPT-2",
-    "opt": "OPT (all but OPT-350m)",
+    "opt": "OPT",
     "whisper": "Whisper (encoder-decoder)",
     "mbart": "mBART (encoder-decoder)",
     "xglm": "XGLM",
+    "bart": "BART (post-norm)",
+    "marian": "Marian (post-norm)",
+    "opt_350m": "OPT-350m (post-norm)",
     "mamba": "Mamba",
     "mamba2": "Mamba-2",
     "falcon_mamba": "Falcon Mamba",
@@ -268,6 +279,9 @@ def test_bf16_gradients_within_twice_torchs_error(name):
         "mamba",
         "whisper",
         "mbart",
+        "bart",
+        "marian",
+        "opt_350m",
     ],
 )
 def test_fused_bf16_logits_are_the_model_s_bits_with_the_reference(name):
@@ -550,11 +564,11 @@ def _statements(model: str, cls: str, stream_first: bool = False) -> str:
 # (model, class) of each copy, and the (model, class) it copies
 COPIES = [
     ((m, f"{prefix}DecoderLayer"), (layout, f"{layout.capitalize()}DecoderLayer"))
-    for layout, entries in blocks_module.COPIES.items()
+    for layout, entries in families_module.COPIES.items()
     for m, prefix in pairs(entries)
 ]
-COPIES += [((m, f"{p}EncoderLayer"), ("clip", "CLIPEncoderLayer")) for m, p in pairs(blocks_module.CLIP_COPIES)]
-COPIES += [((m, f"{p}Layer"), ("vit", "ViTLayer")) for m, p in pairs(blocks_module.VIT_COPIES)]
+COPIES += [((m, f"{p}EncoderLayer"), ("clip", "CLIPEncoderLayer")) for m, p in pairs(families_module.CLIP_COPIES)]
+COPIES += [((m, f"{p}Layer"), ("vit", "ViTLayer")) for m, p in pairs(families_module.VIT_COPIES)]
 
 
 @pytest.mark.parametrize("copy_, original", COPIES, ids=[c[1] for c, _ in COPIES])
@@ -564,15 +578,16 @@ def test_copied_blocks_run_the_statements_of_the_block_they_copy(copy_, original
 
 
 WHISPER_COPIES = [
-    ((m, c), ("whisper", f"Whisper{side.capitalize()}Layer"))
-    for side, entries in blocks_module.WHISPER_COPIES.items()
+    ((m, c), (model.lower(), f"{model}{side.capitalize()}Layer"))
+    for model, copies in [("Whisper", families_module.WHISPER_COPIES), ("Bart", families_module.BART_COPIES)]
+    for side, entries in copies.items()
     for m, c in pairs(entries)
 ]
 
 
 @pytest.mark.parametrize("copy_, original", WHISPER_COPIES, ids=[c[1] for c, _ in WHISPER_COPIES])
 def test_whisper_copies_run_its_statements_and_attentions_take_the_stream_first(copy_, original):
-    """The layers run with Whisper's steps run its statements, where a sublayer called with
+    """The layers run with Whisper's (or BART's) steps run its statements, where a sublayer called with
     ``hidden_states=h`` counts as called with ``h`` first: each attention class of the model takes
     ``hidden_states`` first, as the fused forward passes it."""
     assert _statements(*copy_, stream_first=True) == _statements(*original, stream_first=True)
@@ -597,19 +612,15 @@ def test_stacks_without_a_final_norm_are_wired_apart():
     assert [(a.block, a.norm) for a in last] == [("a.encoder.layers.1", None), ("b.encoder.layers.1", None)]
 
 
-@pytest.mark.parametrize(
-    "name,prefix,cls,norms",
-    [
-        ("bloom", "transformer.h", "BloomBlock", 6),  # its sublayers add the residual themselves
-        ("opt_350m", "model.decoder.layers", "OPTDecoderLayer", 4),  # a norm after each add
-    ],
-)
-def test_unknown_blocks_are_left_alone_and_reported(name, prefix, cls, norms):
-    original, patched, report = fused_copy(name)
-    assert len(report.replaced) == norms and report.adds == [] and report.fused == []
-    assert [(n, c) for n, c, _ in report.skipped] == [(f"{prefix}.0", cls), (f"{prefix}.1", cls)]
+def test_unknown_blocks_are_left_alone_and_reported():
+    original, patched, report = fused_copy("bloom")  # its sublayers add the residual themselves
+    assert len(report.replaced) == 6 and report.adds == [] and report.fused == []
+    assert [(n, c) for n, c, _ in report.skipped] == [
+        ("transformer.h.0", "BloomBlock"),
+        ("transformer.h.1", "BloomBlock"),
+    ]
     assert all("not in addnorm.patch.FAMILIES" in why for _, _, why in report.skipped)
-    assert_same_step(original, patched, hf_inputs(name))
+    assert_same_step(original, patched, hf_inputs("bloom"))
 
 
 @pytest.mark.parametrize("cls_name", ["T5LayerNorm", "Olmo2RMSNorm"])

@@ -152,6 +152,17 @@ OTHERS = {
         dict(vocab_size=VOCAB, d_model=WIDTH, num_layers=2, attention_heads=4, ffn_dim=2 * WIDTH)
         | dict(max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, **_IDS),
     ),
+    **{
+        name: (
+            f"{prefix}Config",
+            model,
+            dict(_SEQ2SEQ, max_position_embeddings=SEQ, decoder_start_token_id=0),
+        )
+        for name, prefix, model in [
+            ("bart", "Bart", "BartForConditionalGeneration"),
+            ("marian", "Marian", "MarianMTModel"),
+        ]
+    },
     "bloom": (
         "BloomConfig",
         "BloomForCausalLM",

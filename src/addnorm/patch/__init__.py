@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
-from .blocks import FAMILIES, FAMILY, NEXT, ORIGINAL, Family, block_forward, entry_norms, family_of, final_names
+from .blocks import FAMILY, NEXT, ORIGINAL, block_forward
+from .families import FAMILIES, Family, entry_norms, family_of, final_names
 from .hf_norms import HF_NORMS
 from .norms import (
     FLASH_ATTN_MODULES,
@@ -256,9 +257,10 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     block of the same stack, or None for the last one)."""
     cls = type(m).__name__
     steps = family.steps
-    if family.post_norm:
-        why = _why_not_norm(getattr(m, steps[0].norm), steps[0].norm)
-        report.adds.append(Add(name, cls, steps[0].sublayer, None if why else f"{name}.{steps[0].norm}", why or ""))
+    if family.post_norm or family.norm_after:  # each add feeds its own step's norm
+        for step in steps:
+            why = _why_not_norm(getattr(m, step.norm), step.norm)
+            report.adds.append(Add(name, cls, step.sublayer, None if why else f"{name}.{step.norm}", why or ""))
         return
     parallel = family.parallel is not None
     inner = [] if parallel else steps[:-1]

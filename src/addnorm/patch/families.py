@@ -1,0 +1,341 @@
+"""Which blocks ``patch(fuse_residual=True)`` fuses, and how each runs: a block is a sequence of
+:class:`Step` (sublayer, the norm before it, dropout, ...), its :class:`Family` the steps and where
+its stack's stream goes next. ``FAMILIES`` maps each Hugging Face block class to its Family (the
+short per-family table of docs/integrations.md, section 3); :mod:`.blocks` runs them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import nn
+
+from .hf_norms import hf_path, pairs
+
+
+@dataclass(frozen=True)
+class Step:
+    """One sublayer and its add: ``s = s + branch(post(sublayer(norm(s))))``."""
+
+    # a module, or several applied in turn ("fc1 activation_fn fc2": OPT's MLP), a float attribute
+    # among them a dropout probability (Whisper's "activation_dropout")
+    sublayer: str
+    norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
+    post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
+    dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
+    layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
+    multiplier: str | None = None  # a float attribute of the block scaling the output (Granite)
+    drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
+    first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
+    flat: bool = False  # the sublayer returns the rows flat, (tokens, hidden) (Llama 4's MoE)
+    # after the first step: block argument -> sublayer keyword, passed with the block's **kwargs
+    # (Whisper's cross-attention: encoder_hidden_states -> key_value_states)
+    call: tuple[tuple[str, str], ...] = ()
+    needs: str | None = None  # a block argument without which the step is skipped (cross-attention)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to run a block class: its steps, the final norm of the stack it sits in (an attribute
+    of the nearest ancestor that has it), and how its first sublayer is called."""
+
+    steps: tuple[Step, ...]
+    final: str | tuple[str, ...] | None = None  # the stack's final norm (the first name its holder has)
+    rename: tuple[tuple[str, str], ...] = ()  # block argument -> attention argument
+    drop: tuple[str, ...] = ()  # block arguments the attention does not take
+    fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
+    extras: bool = False  # the block returns (stream, *the attention's other outputs)
+    kwargs: bool = True  # the block passes its ``**kwargs`` on to the attention
+    # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX: mlp + attn + s);
+    # "chain" the same in the stream's order (Cohere: s + attn + mlp); "sum" adds their sum with
+    # one dropout (Falcon); the steps' norms may be one module
+    parallel: str | None = None
+    post_norm: bool = False  # (BERT) the block is ``norm(dropout(sublayer(h)) + input_tensor)``
+    norm_after: bool = False  # (BART) each step's norm reads the stream after its add: s = norm(s + out)
+    # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
+    # in float32 where the block's ``residual_in_fp32`` is set
+    cast: bool = False
+    clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
+
+
+def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
+    return hf_path(m, f"{c}DecoderLayer"), Family(steps, final="norm")
+
+
+_PRE = (Step("self_attn", "input_layernorm"), Step("mlp", "post_attention_layernorm"))
+_GRANITE = tuple(Step(s.sublayer, s.norm, multiplier="residual_multiplier") for s in _PRE)  # s + out * m
+_SANDWICH = (
+    Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
+    Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
+)
+_BERT = Family((Step("dense", "LayerNorm", dropout="dropout"),), post_norm=True)
+_T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"),), extras=True)
+_T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's prefix
+    "LayerSelfAttention": Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+    "LayerCrossAttention": Family((Step("EncDecAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+    "LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
+}
+
+# (model, class prefix) of decoder layers whose forward runs the statements of Llama's (or OLMo 2's)
+# LlamaDecoderLayer.forward: the same syntax tree, docstring, comments and signature aside (a test
+# compares them; the signature is bound as each class declares it)
+COPIES = {
+    "llama": """
+    arcee.Arcee aria.AriaText bitnet.BitNet csm.Csm cwm.Cwm deepseek_v2.DeepseekV2 deepseek_v3.DeepseekV3
+    deepseek_v32.DeepseekV32 diffllama.DiffLlama dots1.Dots1 ernie4_5.Ernie4_5 ernie4_5_moe.Ernie4_5_Moe
+    exaone_moe.ExaoneMoe glm.Glm glm4_moe.Glm4Moe glm4_moe_lite.Glm4MoeLite glm4v_moe.Glm4vMoeText
+    helium.Helium hunyuan_v1_dense.HunYuanDenseV1 hunyuan_v1_moe.HunYuanMoEV1 jais2.Jais2
+    mimo_v2_flash.MiMoV2Flash ministral.Ministral ministral3.Ministral3 mistral4.Mistral4 olmo.Olmo
+    olmoe.Olmoe qwen2_5_omni.Qwen2_5Omni qwen2_5_vl.Qwen2_5_VL qwen2_vl.Qwen2VL
+    qwen3_omni_moe.Qwen3OmniMoeThinkerText qwen3_vl.Qwen3VLText qwen3_vl_moe.Qwen3VLMoeText
+    seed_oss.SeedOss smollm3.SmolLM3 solar_open.SolarOpen starcoder2.Starcoder2 youtu.Youtu
+    """,
+    "olmo2": "exaone4.Exaone4 olmo3.Olmo3",
+}
+# encoder layers whose forward runs the statements of CLIPEncoderLayer.forward, in models whose
+# encoders end with a norm of the whole stream: the text encoder's ``final_layer_norm``, the vision
+# encoder's ``post_layernorm`` (CLIP's vision encoder normalizes only its pooled token: not fused)
+CLIP_COPIES = "siglip.Siglip siglip2.Siglip2 idefics2.Idefics2 idefics3.Idefics3 smolvlm.SmolVLM"
+_CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
+# layers whose forward runs the statements of ViTLayer.forward (model.class prefix of <prefix>Layer)
+VIT_COPIES = """
+    audio_spectrogram_transformer.AST deit.DeiT ijepa.IJepa videoprism.VideoPrism vit_mae.ViTMAE vit_msn.ViTMSN
+    vivit.Vivit
+"""
+_VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
+_POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
+# encoder and decoder layers whose forward runs the statements of Whisper's (a keyword
+# ``hidden_states=`` to a sublayer counted as its first argument): mBART, NLLB, Pegasus, ...
+WHISPER_COPIES = {
+    "encoder": """
+    audioflamingo3.AudioFlamingo3EncoderLayer blenderbot.BlenderbotEncoderLayer m2m_100.M2M100EncoderLayer
+    mbart.MBartEncoderLayer moss_transcribe_diarize.MossTranscribeDiarizeAudioLayer pegasus.PegasusEncoderLayer
+    qwen2_audio.Qwen2AudioEncoderLayer speech_to_text.Speech2TextEncoderLayer voxtral.VoxtralEncoderLayer
+    """,
+    "decoder": """
+    bigbird_pegasus.BigBirdPegasusDecoderLayer blenderbot.BlenderbotDecoderLayer m2m_100.M2M100DecoderLayer
+    mbart.MBartDecoderLayer musicgen.MusicgenDecoderLayer pegasus.PegasusDecoderLayer
+    pegasus_x.PegasusXDecoderLayer pp_formulanet.PPFormulaNetDecoderLayer speech_to_text.Speech2TextDecoderLayer
+    xglm.XGLMDecoderLayer
+    """,
+}
+_WHISPER_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="dropout")
+_WHISPER_MLP = Step("fc1 activation_fn activation_dropout fc2", "final_layer_norm", dropout="dropout")
+_WHISPER = {
+    # the encoder clamps a float16 stream after each layer
+    "encoder": Family((_WHISPER_ATTENTION, _WHISPER_MLP), final="layer_norm", clamp16=True),
+    "decoder": Family(
+        (
+            _WHISPER_ATTENTION,
+            Step(
+                "encoder_attn",
+                "encoder_attn_layer_norm",
+                dropout="dropout",
+                first=True,
+                call=(
+                    ("encoder_hidden_states", "key_value_states"),
+                    ("encoder_attention_mask", "attention_mask"),
+                    ("cache", "cache"),
+                ),
+                needs="encoder_hidden_states",
+            ),
+            _WHISPER_MLP,
+        ),
+        final="layer_norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
+    ),
+}
+# post-norm layers with Whisper's steps, each norm after its add (BART, Marian, PLBart, ...)
+BART_COPIES = {
+    "encoder": """
+    blenderbot_small.BlenderbotSmallEncoderLayer informer.InformerEncoderLayer marian.MarianEncoderLayer
+    plbart.PLBartEncoderLayer time_series_transformer.TimeSeriesTransformerEncoderLayer
+    """,
+    "decoder": """
+    blenderbot_small.BlenderbotSmallDecoderLayer informer.InformerDecoderLayer marian.MarianDecoderLayer
+    plbart.PLBartDecoderLayer time_series_transformer.TimeSeriesTransformerDecoderLayer
+    """,
+}
+_BART = {side: dataclasses.replace(family, norm_after=True, final=None) for side, family in _WHISPER.items()}
+
+# block class path -> Family: the short per-family table (docs/integrations.md, section 3)
+FAMILIES: dict[str, Family] = {
+    **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
+    **dict(_llama(m, c, _PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
+    **dict(
+        _llama(m, c, steps)
+        for m, c, steps in [
+            ("qwen2_moe", "Qwen2Moe", _PRE),
+            ("qwen3_moe", "Qwen3Moe", _PRE),
+            ("granite", "Granite", _GRANITE),
+            (
+                "granitemoe",
+                "GraniteMoe",
+                (_GRANITE[0], Step("block_sparse_moe", "post_attention_layernorm", multiplier="residual_multiplier")),
+            ),
+        ]
+    ),
+    **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
+    **dict(_llama(m, c, _PRE) for m, c in pairs(COPIES["llama"])),
+    **dict(_llama(m, c, _POST) for m, c in [("olmo2", "Olmo2"), *pairs(COPIES["olmo2"])]),
+    hf_path("gpt_oss", "GptOssDecoderLayer"): Family(
+        (_PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
+    ),
+    **{
+        hf_path(m, f"{c}DecoderLayer"): Family(
+            (Step("self_attn", "input_layernorm"), Step("mlp", "input_layernorm")), final="norm", parallel="chain"
+        )
+        for m, c in [("cohere", "Cohere"), ("cohere2", "Cohere2")]
+    },
+    hf_path("glm4", "Glm4DecoderLayer"): Family(
+        (
+            Step("self_attn", "input_layernorm", post="post_self_attn_layernorm"),
+            Step("mlp", "post_attention_layernorm", post="post_mlp_layernorm"),
+        ),
+        final="norm",
+    ),
+    "transformers.models.llama4.modeling_llama4.Llama4TextDecoderLayer": lambda block: Family(
+        (
+            Step("self_attn", "input_layernorm"),
+            Step("feed_forward", "post_attention_layernorm", first=block.is_moe_layer, flat=True),
+        ),
+        final="norm",
+        drop=("position_ids",),
+    ),
+    "transformers.models.phi.modeling_phi.PhiDecoderLayer": Family(
+        (
+            Step("self_attn", "input_layernorm", dropout="resid_dropout"),
+            Step("mlp", "input_layernorm", dropout="resid_dropout"),
+        ),
+        final="final_layernorm",
+        parallel="x1",
+    ),
+    "transformers.models.stablelm.modeling_stablelm.StableLmDecoderLayer": lambda block: Family(
+        (
+            Step("self_attn", "input_layernorm"),
+            Step(
+                "mlp",
+                "input_layernorm" if block.use_parallel_residual else "post_attention_layernorm",
+                dropout="dropout",
+            ),
+        ),
+        final="norm",
+        kwargs=False,
+        parallel="chain" if block.use_parallel_residual else None,
+    ),
+    **{
+        hf_path(m, f"{c}Block"): Family((Step("mixer", "norm"),), final="norm_f", kwargs=m == "mamba2", cast=True)
+        for m, c in [("mamba", "Mamba"), ("mamba2", "Mamba2"), ("falcon_mamba", "FalconMamba")]
+    },
+    "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
+    **{hf_path(m, f"{c}Layer"): Family(_VIT, final="layernorm") for m, c in [("vit", "ViT"), *pairs(VIT_COPIES)]},
+    **{
+        hf_path(m, c): layouts[side]
+        for layouts, model, copies in [(_WHISPER, "Whisper", WHISPER_COPIES), (_BART, "Bart", BART_COPIES)]
+        for side, entries in copies.items()
+        for m, c in [(model.lower(), f"{model}{side.capitalize()}Layer"), *pairs(entries)]
+    },
+    **{
+        hf_path(m, f"{c}EncoderLayer"): Family(_CLIP, final=("final_layer_norm", "post_layernorm"))
+        for m, c in pairs(CLIP_COPIES)
+    },
+    "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
+        (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
+    ),
+    # OPT-350m normalizes after each add (do_layer_norm_before=False), the others before
+    "transformers.models.opt.modeling_opt.OPTDecoderLayer": lambda block: Family(
+        (
+            Step("self_attn", "self_attn_layer_norm", dropout="dropout"),
+            Step("fc1 activation_fn fc2", "final_layer_norm", dropout="dropout"),
+        ),
+        final="final_layer_norm" if block.do_layer_norm_before else None,
+        drop=("use_cache",),
+        norm_after=not block.do_layer_norm_before,
+    ),
+    "transformers.models.phi3.modeling_phi3.Phi3DecoderLayer": Family(
+        (
+            Step("self_attn", "input_layernorm", dropout="resid_attn_dropout"),
+            Step("mlp", "post_attention_layernorm", dropout="resid_mlp_dropout"),
+        ),
+        final="norm",
+    ),
+    **{
+        hf_path(m, f"{c}Block"): Family(
+            (Step("attn", "ln_1"), Step("mlp", "ln_2")),
+            final="ln_f",
+            drop=("encoder_attention_mask",),
+            fallback=("encoder_hidden_states",),  # cross-attention sits between the adds
+        )
+        for m, c in [("gpt2", "GPT2"), ("gpt_bigcode", "GPTBigCode")]
+    },
+    "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXLayer": lambda block: Family(
+        (
+            Step("attention", "input_layernorm", dropout="post_attention_dropout"),
+            Step("mlp", "post_attention_layernorm", dropout="post_mlp_dropout"),
+        ),
+        final="final_layer_norm",
+        parallel="x1" if block.use_parallel_residual else None,
+    ),
+    "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: _falcon(block.config),
+    "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(
+        (
+            Step("attention", "norm1", layer_scale="layer_scale1", drop_path="drop_path"),
+            Step("mlp", "norm2", layer_scale="layer_scale2", drop_path="drop_path"),
+        ),
+        final="layernorm",
+    ),
+    **{
+        hf_path(m, f"{c}{layer}"): family
+        for m, c in [("t5", "T5"), ("mt5", "MT5")]
+        for layer, family in _T5_LAYERS.items()
+    },
+    "transformers.models.bert.modeling_bert.BertSelfOutput": _BERT,
+    "transformers.models.bert.modeling_bert.BertOutput": _BERT,
+    "transformers.models.roberta.modeling_roberta.RobertaSelfOutput": _BERT,
+    "transformers.models.roberta.modeling_roberta.RobertaOutput": _BERT,
+}
+
+
+def _falcon(config) -> Family:
+    """Falcon's three layouts: sequential (Falcon-RW), parallel with one norm (Falcon-7B) or two
+    (the new decoder architecture); its attention takes no ``**kwargs``."""
+    common = dict(final="ln_f", extras=True, kwargs=False)
+    if not (config.parallel_attn or config.new_decoder_architecture):
+        return Family(
+            (
+                Step("self_attention", "input_layernorm", dropout="config.attention_dropout"),
+                Step("mlp", "post_attention_layernorm", dropout="config.hidden_dropout"),
+            ),
+            **common,
+        )
+    two = config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2
+    attn, mlp = ("ln_attn", "ln_mlp") if two else ("input_layernorm", "input_layernorm")
+    steps = (Step("self_attention", attn), Step("mlp", mlp, dropout="config.hidden_dropout"))
+    return Family(steps, parallel="sum", **common)
+
+
+def family_of(block: nn.Module) -> Family | None:
+    """The Family of a block of a class in ``FAMILIES`` (resolved from its config where it varies),
+    without the optional steps whose sublayer the block was built without (XGLM without
+    cross-attention)."""
+    entry = FAMILIES.get(f"{type(block).__module__}.{type(block).__qualname__}")
+    family = entry(block) if callable(entry) else entry
+    if family is None or all(hasattr(block, st.sublayer) for st in family.steps if st.needs):
+        return family
+    return dataclasses.replace(
+        family, steps=tuple(st for st in family.steps if not st.needs or hasattr(block, st.sublayer))
+    )
+
+
+def final_names(family: Family) -> tuple[str, ...]:
+    """The names the final norm of a block's stack may have, in the order they are looked for."""
+    return (family.final,) if isinstance(family.final, str) else family.final or ()
+
+
+def entry_norms(family: Family) -> tuple[str | None, ...]:
+    """The norms the stream entering a block goes through first (both of a parallel block's)."""
+    if family.post_norm or family.norm_after:
+        return ()
+    steps = family.steps[:2] if family.parallel else family.steps[:1]
+    return tuple(dict.fromkeys(step.norm for step in steps))
