@@ -54,6 +54,7 @@ COVERAGE = {
             ("glm4_moe", "Glm4Moe", 5),
             ("gpt_oss", "GptOss", 5),  # its MoE returns (output, router scores)
             ("glm4", "Glm4", 9),  # sandwich norms
+            ("qwen3_next", "Qwen3Next", 7),  # linear, then full attention (q_norm, k_norm)
         ]
     },
     **{
@@ -130,9 +131,13 @@ COVERAGE = {
 }
 FAMILIES = list(COVERAGE)
 # norms inside a sublayer that compute something no style does, left alone and reported
-SKIPPED = {"mamba2": {"MambaRMSNormGated"}, "falcon_mamba": {"FalconMambaWeightlessRMSNorm"}}  # gated; no weight
+SKIPPED = {  # gated; without a weight
+    "mamba2": {"MambaRMSNormGated"},
+    "qwen3_next": {"Qwen3NextRMSNormGated"},
+    "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
+}
 # MoE experts (torch._grouped_mm) have no float64 oracle
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
+MOE = ("qwen3_next", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
 DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt", "whisper", "bart"]
@@ -146,6 +151,7 @@ LABELS = {
     "olmo2": "OLMo 2",
     "olmo3": "OLMo 3",
     "olmo": "OLMo",
+    "qwen3_next": "Qwen3-Next (linear and full attention, MoE)",
     "olmoe": "OLMoE",
     "smollm3": "SmolLM3",
     "starcoder2": "StarCoder2",

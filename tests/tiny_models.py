@@ -70,6 +70,13 @@ DECODERS = {
         "Llama4ForCausalLM",  # the second layer a mixture of experts
         dict(intermediate_size_mlp=2 * WIDTH, num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2),
     ),
+    "qwen3_next": (  # a linear-attention layer, then a full-attention one
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2)
+        | dict(linear_key_head_dim=8, linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1)
+        | dict(moe_intermediate_size=WIDTH, shared_expert_intermediate_size=WIDTH),
+    ),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {}),
 }

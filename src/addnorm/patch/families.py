@@ -159,6 +159,14 @@ BART_COPIES = {
 }
 _BART = {side: dataclasses.replace(family, norm_after=True, final=None) for side, family in _WHISPER.items()}
 
+
+def _hybrid(block: nn.Module) -> Family:
+    """Qwen3-Next's layers: linear attention (which takes no positions) or full attention, then the MLP."""
+    linear = block.block_type == "linear_attention"
+    mixer = Step("linear_attn" if linear else "self_attn", "input_layernorm")
+    return Family((mixer, _PRE[1]), final="norm", drop=("position_embeddings", "position_ids") if linear else ())
+
+
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
@@ -203,6 +211,9 @@ FAMILIES: dict[str, Family] = {
         final="norm",
         drop=("position_ids",),
     ),
+    **{
+        hf_path(m, f"{c}DecoderLayer"): _hybrid for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe")]
+    },
     "transformers.models.phi.modeling_phi.PhiDecoderLayer": Family(
         (
             Step("self_attn", "input_layernorm", dropout="resid_dropout"),
