@@ -22,3 +22,13 @@ def test_integrations_doc_blocks_run():
     namespace: dict = {"__name__": "docs_integrations"}
     for i, code in enumerate(blocks):
         exec(compile(code, f"{DOC.name}[block {i}]", "exec"), namespace)
+
+
+def test_readme_counts_the_classes_patch_knows():
+    """The README's counts of Hugging Face norm classes and block classes are the tables' sizes."""
+    from addnorm.patch import FAMILIES
+    from addnorm.patch.hf_norms import HF_NORMS
+
+    readme = " ".join((DOC.parent.parent / "README.md").read_text().split())
+    assert int(re.search(r"(\d+) Hugging Face norm classes", readme).group(1)) == len(HF_NORMS)
+    assert int(re.search(r"\((\d+) block classes", readme).group(1)) == len(FAMILIES)
