@@ -77,49 +77,9 @@ _T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's pr
     "LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
 }
 
-# (model, class prefix) of decoder layers whose forward runs the statements of Llama's (or OLMo 2's)
-# LlamaDecoderLayer.forward: the same syntax tree, docstring, comments and signature aside (a test
-# compares them; the signature is bound as each class declares it)
-COPIES = {
-    "llama": """
-    arcee.Arcee aria.AriaText bitnet.BitNet csm.Csm cwm.Cwm deepseek_v2.DeepseekV2 deepseek_v3.DeepseekV3
-    deepseek_v32.DeepseekV32 diffllama.DiffLlama dots1.Dots1 ernie4_5.Ernie4_5 ernie4_5_moe.Ernie4_5_Moe
-    exaone_moe.ExaoneMoe glm.Glm glm4_moe.Glm4Moe glm4_moe_lite.Glm4MoeLite glm4v_moe.Glm4vMoeText
-    helium.Helium hunyuan_v1_dense.HunYuanDenseV1 hunyuan_v1_moe.HunYuanMoEV1 jais2.Jais2
-    mimo_v2_flash.MiMoV2Flash ministral.Ministral ministral3.Ministral3 mistral4.Mistral4 olmo.Olmo
-    olmoe.Olmoe qwen2_5_omni.Qwen2_5Omni qwen2_5_vl.Qwen2_5_VL qwen2_vl.Qwen2VL
-    qwen3_omni_moe.Qwen3OmniMoeThinkerText qwen3_vl.Qwen3VLText qwen3_vl_moe.Qwen3VLMoeText
-    seed_oss.SeedOss smollm3.SmolLM3 solar_open.SolarOpen starcoder2.Starcoder2 youtu.Youtu
-    """,
-    "olmo2": "exaone4.Exaone4 olmo3.Olmo3",
-}
-# encoder layers whose forward runs the statements of CLIPEncoderLayer.forward, in models whose
-# encoders end with a norm of the whole stream: the text encoder's ``final_layer_norm``, the vision
-# encoder's ``post_layernorm`` (CLIP's vision encoder normalizes only its pooled token: not fused)
-CLIP_COPIES = "siglip.Siglip siglip2.Siglip2 idefics2.Idefics2 idefics3.Idefics3 smolvlm.SmolVLM"
 _CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
-# layers whose forward runs the statements of ViTLayer.forward (model.class prefix of <prefix>Layer)
-VIT_COPIES = """
-    audio_spectrogram_transformer.AST deit.DeiT ijepa.IJepa videoprism.VideoPrism vit_mae.ViTMAE vit_msn.ViTMSN
-    vivit.Vivit
-"""
 _VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
 _POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
-# encoder and decoder layers whose forward runs the statements of Whisper's (a keyword
-# ``hidden_states=`` to a sublayer counted as its first argument): mBART, NLLB, Pegasus, ...
-WHISPER_COPIES = {
-    "encoder": """
-    audioflamingo3.AudioFlamingo3EncoderLayer blenderbot.BlenderbotEncoderLayer m2m_100.M2M100EncoderLayer
-    mbart.MBartEncoderLayer moss_transcribe_diarize.MossTranscribeDiarizeAudioLayer pegasus.PegasusEncoderLayer
-    qwen2_audio.Qwen2AudioEncoderLayer speech_to_text.Speech2TextEncoderLayer voxtral.VoxtralEncoderLayer
-    """,
-    "decoder": """
-    bigbird_pegasus.BigBirdPegasusDecoderLayer blenderbot.BlenderbotDecoderLayer m2m_100.M2M100DecoderLayer
-    mbart.MBartDecoderLayer musicgen.MusicgenDecoderLayer pegasus.PegasusDecoderLayer
-    pegasus_x.PegasusXDecoderLayer pp_formulanet.PPFormulaNetDecoderLayer speech_to_text.Speech2TextDecoderLayer
-    xglm.XGLMDecoderLayer
-    """,
-}
 _WHISPER_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="dropout")
 _WHISPER_MLP = Step("fc1 activation_fn activation_dropout fc2", "final_layer_norm", dropout="dropout")
 _WHISPER = {
@@ -146,17 +106,7 @@ _WHISPER = {
         drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
     ),
 }
-# post-norm layers with Whisper's steps, each norm after its add (BART, Marian, PLBart, ...)
-BART_COPIES = {
-    "encoder": """
-    blenderbot_small.BlenderbotSmallEncoderLayer informer.InformerEncoderLayer marian.MarianEncoderLayer
-    plbart.PLBartEncoderLayer time_series_transformer.TimeSeriesTransformerEncoderLayer
-    """,
-    "decoder": """
-    blenderbot_small.BlenderbotSmallDecoderLayer informer.InformerDecoderLayer marian.MarianDecoderLayer
-    plbart.PLBartDecoderLayer time_series_transformer.TimeSeriesTransformerDecoderLayer
-    """,
-}
+# post-norm layers with Whisper's steps, each norm after its add (BART)
 _BART = {side: dataclasses.replace(family, norm_after=True, final=None) for side, family in _WHISPER.items()}
 
 
@@ -185,8 +135,7 @@ FAMILIES: dict[str, Family] = {
         ]
     ),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
-    **dict(_llama(m, c, _PRE) for m, c in pairs(COPIES["llama"])),
-    **dict(_llama(m, c, _POST) for m, c in [("olmo2", "Olmo2"), *pairs(COPIES["olmo2"])]),
+    hf_path("olmo2", "Olmo2DecoderLayer"): Family(_POST, final="norm"),
     hf_path("gpt_oss", "GptOssDecoderLayer"): Family(
         (_PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
     ),
@@ -240,17 +189,16 @@ FAMILIES: dict[str, Family] = {
         for m, c in [("mamba", "Mamba"), ("mamba2", "Mamba2"), ("falcon_mamba", "FalconMamba")]
     },
     "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
-    **{hf_path(m, f"{c}Layer"): Family(_VIT, final="layernorm") for m, c in [("vit", "ViT"), *pairs(VIT_COPIES)]},
+    "transformers.models.vit.modeling_vit.ViTLayer": Family(_VIT, final="layernorm"),
     **{
-        hf_path(m, c): layouts[side]
-        for layouts, model, copies in [(_WHISPER, "Whisper", WHISPER_COPIES), (_BART, "Bart", BART_COPIES)]
-        for side, entries in copies.items()
-        for m, c in [(model.lower(), f"{model}{side.capitalize()}Layer"), *pairs(entries)]
+        hf_path(m, f"{c}{side.capitalize()}Layer"): layouts[side]
+        for m, c, layouts in [("whisper", "Whisper", _WHISPER), ("bart", "Bart", _BART)]
+        for side in layouts
     },
-    **{
-        hf_path(m, f"{c}EncoderLayer"): Family(_CLIP, final=("final_layer_norm", "post_layernorm"))
-        for m, c in pairs(CLIP_COPIES)
-    },
+    # SigLIP's vision encoder normalizes the whole stream after its last layer (``post_layernorm``)
+    "transformers.models.siglip.modeling_siglip.SiglipEncoderLayer": Family(
+        _CLIP, final=("final_layer_norm", "post_layernorm")
+    ),
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
     ),
@@ -306,6 +254,128 @@ FAMILIES: dict[str, Family] = {
     "transformers.models.roberta.modeling_roberta.RobertaSelfOutput": _BERT,
     "transformers.models.roberta.modeling_roberta.RobertaOutput": _BERT,
 }
+
+# layers whose forward runs the statements of a layer of the table: the same syntax tree, docstring,
+# comments and signature aside, where a sublayer called with ``hidden_states=h`` counts as called
+# with ``h`` first (a test compares the trees, and checks that those sublayers take ``hidden_states``
+# first). Each runs with that layer's Family. The original "model.Class" -> its copies.
+COPIES: dict[str, str] = {
+    "llama.LlamaDecoderLayer": """
+    arcee.ArceeDecoderLayer aria.AriaTextDecoderLayer axk1.AXK1DecoderLayer axk2.AXK2DecoderLayer
+    bitnet.BitNetDecoderLayer cosmos3_edge.Cosmos3EdgeTextDecoderLayer csm.CsmDecoderLayer
+    cwm.CwmDecoderLayer deepseek_ocr2.DeepseekOcr2TextDecoderLayer
+    deepseek_ocr2.DeepseekOcr2VisionEncoderLayer deepseek_v2.DeepseekV2DecoderLayer
+    deepseek_v3.DeepseekV3DecoderLayer deepseek_v32.DeepseekV32DecoderLayer
+    diffllama.DiffLlamaDecoderLayer dots1.Dots1DecoderLayer dots3_note.Dots3NoteTextDecoderLayer
+    ernie4_5.Ernie4_5DecoderLayer ernie4_5_moe.Ernie4_5_MoeDecoderLayer
+    eurobert.EuroBertDecoderLayer exaone_moe.ExaoneMoeDecoderLayer flint.FlintDecoderLayer
+    glm.GlmDecoderLayer glm4_moe.Glm4MoeDecoderLayer glm4_moe_lite.Glm4MoeLiteDecoderLayer
+    glm4v_moe.Glm4vMoeTextDecoderLayer gradium_phonon_tts.GradiumPhononTTSDecoderLayer
+    helium.HeliumDecoderLayer hrm_text.HrmTextDecoderLayer
+    hunyuan_v1_dense.HunYuanDenseV1DecoderLayer hunyuan_v1_moe.HunYuanMoEV1DecoderLayer
+    hunyuan_vl.HunYuanVLDenseV1DecoderLayer hy_v3.HYV3DecoderLayer jais2.Jais2DecoderLayer
+    laguna.LagunaDecoderLayer mellum.MellumDecoderLayer mimo_v2_flash.MiMoV2FlashDecoderLayer
+    ministral.MinistralDecoderLayer ministral3.Ministral3DecoderLayer mistral4.Mistral4DecoderLayer
+    moonshine.MoonshineEncoderLayer moonshine_streaming.MoonshineStreamingEncoderLayer
+    nanochat.NanoChatDecoderLayer neucodec.NeuCodecDecoderLayer olmo.OlmoDecoderLayer
+    olmoe.OlmoeDecoderLayer paddleocr_vl.PaddleOCRDecoderLayer pe_audio.PeAudioEncoderLayer
+    pe_audio_video.PeAudioVideoEncoderLayer pe_video.PeVideoEncoderLayer
+    pocket_tts.PocketTTSDecoderLayer qwen2_5_omni.Qwen2_5OmniDecoderLayer
+    qwen2_5_vl.Qwen2_5_VLDecoderLayer qwen2_vl.Qwen2VLDecoderLayer
+    qwen3_omni_moe.Qwen3OmniMoeTalkerCodePredictorDecoderLayer
+    qwen3_omni_moe.Qwen3OmniMoeTalkerDecoderLayer qwen3_omni_moe.Qwen3OmniMoeThinkerTextDecoderLayer
+    qwen3_vl.Qwen3VLTextDecoderLayer qwen3_vl_moe.Qwen3VLMoeTextDecoderLayer
+    seed_oss.SeedOssDecoderLayer smollm3.SmolLM3DecoderLayer solar_open.SolarOpenDecoderLayer
+    starcoder2.Starcoder2DecoderLayer step3p7.Step3p7DecoderLayer ultrabert.UltrabertDecoderLayer
+    unlimited_ocr.UnlimitedOcrTextDecoderLayer xcodec2.Xcodec2DecoderLayer youtu.YoutuDecoderLayer
+    """,
+    "olmo2.Olmo2DecoderLayer": """
+    exaone4.Exaone4DecoderLayer exaone4_5.Exaone4_5_DecoderLayer olmo3.Olmo3DecoderLayer
+    olmo_hybrid.OlmoHybridAttentionDecoderLayer
+    """,
+    "siglip.SiglipEncoderLayer": """
+    idefics2.Idefics2EncoderLayer idefics3.Idefics3EncoderLayer siglip2.Siglip2EncoderLayer
+    smolvlm.SmolVLMEncoderLayer
+    """,
+    "vit.ViTLayer": """
+    audio_spectrogram_transformer.ASTLayer deit.DeiTLayer ijepa.IJepaLayer
+    videoprism.VideoPrismLayer vit_mae.ViTMAELayer vit_msn.ViTMSNLayer vivit.VivitLayer
+    """,
+    "whisper.WhisperEncoderLayer": """
+    audioflamingo3.AudioFlamingo3EncoderLayer blenderbot.BlenderbotEncoderLayer
+    m2m_100.M2M100EncoderLayer mbart.MBartEncoderLayer
+    moss_transcribe_diarize.MossTranscribeDiarizeAudioLayer pegasus.PegasusEncoderLayer
+    qwen2_audio.Qwen2AudioEncoderLayer speech_to_text.Speech2TextEncoderLayer
+    voxtral.VoxtralEncoderLayer
+    """,
+    "whisper.WhisperDecoderLayer": """
+    bigbird_pegasus.BigBirdPegasusDecoderLayer blenderbot.BlenderbotDecoderLayer
+    m2m_100.M2M100DecoderLayer mbart.MBartDecoderLayer musicgen.MusicgenDecoderLayer
+    pegasus.PegasusDecoderLayer pegasus_x.PegasusXDecoderLayer
+    pp_formulanet.PPFormulaNetDecoderLayer speech_to_text.Speech2TextDecoderLayer
+    xglm.XGLMDecoderLayer
+    """,
+    "bart.BartEncoderLayer": """
+    blenderbot_small.BlenderbotSmallEncoderLayer informer.InformerEncoderLayer
+    marian.MarianEncoderLayer plbart.PLBartEncoderLayer
+    time_series_transformer.TimeSeriesTransformerEncoderLayer
+    """,
+    "bart.BartDecoderLayer": """
+    blenderbot_small.BlenderbotSmallDecoderLayer informer.InformerDecoderLayer
+    marian.MarianDecoderLayer plbart.PLBartDecoderLayer
+    time_series_transformer.TimeSeriesTransformerDecoderLayer
+    """,
+    "clip.CLIPEncoderLayer": """
+    altclip.AltCLIPEncoderLayer chinese_clip.ChineseCLIPVisionLayer clipseg.CLIPSegEncoderLayer
+    git.GitVisionEncoderLayer granite_docling.GraniteDoclingEncoderLayer
+    groupvit.GroupViTEncoderLayer hunyuan_vl.HunYuanVLVisionBlock hy_v4_vl.HYV4VLVisionBlock
+    janus.JanusVisionEncoderLayer kosmos2.Kosmos2VisionEncoderLayer metaclip_2.MetaClip2EncoderLayer
+    minicpm_ocr.MiniCPMOcrVisionEncoderLayer minicpmv4_6.MiniCPMV4_6VisionEncoderLayer
+    minicpmv4_7.MiniCPMV4_7VisionEncoderLayer molmo2.Molmo2VisionEncoderLayer
+    nemotron3_5_transcribe.Nemotron3_5TranscribeAsrAudioLayer
+    nemotron3_diarization.Nemotron3DiarizationAudioLayer owlv2.Owlv2EncoderLayer
+    owlvit.OwlViTEncoderLayer phi4_multimodal.Phi4MultimodalVisionEncoderLayer
+    pp_ocrv5_mobile_rec.PPOCRV5MobileRecBlock pp_ocrv5_server_rec.PPOCRV5ServerRecBlock
+    pp_ocrv6_small_rec.PPOCRV6SmallRecBlock sam3_lite_text.Sam3LiteTextTextEncoderLayer
+    tipsv2.Tipsv2TextEncoderLayer unlimited_ocr.UnlimitedOcrEncoderLayer x_clip.XCLIPEncoderLayer
+    """,
+    "gptj.GPTJBlock": """
+    codegen.CodeGenBlock
+    """,
+    "cohere2.Cohere2DecoderLayer": """
+    cohere2_moe.Cohere2MoeDecoderLayer cohere_compass.CohereCompassDecoderLayer
+    """,
+    "gpt2.GPT2Block": """
+    decision_transformer.DecisionTransformerGPT2Block
+    """,
+    "dinov2.Dinov2Layer": """
+    dinov2_with_registers.Dinov2WithRegistersLayer eomt.EomtLayer radio.RadioLayer
+    tipsv2.Tipsv2VisionLayer videomt.VideomtLayer
+    """,
+    "phi3.Phi3DecoderLayer": """
+    dots3_note.Dots3NoteAudioLayer phi4_multimodal.Phi4MultimodalDecoderLayer
+    """,
+    "granite.GraniteDecoderLayer": """
+    granite4_vision.Granite4VisionTextDecoderLayer granite_docling.GraniteDoclingTextDecoderLayer
+    granite_swa.GraniteSWADecoderLayer
+    """,
+    "glm4.Glm4DecoderLayer": """
+    kolibri1.Kolibri1DecoderLayer
+    """,
+    "mixtral.MixtralDecoderLayer": """
+    minimax_m2.MiniMaxM2DecoderLayer minimax_m3_vl.MiniMaxM3VLDecoderLayer phimoe.PhimoeDecoderLayer
+    """,
+    "gemma2.Gemma2DecoderLayer": """
+    muse_glimmer.MuseGlimmerTextDecoderLayer
+    """,
+}
+FAMILIES.update(
+    {
+        hf_path(m, c): FAMILIES[hf_path(*original.split("."))]
+        for original, copies in COPIES.items()
+        for m, c in pairs(copies)
+    }
+)
 
 
 def _falcon(config) -> Family:
