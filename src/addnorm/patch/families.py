@@ -69,7 +69,6 @@ _SANDWICH = (
     Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
     Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
 )
-_BERT = Family((Step("dense", "LayerNorm", dropout="dropout"),), post_norm=True)
 _T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"),), extras=True)
 _T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's prefix
     "LayerSelfAttention": Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
@@ -249,10 +248,9 @@ FAMILIES: dict[str, Family] = {
         for m, c in [("t5", "T5"), ("mt5", "MT5")]
         for layer, family in _T5_LAYERS.items()
     },
-    "transformers.models.bert.modeling_bert.BertSelfOutput": _BERT,
-    "transformers.models.bert.modeling_bert.BertOutput": _BERT,
-    "transformers.models.roberta.modeling_roberta.RobertaSelfOutput": _BERT,
-    "transformers.models.roberta.modeling_roberta.RobertaOutput": _BERT,
+    "transformers.models.bert.modeling_bert.BertSelfOutput": Family(
+        (Step("dense", "LayerNorm", dropout="dropout"),), post_norm=True
+    ),
 }
 
 # layers whose forward runs the statements of a layer of the table: the same syntax tree, docstring,
@@ -260,6 +258,34 @@ FAMILIES: dict[str, Family] = {
 # with ``h`` first (a test compares the trees, and checks that those sublayers take ``hidden_states``
 # first). Each runs with that layer's Family. The original "model.Class" -> its copies.
 COPIES: dict[str, str] = {
+    "bert.BertSelfOutput": """
+    align.AlignTextOutput align.AlignTextSelfOutput altclip.AltRobertaOutput
+    altclip.AltRobertaSelfOutput bert.BertOutput bert_generation.BertGenerationOutput
+    bert_generation.BertGenerationSelfOutput big_bird.BigBirdOutput big_bird.BigBirdSelfOutput
+    blip_2.Blip2QFormerOutput blip_2.Blip2QFormerSelfOutput bridgetower.BridgeTowerOutput
+    bridgetower.BridgeTowerSelfOutput bros.BrosOutput bros.BrosSelfOutput camembert.CamembertOutput
+    camembert.CamembertSelfOutput canine.CanineOutput canine.CanineSelfOutput
+    chinese_clip.ChineseCLIPTextOutput chinese_clip.ChineseCLIPTextSelfOutput clap.ClapTextOutput
+    clap.ClapTextSelfOutput convbert.ConvBertOutput convbert.ConvBertSelfOutput cpmant.CpmAntOutput
+    deberta.DebertaOutput deberta.DebertaSelfOutput deberta_v2.DebertaV2Output
+    deberta_v2.DebertaV2SelfOutput electra.ElectraOutput electra.ElectraSelfOutput ernie.ErnieOutput
+    ernie.ErnieSelfOutput fnet.FNetOutput git.GitOutput git.GitSelfOutput
+    instructblip.InstructBlipQFormerOutput instructblip.InstructBlipQFormerSelfOutput
+    instructblipvideo.InstructBlipVideoQFormerOutput
+    instructblipvideo.InstructBlipVideoQFormerSelfOutput layoutlm.LayoutLMOutput
+    layoutlm.LayoutLMSelfOutput layoutlmv2.LayoutLMv2Output layoutlmv2.LayoutLMv2SelfOutput
+    layoutlmv3.LayoutLMv3Output layoutlmv3.LayoutLMv3SelfOutput lilt.LiltOutput lilt.LiltSelfOutput
+    longformer.LongformerOutput longformer.LongformerSelfOutput luke.LukeOutput luke.LukeSelfOutput
+    lxmert.LxmertAttentionOutput lxmert.LxmertOutput markuplm.MarkupLMOutput
+    markuplm.MarkupLMSelfOutput mpnet.MPNetOutput mra.MraOutput mra.MraSelfOutput
+    nystromformer.NystromformerOutput nystromformer.NystromformerSelfOutput rembert.RemBertOutput
+    rembert.RemBertSelfOutput roberta.RobertaOutput roberta.RobertaSelfOutput roc_bert.RoCBertOutput
+    roc_bert.RoCBertSelfOutput roformer.RoFormerOutput roformer.RoFormerSelfOutput sew_d.SEWDOutput
+    sew_d.SEWDSelfOutput splinter.SplinterOutput splinter.SplinterSelfOutput tapas.TapasOutput
+    tapas.TapasSelfOutput visual_bert.VisualBertOutput visual_bert.VisualBertSelfOutput
+    xlm_roberta.XLMRobertaOutput xlm_roberta.XLMRobertaSelfOutput yoso.YosoOutput
+    yoso.YosoSelfOutput
+    """,
     "llama.LlamaDecoderLayer": """
     arcee.ArceeDecoderLayer aria.AriaTextDecoderLayer axk1.AXK1DecoderLayer axk2.AXK2DecoderLayer
     bitnet.BitNetDecoderLayer cosmos3_edge.Cosmos3EdgeTextDecoderLayer csm.CsmDecoderLayer
