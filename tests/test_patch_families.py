@@ -676,3 +676,28 @@ def test_docs_coverage_table_is_current():
 
 if __name__ == "__main__":  # rewrite the table in the docs
     DOC.write_text(_doc_with(coverage_table()))
+
+
+def test_a_layer_not_fused_between_blocks_takes_no_hand_off():
+    """A hybrid stack (a layer of a class the table lacks between fused ones, or last): the block
+    before it hands nothing on, to the next fused block or to the final norm, and says why."""
+    import transformers as tf
+
+    original = hf_model("llama")
+    original.config.num_hidden_layers = 4
+    original.model.layers.extend(copy.deepcopy(original.model.layers))
+
+    class OtherLayer(tf.models.llama.modeling_llama.LlamaDecoderLayer):
+        pass
+
+    for i in (1, 3):
+        original.model.layers[i].__class__ = OtherLayer
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    last = {a.block: (a.norm, a.why) for a in report.adds if a.add == "mlp"}
+    assert last == {
+        "model.layers.0": (None, "the next layer, model.layers.1 (OtherLayer), is not fused"),
+        "model.layers.2": (None, "the next layer, model.layers.3 (OtherLayer), is not fused"),
+    }
+    assert not any(m.__dict__.get(blocks_module.NEXT) for m in patched.modules())
+    assert_same_step(original, patched, hf_inputs("llama"))

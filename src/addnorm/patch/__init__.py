@@ -227,7 +227,12 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         stacks.setdefault(_stack(model, name, family)[0], []).append((name, m, family))
     for _stack_name, members in stacks.items():
         for i, (name, m, family) in enumerate(members):
-            _wire(model, report, members[i + 1] if i + 1 < len(members) else None, name, m, family)
+            following = members[i + 1] if i + 1 < len(members) else None
+            nxt = _next_layer(model, name)
+            if following is not None and following[0] != nxt or following is None and nxt is not None:
+                # a layer addnorm does not fuse runs in between (a hybrid model's other kind)
+                following = f"the next layer, {nxt} ({type(model.get_submodule(nxt)).__name__}), is not fused"
+            _wire(model, report, following, name, m, family)
     for name, m, family in blocks:
         original = type(m)
         m.__class__ = _subclass(original, "block")
@@ -252,9 +257,26 @@ def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
                 report.skipped.append((f"{list_name}.{i}", type(layer).__name__, why))
 
 
+def _next_layer(model: nn.Module, name: str) -> str | None:
+    """The layer that runs after layer ``name`` (an item of a ModuleList or Sequential): the next
+    item; after the last item of a list held by an item of another list (T5's ``block.i.layer``),
+    the same list's first item in the next outer item; else None (the stack ends)."""
+    parent, _, index = name.rpartition(".")
+    if not index.isdigit():
+        return None
+    if int(index) + 1 < len(model.get_submodule(parent)):
+        return f"{parent}.{int(index) + 1}"
+    owner, _, attr = parent.rpartition(".")
+    outer = _next_layer(model, owner) if owner else None
+    if outer is None:
+        return None
+    inner = getattr(model.get_submodule(outer), attr, None)
+    return f"{outer}.{attr}.0" if isinstance(inner, (nn.ModuleList, nn.Sequential)) and len(inner) else outer
+
+
 def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family: Family) -> None:
     """Record the adds of block ``m`` and set the norms its last add feeds (``following``: the next
-    block of the same stack, or None for the last one)."""
+    block of the same stack, None for the last one, or why the next layer takes no hand-off)."""
     cls = type(m).__name__
     steps = family.steps
     if family.post_norm or family.norm_after:  # each add feeds its own step's norm
@@ -268,7 +290,9 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
         why = _why_not_norm(getattr(m, nxt.norm) if nxt.norm else None, f"{nxt.sublayer} takes the stream itself")
         report.adds.append(Add(name, cls, step.sublayer, None if why else f"{name}.{nxt.norm}", why or ""))
     last = "+".join(s.sublayer for s in steps[:2]) if parallel else steps[-1].sublayer
-    if following is not None:
+    if isinstance(following, str):
+        targets, where = [(None, None)], following
+    elif following is not None:
         f_name, f_block, f_family = following
         names = entry_norms(f_family)
         targets = [(f"{f_name}.{n}", getattr(f_block, n)) if n else (None, None) for n in names]
