@@ -258,6 +258,18 @@ FAMILIES: dict[str, Family] = {
 # with ``h`` first (a test compares the trees, and checks that those sublayers take ``hidden_states``
 # first). Each runs with that layer's Family. The original "model.Class" -> its copies.
 COPIES: dict[str, str] = {
+    "mt5.MT5LayerSelfAttention": """
+    longt5.LongT5LayerSelfAttention pop2piano.Pop2PianoLayerSelfAttention
+    switch_transformers.SwitchTransformersLayerSelfAttention udop.UdopLayerSelfAttention
+    """,
+    "mt5.MT5LayerCrossAttention": """
+    longt5.LongT5LayerCrossAttention pop2piano.Pop2PianoLayerCrossAttention
+    switch_transformers.SwitchTransformersLayerCrossAttention udop.UdopLayerCrossAttention
+    """,
+    "mt5.MT5LayerFF": """
+    longt5.LongT5LayerFF pix2struct.Pix2StructTextLayerFF pop2piano.Pop2PianoLayerFF udop.UdopLayerFF
+    umt5.UMT5LayerFF
+    """,
     "bert.BertSelfOutput": """
     align.AlignTextOutput align.AlignTextSelfOutput altclip.AltRobertaOutput
     altclip.AltRobertaSelfOutput bert.BertOutput bert_generation.BertGenerationOutput

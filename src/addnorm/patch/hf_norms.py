@@ -79,7 +79,9 @@ _BY_STYLE = {
     olmo_hybrid.OlmoHybridRMSNorm openai_privacy_filter.OpenAIPrivacyFilterRMSNorm
     """,
     "t5": """
-    idefics.IdeficsRMSNorm mt5.MT5LayerNorm t5.T5LayerNorm
+    idefics.IdeficsRMSNorm longt5.LongT5LayerNorm mt5.MT5LayerNorm pix2struct.Pix2StructLayerNorm
+    pop2piano.Pop2PianoLayerNorm switch_transformers.SwitchTransformersLayerNorm t5.T5LayerNorm
+    udop.UdopLayerNorm umt5.UMT5LayerNorm
     """,
     "cohere": "cohere.CohereLayerNorm cohere2.Cohere2LayerNorm",
     "olmo": "olmo.OlmoLayerNorm",
