@@ -282,7 +282,6 @@ def test_bf16_gradients_within_twice_torchs_error(name):
         "cohere",
         "stablelm_parallel",
         "opt",
-        "mamba",
         "whisper",
         "mbart",
         "bart",
@@ -701,3 +700,48 @@ def test_a_layer_not_fused_between_blocks_takes_no_hand_off():
     }
     assert not any(m.__dict__.get(blocks_module.NEXT) for m in patched.modules())
     assert_same_step(original, patched, hf_inputs("llama"))
+
+
+def test_a_layer_layerdrop_skips_gets_no_gradient():
+    """OPT's LayerDrop skips a layer whose first norm was handed its output: that norm's weight
+    and bias get no gradient (None), as unpatched, so weight decay leaves them alone."""
+    original = hf_model("opt")
+    original.model.decoder.layerdrop = 0.5
+    patched = copy.deepcopy(original)
+    addnorm.patch(patched, fuse_residual=True)
+    skipped = 0
+    for seed in range(6):
+        torch.manual_seed(seed)
+        _, want = step(original, hf_inputs("opt"))
+        torch.manual_seed(seed)
+        _, got = step(patched, hf_inputs("opt"))
+        assert got.keys() == want.keys()
+        skipped += len({n for n, _ in original.named_parameters()} - want.keys()) > 0
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-5)
+    assert skipped  # some seed dropped a layer
+
+
+def test_an_integer_dropout_and_an_unpatched_norm_named_in_full():
+    """An integer dropout probability in the MLP chain (a config written as 0) is a probability,
+    and a norm left unpatched is named in full in the report."""
+    original = hf_model("whisper")
+    for layer in original.model.encoder.layers:
+        layer.activation_dropout = 0
+    original.model.decoder.layers[0].final_layer_norm.__class__ = type("OwnNorm", (torch.nn.LayerNorm,), {})
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    why = {(a.block, a.add): a.why for a in report.adds if a.norm is None}
+    assert why == {
+        ("model.decoder.layers.0", "encoder_attn"): "model.decoder.layers.0.final_layer_norm (OwnNorm) was not patched"
+    }
+    assert_same_step(original, patched, hf_inputs("whisper"))
+
+
+def test_mamba_in_bf16_with_a_float32_stream_reports_its_adds_plain():
+    original = hf_model("mamba", torch.bfloat16)
+    report = addnorm.patch(copy.deepcopy(original), fuse_residual=True)
+    assert report.fused_adds == [] and all("residual_in_fp32" in a.why for a in report.adds)
+    for layer in original.backbone.layers:
+        layer.residual_in_fp32 = False
+    assert len(addnorm.patch(copy.deepcopy(original), fuse_residual=True).fused_adds) == 2

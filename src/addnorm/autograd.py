@@ -251,6 +251,9 @@ def _grads(dy, dstream, saved, meta: _Meta, backward_fn, second: tuple | None = 
     s_parts = tuple(saved[6:])
     x_dtype, residual_dtype, bias_dtype, eps, rms, backend, stream_output, dropout_p = meta
     branch = make_branch(dropout_p, seed, layer_scale, rowscale)
+    # an output nobody used gives its parameters no gradient (None, as torch's norms), not zeros: a
+    # block's output handed to a norm that never ran (a layer LayerDrop skipped)
+    unused = (dy is None, second is not None and second[0] is None)
     if dy is None:  # only the stream output was used (zeros_like: a DTensor's zeros are one too)
         dy = torch.zeros_like(s_parts[0], dtype=x_dtype)
     if not stream_output:  # no stream output, or an empty placeholder (its gradient too)
@@ -300,8 +303,12 @@ def _grads(dy, dstream, saved, meta: _Meta, backward_fn, second: tuple | None = 
         _to(g.dbias, bias_dtype) if has_bias else None,
         _to(g.dlayer_scale, layer_scale.dtype) if layer_scale is not None else None,
     )
+    if unused[0]:
+        grads = (*grads[:2], None, None, grads[4])
     if second is None:
         return grads
+    if unused[1]:
+        return (*grads, None, None)
     return (*grads, _to(g.dweight1, weight1.dtype), _to(g.dbias1, bias1_dtype) if has_bias1 else None)
 
 

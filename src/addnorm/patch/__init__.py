@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Mapping
 
+import torch
 from torch import Tensor, nn
 
 from .. import nn as addnorm_nn
@@ -185,9 +186,7 @@ def _why_not_hf_norm(m: nn.Module, style: str) -> str | None:
 # --------------------------------------------------------------------------- blocks
 
 
-def _why_not_norm(norm: nn.Module | None, name: str) -> str | None:
-    if norm is None:
-        return f"no norm reads the sum: {name}"
+def _why_not_norm(norm: nn.Module, name: str) -> str | None:
     if norm_style(norm) is None:
         return f"{name} ({type(norm).__name__}) was not patched"
     return None
@@ -281,13 +280,16 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     steps = family.steps
     if family.post_norm or family.norm_after:  # each add feeds its own step's norm
         for step in steps:
-            why = _why_not_norm(getattr(m, step.norm), step.norm)
+            why = _why_not_norm(getattr(m, step.norm), f"{name}.{step.norm}")
             report.adds.append(Add(name, cls, step.sublayer, None if why else f"{name}.{step.norm}", why or ""))
         return
     parallel = family.parallel is not None
     inner = [] if parallel else steps[:-1]
     for step, nxt in zip(inner, steps[1:], strict=False):
-        why = _why_not_norm(getattr(m, nxt.norm) if nxt.norm else None, f"{nxt.sublayer} takes the stream itself")
+        if nxt.norm is None:
+            why = f"no norm reads the sum: {nxt.sublayer} takes the stream itself"
+        else:
+            why = _why_not_norm(getattr(m, nxt.norm), f"{name}.{nxt.norm}")
         report.adds.append(Add(name, cls, step.sublayer, None if why else f"{name}.{nxt.norm}", why or ""))
     last = "+".join(s.sublayer for s in steps[:2]) if parallel else steps[-1].sublayer
     if isinstance(following, str):
@@ -302,6 +304,10 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
         targets = [(_module_name(model, final), final)] if final is not None else [(None, None)]
         where = f"no final norm {' or '.join(map(repr, final_names(family)))} found above the block"
     why = _handoff_problem(targets, where)
+    if why is None and family.cast and getattr(m, "residual_in_fp32", False):
+        cast = [n for n, norm in targets if norm.weight.dtype != torch.float32]
+        if cast:  # (as blocks._reads_the_stream decides at each call)
+            why = f"the stream is float32 (residual_in_fp32), {cast[0]}'s weight is not: the norm reads a cast copy"
     if why is None:
         m.__dict__[NEXT] = tuple(norm for _, norm in targets)
         for _, norm in targets:

@@ -152,7 +152,7 @@ def _run(block: nn.Module, step: Step, h: Tensor, call: dict) -> Tensor:
     the keyword arguments of a sublayer that takes the block's (:attr:`Step.call`)."""
     for name in step.sublayer.split():
         module = getattr(block, name)
-        if isinstance(module, float):  # as F.dropout(h, p=self.<name>, training=self.training)
+        if isinstance(module, (int, float)):  # as F.dropout(h, p=self.<name>, training=self.training)
             h = F.dropout(h, module, training=block.training) if module else h
         else:
             h = module(h, **call)

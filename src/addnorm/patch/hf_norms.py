@@ -79,11 +79,14 @@ _BY_STYLE = {
     olmo_hybrid.OlmoHybridRMSNorm openai_privacy_filter.OpenAIPrivacyFilterRMSNorm
     """,
     "t5": """
-    idefics.IdeficsRMSNorm longt5.LongT5LayerNorm mt5.MT5LayerNorm pix2struct.Pix2StructLayerNorm
-    pop2piano.Pop2PianoLayerNorm switch_transformers.SwitchTransformersLayerNorm t5.T5LayerNorm
-    udop.UdopLayerNorm umt5.UMT5LayerNorm
+    idefics.IdeficsRMSNorm kosmos2_5.Kosmos2_5LayerNorm longt5.LongT5LayerNorm mt5.MT5LayerNorm
+    pix2struct.Pix2StructLayerNorm pop2piano.Pop2PianoLayerNorm switch_transformers.SwitchTransformersLayerNorm
+    t5.T5LayerNorm udop.UdopLayerNorm umt5.UMT5LayerNorm
     """,
-    "cohere": "cohere.CohereLayerNorm cohere2.Cohere2LayerNorm",
+    "cohere": """
+    cohere.CohereLayerNorm cohere2.Cohere2LayerNorm cohere2_moe.Cohere2MoeLayerNorm
+    cohere_compass.CohereCompassLayerNorm
+    """,
     "olmo": "olmo.OlmoLayerNorm",
 }
 
