@@ -17,7 +17,7 @@ import torch
 
 import addnorm
 from addnorm.patch.hf_norms import pairs
-from tiny_models import assert_same_step, hf_inputs, hf_model, round_trip, step
+from tiny_models import SEQ, WIDTH, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 pytest.importorskip("transformers")
 norms_module = sys.modules["addnorm.patch.norms"]
@@ -745,3 +745,43 @@ def test_mamba_in_bf16_with_a_float32_stream_reports_its_adds_plain():
     for layer in original.backbone.layers:
         layer.residual_in_fp32 = False
     assert len(addnorm.patch(copy.deepcopy(original), fuse_residual=True).fused_adds) == 2
+
+
+def test_blocks_outside_layer_lists_and_lists_holding_none():
+    """A block that is no item of a layer list hands nothing on to another block (which runs next
+    is unknown), the last one still to the final norm; a ModuleList may hold None (Informer's)."""
+    llama = hf_model("llama")
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second, self.norm = llama.model.layers[0], llama.model.layers[1], llama.model.norm
+            self.spare = torch.nn.ModuleList([torch.nn.LayerNorm(WIDTH), None])
+
+    report = addnorm.patch(Two(), fuse_residual=True)
+    last = {a.block: (a.norm, a.why) for a in report.adds if a.add == "mlp"}
+    assert last == {
+        "first": (None, "the block is no item of a layer list: which layer runs next is unknown"),
+        "second": ("norm", ""),
+    }
+
+
+def test_a_model_that_changes_the_stream_after_a_layer_takes_no_hand_off():
+    """Qwen2-Audio's encoder pools the stream before its final norm: its last add stays plain."""
+    import transformers as tf
+
+    config = tf.Qwen2AudioEncoderConfig(
+        d_model=WIDTH, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, num_mel_bins=8
+    )
+    config.max_source_positions = SEQ
+    torch.manual_seed(0)
+    original = tf.Qwen2AudioEncoder(config).eval()
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    assert [(a.block, a.why) for a in report.adds if a.norm is None] == [
+        (f"layers.{i}", "the model changes the stream after this layer (pooled, merged or added tokens)")
+        for i in (0, 1)
+    ]
+    features = torch.randn(2, 8, 2 * SEQ)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(features)[0], original(features)[0], rtol=1e-5, atol=1e-5)

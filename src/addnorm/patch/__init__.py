@@ -227,10 +227,10 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
     for _stack_name, members in stacks.items():
         for i, (name, m, family) in enumerate(members):
             following = members[i + 1] if i + 1 < len(members) else None
-            nxt = _next_layer(model, name)
-            if following is not None and following[0] != nxt or following is None and nxt is not None:
-                # a layer addnorm does not fuse runs in between (a hybrid model's other kind)
-                following = f"the next layer, {nxt} ({type(model.get_submodule(nxt)).__name__}), is not fused"
+            if family.alone:
+                following = "the model changes the stream after this layer (pooled, merged or added tokens)"
+            elif not (family.post_norm or family.norm_after):  # (those hand nothing on)
+                following = _runs_next(model, name, following)
             _wire(model, report, following, name, m, family)
     for name, m, family in blocks:
         original = type(m)
@@ -249,11 +249,26 @@ def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
         if not isinstance(layers, nn.ModuleList):
             continue
         for i, layer in enumerate(layers):
+            if layer is None:  # (a ModuleList may hold None: Informer's conv_layers)
+                continue
             inside = list(layer.modules())
             if any(norm_style(m) for m in inside) and not any(
                 ORIGINAL in m.__dict__ and FAMILY in m.__dict__ for m in inside
             ):
                 report.skipped.append((f"{list_name}.{i}", type(layer).__name__, why))
+
+
+def _runs_next(model: nn.Module, name: str, following):
+    """``following`` (the next block of the stack, or None for the stack's end) if that is what
+    runs right after block ``name``; else why the block hands nothing on: a layer addnorm does not
+    fuse runs in between (a hybrid model's other kind), or the block is no item of a layer list."""
+    nxt = _next_layer(model, name)
+    if (following[0] if following is not None else None) == nxt:
+        return following
+    if nxt is None:
+        return "the block is no item of a layer list: which layer runs next is unknown"
+    layer = model.get_submodule(nxt.rpartition(".")[0])[int(nxt.rpartition(".")[2])]
+    return f"the next layer, {nxt} ({type(layer).__name__}), is not fused"
 
 
 def _next_layer(model: nn.Module, name: str) -> str | None:

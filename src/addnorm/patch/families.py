@@ -56,6 +56,9 @@ class Family:
     # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
     # in float32 where the block's ``residual_in_fp32`` is set
     cast: bool = False
+    # the model changes the stream after the block (pooled, merged or added tokens: Qwen2-Audio's
+    # encoder, EoMT): its last add hands nothing on
+    alone: bool = False
     clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
 
 
@@ -414,6 +417,16 @@ FAMILIES.update(
         for m, c in pairs(copies)
     }
 )
+
+
+# copies in models that change the stream between their layers or before the final norm: pooled
+# (Qwen2-Audio's and AudioFlamingo3's encoders), merged (MiniCPM's vision) or added tokens (EoMT)
+ALONE = """
+    audioflamingo3.AudioFlamingo3EncoderLayer eomt.EomtLayer minicpm_ocr.MiniCPMOcrVisionEncoderLayer
+    minicpmv4_6.MiniCPMV4_6VisionEncoderLayer minicpmv4_7.MiniCPMV4_7VisionEncoderLayer
+    qwen2_audio.Qwen2AudioEncoderLayer
+"""
+FAMILIES.update({hf_path(m, c): dataclasses.replace(FAMILIES[hf_path(m, c)], alone=True) for m, c in pairs(ALONE)})
 
 
 def _falcon(config) -> Family:
