@@ -13,6 +13,7 @@ from torch import nn
 import addnorm
 from addnorm.patch import HF_NORMS, norm_style
 from addnorm.patch.hf_norms import hf_path, pairs
+from addnorm.patch.norms import MEAN_STYLES
 from tiny_models import TinyTransformer, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 patch_module = sys.modules["addnorm.patch"]  # addnorm.patch is the function
@@ -77,6 +78,8 @@ def test_every_known_hf_norm_matches_its_class(path):
     if style != "olmo":
         with torch.no_grad():
             norm.weight.normal_(0.2, 0.5)
+            if style == "deberta":
+                norm.bias.normal_(0.0, 0.5)
     ours = copy.deepcopy(norm)
     report = addnorm.patch(ours, backend="reference")
     assert report.replaced == [("", type(norm).__name__, style)]
@@ -85,7 +88,7 @@ def test_every_known_hf_norm_matches_its_class(path):
         a, b = norm.to(weight_dtype), ours.to(weight_dtype)
         want, got = a(x.to(x_dtype)), b(x.to(x_dtype))
         assert got.dtype == want.dtype, (weight_dtype, x_dtype)
-        if style in ("cohere", "olmo"):  # torch's mean and variance, summed in another order
+        if style in MEAN_STYLES:  # torch's mean and variance, summed in another order
             torch.testing.assert_close(got, want, msg=lambda m, d=(weight_dtype, x_dtype): f"{d}: {m}")
         else:  # the reference's float32 ops are the class's own, in its order: the same bits
             assert torch.equal(got, want), (weight_dtype, x_dtype)
@@ -97,6 +100,8 @@ def test_every_known_hf_norm_matches_its_class(path):
     torch.testing.assert_close(xb.grad, xa.grad)
     if style != "olmo":
         torch.testing.assert_close(ours.weight.grad, norm.weight.grad)
+    if style == "deberta":
+        torch.testing.assert_close(ours.bias.grad, norm.bias.grad)
 
 
 def test_unpatch_restores_classes_and_outputs():

@@ -97,6 +97,7 @@ COVERAGE = {
     "granitemoe": (5, {"GraniteMoeDecoderLayer": {"self_attn": "fused", "block_sparse_moe": "fused"}}),
     "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
     "roberta": (6, {"RobertaSelfOutput": {"dense": "fused"}, "RobertaOutput": {"dense": "fused"}}),
+    "deberta": (6, {"DebertaSelfOutput": {"dense": "fused"}, "DebertaOutput": {"dense": "fused"}}),  # its own norm
     **{
         name: (
             12,
@@ -186,6 +187,7 @@ LABELS = {
     "falcon_mamba": "Falcon Mamba",
     "bert": "BERT",
     "roberta": "RoBERTa",
+    "deberta": "DeBERTa",
     "t5": "T5 (encoder-decoder)",
     "mt5": "mT5 (encoder-decoder)",
     "gpt_neox": "GPT-NeoX (parallel)",

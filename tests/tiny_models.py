@@ -102,6 +102,7 @@ OTHERS = {
         "RobertaForMaskedLM",
         dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ + 2, pad_token_id=1),
     ),
+    "deberta": ("DebertaConfig", "DebertaForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ)),
     "vit": ("ViTConfig", "ViTForImageClassification", _IMAGE),
     "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(**_IMAGE, layerscale_value=0.5)),
     **{

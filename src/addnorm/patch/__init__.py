@@ -173,7 +173,11 @@ def _why_not_hf_norm(m: nn.Module, style: str) -> str | None:
         return "expected a 1-D 'weight', one per feature of the last dim"
     if eps_of(m) is None:
         return "expected a float 'variance_epsilon' or 'eps'"
-    extra = [n for n, _ in m.named_parameters(recurse=False) if n != "weight"]
+    kept = ("weight", "bias") if style == "deberta" else ("weight",)
+    b = getattr(m, "bias", None)
+    if style == "deberta" and (not isinstance(b, Tensor) or b.shape != w.shape):
+        return "expected a 'bias' of the weight's shape"
+    extra = [n for n, _ in m.named_parameters(recurse=False) if n not in kept]
     extra += [n for n, _ in m.named_buffers(recurse=False)]
     if extra:
         return f"has {extra[0]!r} besides 'weight', which style {style!r} does not compute with"

@@ -11,6 +11,7 @@ cast back to the activation dtype (all compute the statistics in float32)::
     "t5"     T5LayerNorm             y = w * xhat.to(w.dtype if w is half else float32)
     "cohere" CohereLayerNorm         y = (w.float() * xhat).to(x.dtype)  (LayerNorm, no bias)
     "olmo"   OlmoLayerNorm           y = xhat.to(x.dtype)                (LayerNorm, no parameters)
+    "deberta" DebertaLayerNorm       y = w * xhat.to(x.dtype) + b        (LayerNorm, cast, then weight and bias)
     "flash_attn"  flash-attn's / mamba_ssm's RMSNorm: its own forward(x, residual, prenorm,
              residual_in_fp32), run by :class:`addnorm.compat.flash_attn.RMSNorm`
 
@@ -37,9 +38,10 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
-STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5", "cohere", "olmo", "flash_attn")
-HF_STYLES = ("llama", "gemma", "olmo2", "t5", "cohere")  # Hugging Face classes: a 1-D weight and an epsilon
-_MEAN_STYLES = ("layer", "cohere", "olmo")  # LayerNorm: the mean subtracted
+STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5", "cohere", "olmo", "deberta", "flash_attn")
+# Hugging Face classes: a 1-D weight (and bias, "deberta") and an epsilon
+HF_STYLES = ("llama", "gemma", "olmo2", "t5", "cohere", "deberta")
+MEAN_STYLES = ("layer", "cohere", "olmo", "deberta")  # LayerNorm: the mean subtracted
 OLMO_EPS = 1e-5  # OlmoLayerNorm's, written in its forward
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -134,16 +136,18 @@ def add_norm_forward(
     if style == "gemma":  # the (1 + w) offset in float32 (zero_centered_weight), the cast last
         sublayer = sublayer._replace(zero_centered_weight=True)
     weight = getattr(norm, "weight", None)  # (None: a norm without parameters)
-    late = style in ("llama", "t5") and not (
+    late = style in ("llama", "t5", "deberta") and not (
         x.dtype == weight.dtype == torch.float32 and (residual is None or residual.dtype == torch.float32)
     )  # the cast comes before the weight: in float32 it is a no-op and the weight can go into the op
-    common = dict(rms=style not in _MEAN_STYLES, prenorm=prenorm, residual_dtype=None, backend=norm.backend)
+    common = dict(rms=style not in MEAN_STYLES, prenorm=prenorm, residual_dtype=None, backend=norm.backend)
     out = add_norm(
         x, residual, *_norm_args(norm, None if late else weight), **common, sublayer=sublayer, parallel=parallel
     )
     if not late:
         return out
-    return (weight * out[0], out[1]) if prenorm else weight * out
+    bias = norm.bias if style == "deberta" else None
+    scaled = (lambda y: weight * y) if bias is None else (lambda y: weight * y + bias)  # noqa: E731
+    return (scaled(out[0]), out[1]) if prenorm else scaled(out)
 
 
 def _norm_args(norm: nn.Module, weight: Tensor | None) -> tuple:
@@ -153,7 +157,8 @@ def _norm_args(norm: nn.Module, weight: Tensor | None) -> tuple:
         return norm.normalized_shape, weight, bias, norm.eps
     if norm_style(norm) == "olmo":
         return norm.normalized_shape, None, None, OLMO_EPS
-    return norm.weight.shape, weight, None, eps_of(norm)
+    bias = norm.bias if norm_style(norm) == "deberta" and weight is not None else None  # (late: added after)
+    return norm.weight.shape, weight, bias, eps_of(norm)
 
 
 def _common(norm: nn.Module) -> dict:
