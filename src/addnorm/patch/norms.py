@@ -167,9 +167,10 @@ def _common(norm: nn.Module) -> dict:
 
 # --------------------------------------------------------------------------- hand-off between blocks
 
-# norm -> (stream, its version, the autograd context, its output): strong references until the
-# norm's next call or the next hand-off, kept off the module so that pickling and deepcopy never
-# see them
+# norm -> (a weak reference to the stream, its version, the autograd context, the norm's parameters,
+# its output): until the norm's next call, the next hand-off, or the stream's end (a layer LayerDrop
+# skipped never calls the norm: its output goes with the stream); kept off the module so that
+# pickling and deepcopy never see them
 _PENDING: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
@@ -190,7 +191,14 @@ def _parameters(norm: nn.Module) -> tuple:
 
 def hand_off(norm: nn.Module, stream: Tensor, output: Tensor) -> None:
     """Give ``norm`` its output on ``stream``, computed by the block before it."""
-    _PENDING[norm] = (stream, stream._version, _autograd_context(), _parameters(norm), output)
+    key = weakref.ref(norm)
+
+    def forget(ref: weakref.ref) -> None:  # the stream is gone: so is what was made from it
+        owner = key()
+        if owner is not None and _PENDING.get(owner, (None,))[0] is ref:
+            del _PENDING[owner]
+
+    _PENDING[norm] = (weakref.ref(stream, forget), stream._version, _autograd_context(), _parameters(norm), output)
 
 
 def handed_off(norm: nn.Module, x: Tensor) -> Tensor | None:
@@ -204,7 +212,7 @@ def handed_off(norm: nn.Module, x: Tensor) -> Tensor | None:
     if pending is None:
         return None
     stream, version, context, parameters, output = pending
-    if stream is not x or x._version != version or context != _autograd_context():
+    if stream() is not x or x._version != version or context != _autograd_context():
         return None
     now = _parameters(norm)
     if len(now) != len(parameters) or any(a is not b or v != w for (a, v), (b, w) in zip(now, parameters)):
