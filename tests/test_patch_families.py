@@ -802,3 +802,17 @@ def test_an_output_handed_to_a_norm_never_called_goes_with_its_stream():
         step(model, hf_inputs("opt"))
         gc.collect()
         assert len(norms_module._PENDING) == 0
+
+
+@pytest.mark.parametrize("name", ["mamba", "falcon_rw", "stablelm"])
+def test_a_block_that_keeps_its_kwargs_passes_none_on(name):
+    """Blocks whose forward does not pass its ``**kwargs`` to the first sublayer (Mamba, Falcon,
+    StableLM): the sublayer gets the block's named arguments alone, no argument named 'kwargs'."""
+    model = hf_model(name)
+    addnorm.patch(model, fuse_residual=True)
+    first = {"mamba": lambda m: m.backbone.layers[0].mixer, "falcon_rw": lambda m: m.transformer.h[0].self_attention}
+    sublayer = first.get(name, lambda m: m.model.layers[0].self_attn)(model)
+    seen = []
+    sublayer.register_forward_pre_hook(lambda module, args, kwargs: seen.append(set(kwargs)), with_kwargs=True)
+    model(**hf_inputs(name))
+    assert seen and "kwargs" not in seen[0]

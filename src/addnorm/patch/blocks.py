@@ -39,7 +39,9 @@ def _arguments(self, hidden_states, args, kwargs) -> tuple[dict, dict]:
     bound.apply_defaults()
     named = dict(bound.arguments)
     del named["self"], named["hidden_states"]
-    spread = named.pop("kwargs", {}) if self.__dict__[FAMILY].kwargs else {}
+    spread = named.pop("kwargs", {})  # (popped either way: the sublayer gets no argument 'kwargs')
+    if not self.__dict__[FAMILY].kwargs:
+        spread = {}
     return named | spread, spread
 
 
