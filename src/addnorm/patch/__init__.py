@@ -174,8 +174,7 @@ def _why_not_hf_norm(m: nn.Module, style: str) -> str | None:
     if eps_of(m) is None:
         return "expected a float 'variance_epsilon' or 'eps'"
     kept = ("weight", "bias") if style == "deberta" else ("weight",)
-    b = getattr(m, "bias", None)
-    if style == "deberta" and (not isinstance(b, Tensor) or b.shape != w.shape):
+    if style == "deberta" and (not isinstance(getattr(m, "bias", None), Tensor) or m.bias.shape != w.shape):
         return "expected a 'bias' of the weight's shape"
     extra = [n for n, _ in m.named_parameters(recurse=False) if n not in kept]
     extra += [n for n, _ in m.named_buffers(recurse=False)]

@@ -145,9 +145,10 @@ def add_norm_forward(
     )
     if not late:
         return out
-    bias = norm.bias if style == "deberta" else None
-    scaled = (lambda y: weight * y) if bias is None else (lambda y: weight * y + bias)  # noqa: E731
-    return (scaled(out[0]), out[1]) if prenorm else scaled(out)
+    y = weight * (out[0] if prenorm else out)
+    if style == "deberta":
+        y = y + norm.bias
+    return (y, out[1]) if prenorm else y
 
 
 def _norm_args(norm: nn.Module, weight: Tensor | None) -> tuple:
