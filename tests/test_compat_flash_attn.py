@@ -265,7 +265,7 @@ def test_layer_norm_linear_fn_is_the_norm_then_a_linear_layer(rms, prenorm):
     wanted = torch.autograd.grad(ref, ref_leaves, dout.double())
     for a, e in zip(ours, wanted, strict=True):
         torch.testing.assert_close(a, e.float(), rtol=1e-4, atol=1e-4)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         low = layer_norm_linear_fn(x, w, b, lw, None, residual=r, eps=1e-5, is_rms_norm=rms)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), (ref - lb.detach()).float(), rtol=0.05, atol=0.1)
