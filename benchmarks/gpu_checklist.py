@@ -18,6 +18,7 @@ between GPU sessions.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import re
@@ -64,7 +65,7 @@ def steps(P) -> list[Step]:
         Step("dropout", 0.3, "fused dropout vs the plain add", lambda s, st: P.dropout_cost(s)),
         Step("parallel", 1.3, "parallel blocks: one call vs two, flash-attn", lambda s, st: P.parallel_block_cost(s)),
         Step("wallclock", 7.0, "per call vs torch eager, torch.compile, peers", lambda s, st: P.wall_clock(s)),
-        Step("training", 3.0, "GPT-2 / Llama training step: tokens/s, memory", lambda s, st: P.training_step(s)),
+        Step("training", 1.0, "GPT-2 / Llama training step: tokens/s, memory", lambda s, st: P.training_step(s)),
         Step("widths", 2.0, "gpu_widths.py: real widths vs the fp64 oracle", widths),
         Step("tests", 1.0, "the test suite on the device (time-boxed)", suite),
     ]
@@ -178,12 +179,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results/<date>-<device>/)")
     p.add_argument("--dry-run", action="store_true", help="no GPU: every part on a tiny shape on CPU tensors")
     p.add_argument("--only", metavar="PART,...", help=f"run these parts alone: {','.join(PART_NAMES)}")
+    p.add_argument("--wall-shapes", metavar="MxN,...", help="the wallclock part's shapes (default: the targets')")
+    p.add_argument(
+        "--dtypes", metavar="DTYPE,...", help="the dtypes the parts check and time (default bfloat16,float32)"
+    )
     args = p.parse_args(argv)
     if args.budget_minutes <= 0:
         p.error(f"--budget-minutes must be positive, got {args.budget_minutes}")
     only = None if args.only is None else set(args.only.split(","))
     if only is not None and not only <= set(PART_NAMES):
         p.error(f"--only: unknown part(s) {','.join(sorted(only - set(PART_NAMES)))}; parts: {','.join(PART_NAMES)}")
+    wall_shapes = dtypes = None
+    try:
+        if args.wall_shapes:
+            wall_shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.wall_shapes.split(",")]
+            if any(len(shape) != 2 or min(shape) < 1 for shape in wall_shapes):
+                raise ValueError
+    except ValueError:
+        p.error(f"--wall-shapes: expected rows x columns, e.g. 16384x4096,65536x768; got {args.wall_shapes!r}")
+    if args.dtypes:
+        dtypes = args.dtypes.split(",")
+        if not set(dtypes) <= {"bfloat16", "float16", "float32"}:
+            p.error(f"--dtypes: expected bfloat16, float16 or float32, comma-separated; got {args.dtypes!r}")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before addnorm's Triton kernels are first imported
     else:
@@ -196,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device here: run with --dry-run to check the checklist itself", file=sys.stderr)
         return 2
     setup = P.dry_setup() if args.dry_run else P.gpu_setup()
+    if wall_shapes:
+        setup = dataclasses.replace(setup, wall_shapes=wall_shapes)
+    if dtypes:
+        setup = dataclasses.replace(setup, dtypes=[getattr(torch, name) for name in dtypes])
     device = "cpu-interpreter" if args.dry_run else device_slug(torch.cuda.get_device_name())
     out = args.out or ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-{device}"
     try:

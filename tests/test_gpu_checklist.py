@@ -150,3 +150,20 @@ def test_only_runs_the_parts_named_and_refuses_unknown_ones(tmp_path):
     bad = subprocess.run([*cmd, "--only", "env,kernel"], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "--only: unknown part(s) kernel" in bad.stderr and "kernels" in bad.stderr
+
+
+def test_wall_shapes_and_dtypes_narrow_a_short_loans_run(tmp_path):
+    """``--wall-shapes`` and ``--dtypes`` set what the parts time (one shape a call, so a run cut
+    off keeps the shapes before it); bad values are refused by name."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("ADDNORM_TEST_DEVICE", None)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_checklist.py"), "--dry-run", "--out", str(tmp_path)]
+    narrowed = [*cmd, "--only", "wallclock", "--wall-shapes", "4x32,2x16", "--dtypes", "float32"]
+    done = subprocess.run(narrowed, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads((tmp_path / "10-wallclock.json").read_text())
+    assert {(row["shape"], row["dtype"]) for row in rows} == {("4x32", "float32"), ("2x16", "float32")}
+    for flag, value in (("--wall-shapes", "4x"), ("--wall-shapes", "0x32"), ("--dtypes", "int8")):
+        bad = subprocess.run([*cmd, flag, value], env=env, capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert f"{flag}: expected" in bad.stderr and repr(value) in bad.stderr
