@@ -816,3 +816,66 @@ def test_a_block_that_keeps_its_kwargs_passes_none_on(name):
     sublayer.register_forward_pre_hook(lambda module, args, kwargs: seen.append(set(kwargs)), with_kwargs=True)
     model(**hf_inputs(name))
     assert seen and "kwargs" not in seen[0]
+
+
+def _tiny(kind: str):
+    """A model whose stack names its final norm otherwise than the layer's original does, and its
+    inputs (with labels), from a tiny config."""
+    import transformers as tf
+
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    heads = dict(encoder_attention_heads=4, decoder_attention_heads=4)
+    if kind == "moonshine":
+        cfg = tf.MoonshineConfig(
+            vocab_size=64, hidden_size=WIDTH, intermediate_size=2 * WIDTH, encoder_num_hidden_layers=2,
+            decoder_num_hidden_layers=2, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+            pad_token_id=0, decoder_start_token_id=1,
+        )  # fmt: skip
+        model, inputs = tf.MoonshineForConditionalGeneration(cfg), dict(input_values=torch.randn(2, 2000), labels=ids)
+    elif kind == "bigbird_pegasus":
+        cfg = tf.BigBirdPegasusConfig(
+            vocab_size=64, d_model=WIDTH, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=2 * WIDTH,
+            decoder_ffn_dim=2 * WIDTH, attention_type="original_full", max_position_embeddings=SEQ, dropout=0.0,
+            attention_dropout=0.0, activation_dropout=0.0, **heads,
+        )  # fmt: skip
+        model, inputs = tf.BigBirdPegasusForConditionalGeneration(cfg), dict(input_ids=ids, labels=ids)
+    else:
+        cfg = tf.ViTMAEConfig(
+            hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH, image_size=16,
+            patch_size=4, decoder_hidden_size=WIDTH, decoder_num_hidden_layers=2, decoder_num_attention_heads=4,
+            decoder_intermediate_size=2 * WIDTH,
+        )  # fmt: skip
+        model, inputs = (
+            tf.ViTMAEForPreTraining(cfg),
+            dict(pixel_values=torch.randn(2, 3, 16, 16), noise=torch.rand(2, 16)),
+        )
+    return model, inputs
+
+
+@pytest.mark.parametrize(
+    "kind, finals",
+    [
+        ("moonshine", ["model.encoder.layer_norm"]),
+        ("bigbird_pegasus", ["model.decoder.layernorm_embedding"]),
+        ("vit_mae", ["vit.layernorm", "decoder.decoder_norm"]),  # one layer class, two stacks
+    ],
+)
+def test_a_final_norm_named_otherwise_than_the_original_s_takes_the_last_add(kind, finals):
+    """Moonshine's encoder ends in ``layer_norm`` where Llama's stack has ``norm``, BigBird-Pegasus's
+    decoder in ``layernorm_embedding``, ViT-MAE's decoder in ``decoder_norm``: each stack's last
+    layer hands its last add to it (``families.FINALS``)."""
+    torch.manual_seed(0)
+    original, inputs = _tiny(kind)
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    assert report.fused_adds == report.adds
+    last = [a.norm for a in report.adds if a.norm is not None and a.block not in a.norm and "layers" not in a.norm]
+    assert [n for n in dict.fromkeys(last) if n in finals] == finals
+    (want, grads), (got, fused_grads) = step(original, inputs), step(patched, inputs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == fused_grads.keys()
+    for name, grad in grads.items():  # float32 rounding of sums, relative to each gradient's scale (k_proj.bias: 0)
+        scale = grad.abs().max().item()
+        torch.testing.assert_close(
+            fused_grads[name], grad, rtol=1e-5, atol=1e-6 * scale + 1e-9, msg=lambda m, n=name: f"{n}: {m}"
+        )

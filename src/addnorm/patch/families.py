@@ -428,6 +428,26 @@ ALONE = """
 """
 FAMILIES.update({hf_path(m, c): dataclasses.replace(FAMILIES[hf_path(m, c)], alone=True) for m, c in pairs(ALONE)})
 
+# copies whose stack names its final norm otherwise than the original's does (each applied right
+# after the stack's last layer); ViT-MAE's layer runs in its encoder and in its decoder
+FINALS = {
+    "bigbird_pegasus.BigBirdPegasusDecoderLayer": "layernorm_embedding",
+    "dots3_note.Dots3NoteAudioLayer": "layer_norm",
+    "moonshine.MoonshineEncoderLayer": "layer_norm",
+    "nemotron3_5_transcribe.Nemotron3_5TranscribeAsrAudioLayer": "layer_norm",
+    "nemotron3_diarization.Nemotron3DiarizationAudioLayer": "layer_norm",
+    "pp_ocrv5_mobile_rec.PPOCRV5MobileRecBlock": "norm",
+    "pp_ocrv5_server_rec.PPOCRV5ServerRecBlock": "norm",
+    "pp_ocrv6_small_rec.PPOCRV6SmallRecBlock": "norm",
+    "vit_mae.ViTMAELayer": ("layernorm", "decoder_norm"),
+}
+FAMILIES.update(
+    {
+        hf_path(*cls.split(".")): dataclasses.replace(FAMILIES[hf_path(*cls.split("."))], final=final)
+        for cls, final in FINALS.items()
+    }
+)
+
 
 def _falcon(config) -> Family:
     """Falcon's three layouts: sequential (Falcon-RW), parallel with one norm (Falcon-7B) or two
