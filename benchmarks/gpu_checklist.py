@@ -181,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", metavar="PART,...", help=f"run these parts alone: {','.join(PART_NAMES)}")
     p.add_argument("--wall-shapes", metavar="MxN,...", help="the wallclock part's shapes (default: the targets')")
     p.add_argument(
+        "--train-variants",
+        metavar="VARIANT,...",
+        help="the training part's variants: unpatched, addnorm, liger, each also +compile "
+        "(default unpatched,addnorm,liger)",
+    )
+    p.add_argument(
         "--dtypes", metavar="DTYPE,...", help="the dtypes the parts check and time (default bfloat16,float32)"
     )
     args = p.parse_args(argv)
@@ -201,6 +207,14 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = args.dtypes.split(",")
         if not set(dtypes) <= {"bfloat16", "float16", "float32"}:
             p.error(f"--dtypes: expected bfloat16, float16 or float32, comma-separated; got {args.dtypes!r}")
+    variants = None
+    if args.train_variants:
+        variants = args.train_variants.split(",")
+        known = {f"{v}{c}" for v in ("unpatched", "addnorm", "liger") for c in ("", "+compile")}
+        if not set(variants) <= known:
+            p.error(
+                f"--train-variants: expected {', '.join(sorted(known))}, comma-separated; got {args.train_variants!r}"
+            )
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before addnorm's Triton kernels are first imported
     else:
@@ -217,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         setup = dataclasses.replace(setup, wall_shapes=wall_shapes)
     if dtypes:
         setup = dataclasses.replace(setup, dtypes=[getattr(torch, name) for name in dtypes])
+    if variants:
+        setup = dataclasses.replace(setup, train_variants=variants)
     device = "cpu-interpreter" if args.dry_run else device_slug(torch.cuda.get_device_name())
     out = args.out or ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-{device}"
     try:

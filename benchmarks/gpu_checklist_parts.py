@@ -51,6 +51,7 @@ class Setup:
     pytest_args: list[str]
     widths_args: list[str]
     models: dict[str, dict]  # e2e: name -> transformers config kwargs
+    train_variants: list[str]  # e2e: unpatched, addnorm, liger, each "+compile" too (torch.compile)
     tokens: tuple[int, int]  # e2e: (batch, sequence)
     steps: int
     parity_shapes: list[tuple[int, int]]  # addnorm.compat.flash_attn against flash-attn itself
@@ -96,6 +97,7 @@ def gpu_setup() -> Setup:
                 kind="llama", num_hidden_layers=8, hidden_size=2048, intermediate_size=5632, num_attention_heads=16
             ),
         },
+        train_variants=["unpatched", "addnorm", "liger"],
         tokens=(8, 1024),
         steps=6,
         parity_shapes=[(2048, 4096)],  # flash-attn autotunes (6 compiles) every case it meets
@@ -125,6 +127,7 @@ def dry_setup() -> Setup:
                 kind="gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, bos_token_id=0, eos_token_id=0
             )
         },
+        train_variants=["unpatched", "addnorm", "liger"],
         tokens=(1, 8),
         steps=1,
         parity_shapes=[(8, 64)],
@@ -544,8 +547,10 @@ def _patched(variant: str, model: torch.nn.Module, kind: str, backend: str) -> t
 
 def training_step(setup: Setup) -> Part:
     """A training step (forward, loss, backward, AdamW) of a GPT-2-small-shaped and a
-    Llama-shaped stack with random weights: unpatched, addnorm's patch, Liger's patch; tokens/s
-    and peak memory. Liger's patch rewrites the Llama module globally, so it runs last."""
+    Llama-shaped stack with random weights: unpatched, addnorm's patch, Liger's patch, and each
+    under ``torch.compile`` where ``setup.train_variants`` names it ("addnorm+compile"); tokens/s,
+    peak memory and the first step's seconds (a compile's included). Liger's patch rewrites the
+    Llama module globally, so its variants run last."""
     rows, log = [], []
     batch, seq = setup.tokens
     backend = "triton"
@@ -553,9 +558,12 @@ def training_step(setup: Setup) -> Part:
     for name, cfg in setup.models.items():
         cfg = dict(cfg)
         kind = cfg.pop("kind")
-        for variant in ("unpatched", "addnorm", "liger"):
+        for variant in sorted(setup.train_variants, key=lambda v: v.startswith("liger")):
             try:
-                model = _patched(variant, _model(kind, dtype, setup.device, **cfg), kind, backend)
+                base, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
+                model = _patched(base, _model(kind, dtype, setup.device, **cfg), kind, backend)
+                if compiled:
+                    model = torch.compile(model)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=setup.device)
 
@@ -564,8 +572,10 @@ def training_step(setup: Setup) -> Part:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
 
+                t = time.perf_counter()
                 step()
                 _sync(setup.device)
+                first_s = time.perf_counter() - t
                 if setup.device == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 t = time.perf_counter()
@@ -575,7 +585,7 @@ def training_step(setup: Setup) -> Part:
                 elapsed = time.perf_counter() - t
                 peak = torch.cuda.max_memory_allocated() / 2**30 if setup.device == "cuda" else ""
                 row = {"model": name, "variant": variant, "tokens/s": batch * seq * setup.steps / elapsed}
-                rows.append(row | {"peak GiB": peak})
+                rows.append(row | {"peak GiB": peak, "first step s": first_s})
                 del model, opt
             except ImportError as err:
                 log.append(f"{name} {variant}: not installed ({err.name or err})")

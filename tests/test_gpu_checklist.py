@@ -163,7 +163,13 @@ def test_wall_shapes_and_dtypes_narrow_a_short_loans_run(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "10-wallclock.json").read_text())
     assert {(row["shape"], row["dtype"]) for row in rows} == {("4x32", "float32"), ("2x16", "float32")}
-    for flag, value in (("--wall-shapes", "4x"), ("--wall-shapes", "0x32"), ("--dtypes", "int8")):
+    bad_values = [
+        ("--wall-shapes", "4x"),
+        ("--wall-shapes", "0x32"),
+        ("--dtypes", "int8"),
+        ("--train-variants", "fast"),
+    ]
+    for flag, value in bad_values:
         bad = subprocess.run([*cmd, flag, value], env=env, capture_output=True, text=True, timeout=300)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
         assert f"{flag}: expected" in bad.stderr and repr(value) in bad.stderr
