@@ -25,6 +25,7 @@ blocks_module = sys.modules["addnorm.patch.blocks"]
 families_module = sys.modules["addnorm.patch.families"]
 
 _MLP = "fc1 activation_fn activation_dropout fc2"  # Whisper's MLP, in the block itself
+_BLOOM_MLP = "mlp.dense_h_to_4h mlp.gelu_impl mlp.dense_4h_to_h"  # its module's layers, then its add
 # family -> (norms replaced, {block class: {add: "fused" or why not}}), counted in each model's code
 COVERAGE = {
     **{
@@ -129,6 +130,7 @@ COVERAGE = {
     "stablelm_parallel": (3, {"StableLmDecoderLayer": {"self_attn+mlp": "fused"}}),  # s + attn + dropout(mlp)
     "cohere": (3, {"CohereDecoderLayer": {"self_attn+mlp": "fused"}}),  # parallel, one norm
     "cohere2": (3, {"Cohere2DecoderLayer": {"self_attn+mlp": "fused"}}),
+    "bloom": (6, {"BloomBlock": {"self_attention": "self_attention adds the stream itself", _BLOOM_MLP: "fused"}}),
 }
 FAMILIES = list(COVERAGE)
 # norms inside a sublayer that compute something no style does, left alone and reported
@@ -141,7 +143,10 @@ SKIPPED = {  # gated; without a weight
 MOE = ("qwen3_next", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
-DROPOUT = ["bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt", "whisper", "bart"]
+DROPOUT = [
+    *("bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt", "whisper", "bart"),
+    "bloom",
+]
 LABELS = {
     "qwen2": "Qwen2",
     "qwen3": "Qwen3",
@@ -196,6 +201,7 @@ LABELS = {
     "falcon_7b": "Falcon-7B (parallel, 1 norm)",
     "falcon_rw": "Falcon-RW (sequential)",
     "dinov2": "DINOv2 (layer scale, drop path)",
+    "bloom": "BLOOM (its attention adds the residual)",
 }
 
 
@@ -232,6 +238,8 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
         assert [a.norm for a in report.fused_adds] == ["model.norm"]
     elif name == "clip":
         assert report.fused_adds == report.adds[:-1]
+    elif name == "bloom":  # its attention adds the residual itself
+        assert report.fused_adds == [a for a in report.adds if a.add == _BLOOM_MLP]
     else:
         assert report.fused_adds == report.adds
     inputs = hf_inputs(name)
@@ -606,7 +614,13 @@ def test_stacks_without_a_final_norm_are_wired_apart():
 
 
 def test_unknown_blocks_are_left_alone_and_reported():
-    original, patched, report = fused_copy("bloom")  # its sublayers add the residual themselves
+    """BLOOM taking its residual after the norm (apply_residual_connection_post_layernorm) is a
+    layout no family runs: its norms are replaced, its adds stay the model's."""
+    original = hf_model("bloom")
+    for block in original.transformer.h:
+        block.apply_residual_connection_post_layernorm = True
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
     assert len(report.replaced) == 6 and report.adds == [] and report.fused == []
     assert [(n, c) for n, c, _ in report.skipped] == [
         ("transformer.h.0", "BloomBlock"),

@@ -257,6 +257,8 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropo
     for m in model.modules():  # (OPT, Whisper: a float attribute of each layer, applied by F.dropout)
         if type(m).__name__.endswith("Layer") and isinstance(getattr(m, "dropout", None), float):
             m.dropout = dropout
+        if isinstance(getattr(m, "hidden_dropout", None), float):  # (BLOOM's attention and MLP)
+            m.hidden_dropout = dropout
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
-from .blocks import FAMILY, NEXT, ORIGINAL, block_forward
+from .blocks import FAMILY, NEXT, ORIGINAL, attribute, block_forward
 from .families import FAMILIES, Family, entry_norms, family_of, final_names
 from .hf_norms import HF_NORMS
 from .norms import (
@@ -216,7 +216,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         if family is None:
             continue
         names = [a for s in family.steps for a in (*s.sublayer.split(), s.norm, s.post, s.layer_scale) if a]
-        missing = [a for a in dict.fromkeys(names) if not hasattr(m, a)]
+        missing = [a for a in dict.fromkeys(names) if not _has(m, a)]
         if missing:
             report.skipped.append((name, type(m).__name__, f"has no {', '.join(missing)}: not the layout fused"))
             continue
@@ -291,6 +291,14 @@ def _next_layer(model: nn.Module, name: str) -> str | None:
     return f"{outer}.{attr}.0" if isinstance(inner, (nn.ModuleList, nn.Sequential)) and len(inner) else outer
 
 
+def _has(m: nn.Module, path: str) -> bool:
+    try:
+        attribute(m, path)
+    except AttributeError:
+        return False
+    return True
+
+
 def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family: Family) -> None:
     """Record the adds of block ``m`` and set the norms its last add feeds (``following``: the next
     block of the same stack, None for the last one, or why the next layer takes no hand-off)."""
@@ -304,7 +312,9 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     parallel = family.parallel is not None
     inner = [] if parallel else steps[:-1]
     for step, nxt in zip(inner, steps[1:], strict=False):
-        if nxt.norm is None:
+        if step.adds:
+            why = f"{step.sublayer} adds the stream itself"
+        elif nxt.norm is None:
             why = f"no norm reads the sum: {nxt.sublayer} takes the stream itself"
         else:
             why = _why_not_norm(getattr(m, nxt.norm), f"{name}.{nxt.norm}")

@@ -45,16 +45,21 @@ def _arguments(self, hidden_states, args, kwargs) -> tuple[dict, dict]:
     return named | spread, spread
 
 
+def attribute(block: nn.Module, path: str):
+    """The attribute at dotted ``path`` of ``block`` (``"mlp.dense_4h_to_h"``)."""
+    value = block
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
 def _dropout_p(block: nn.Module, step: Step) -> float:
     """The dropout probability of ``step`` now: an ``nn.Dropout``'s own when that module is in
     training mode (as its own call; 0 in eval mode, whatever the block's mode), a float
     attribute's when the block is (as ``F.dropout(..., training=self.training)``)."""
     if step.dropout is None:
         return 0.0
-    owner, *path = step.dropout.split(".")
-    value = getattr(block, owner)
-    for name in path:
-        value = getattr(value, name)
+    value = attribute(block, step.dropout)
     if isinstance(value, nn.Dropout):
         return float(value.p) if value.training else 0.0
     return float(value) if block.training else 0.0
@@ -153,7 +158,7 @@ def _run(block: nn.Module, step: Step, h: Tensor, call: dict) -> Tensor:
     """The step's sublayer (its modules in turn, a float among them a dropout) on ``h``; ``call``:
     the keyword arguments of a sublayer that takes the block's (:attr:`Step.call`)."""
     for name in step.sublayer.split():
-        module = getattr(block, name)
+        module = attribute(block, name)
         if isinstance(module, (int, float)):  # as F.dropout(h, p=self.<name>, training=self.training)
             h = F.dropout(h, module, training=block.training) if module else h
         else:
@@ -214,7 +219,13 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
     extras = ()
     for i, step in enumerate(steps):
         if i == 0:
+            if step.adds:  # the sublayer adds the stream itself: its result is the new stream
+                named[step.adds] = s
             out, extras = _call_first(self, family, step, h, named)
+            if step.adds:
+                s = out
+                h = _norm(self, steps[1].norm)(s)
+                continue
         else:
             out = _run(self, step, h, calls[i])
             out = out[0] if step.first else out

@@ -33,6 +33,9 @@ class Step:
     # (Whisper's cross-attention: encoder_hidden_states -> key_value_states)
     call: tuple[tuple[str, str], ...] = ()
     needs: str | None = None  # a block argument without which the step is skipped (cross-attention)
+    # the sublayer adds the stream itself, given as this keyword, and returns the new stream
+    # (BLOOM's attention: ``residual``): that add stays inside it, the next norm reads its result
+    adds: str | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +206,26 @@ FAMILIES: dict[str, Family] = {
     ),
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
+    ),
+    # BLOOM's attention adds the residual itself; its MLP's add (the dense layers, then dropout and
+    # the add) is fused. Not with the residual taken after the norm, nor with the MLP's sliced
+    # "slow but exact" matmul (other sums than one dense layer's)
+    "transformers.models.bloom.modeling_bloom.BloomBlock": lambda block: (
+        None
+        if block.apply_residual_connection_post_layernorm or (block.mlp.pretraining_tp > 1 and block.mlp.slow_but_exact)
+        else Family(
+            (
+                Step("self_attention", "input_layernorm", adds="residual"),
+                Step(
+                    "mlp.dense_h_to_4h mlp.gelu_impl mlp.dense_4h_to_h",
+                    "post_attention_layernorm",
+                    dropout="mlp.hidden_dropout",
+                ),
+            ),
+            final="ln_f",
+            extras=True,
+            kwargs=False,
+        )
     ),
     # OPT-350m normalizes after each add (do_layer_norm_before=False), the others before
     "transformers.models.opt.modeling_opt.OPTDecoderLayer": lambda block: Family(
