@@ -626,7 +626,19 @@ def test_unknown_blocks_are_left_alone_and_reported():
         ("transformer.h.0", "BloomBlock"),
         ("transformer.h.1", "BloomBlock"),
     ]
-    assert all("not in addnorm.patch.FAMILIES" in why for _, _, why in report.skipped)
+    assert all(why.startswith("this configuration of the block is not fused") for _, _, why in report.skipped)
+
+    class Custom(torch.nn.Module):  # a layout of no family
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(WIDTH)
+
+        def forward(self, x):
+            return x + self.norm(x)
+
+    custom = addnorm.patch(torch.nn.ModuleDict({"layers": torch.nn.ModuleList([Custom()])}), fuse_residual=True)
+    assert [(n, c) for n, c, _ in custom.skipped] == [("layers.0", "Custom")]
+    assert custom.skipped[0][2].startswith("block layout not in addnorm.patch.FAMILIES")
     assert_same_step(original, patched, hf_inputs("bloom"))
 
 
@@ -893,3 +905,61 @@ def test_a_final_norm_named_otherwise_than_the_original_s_takes_the_last_add(kin
         torch.testing.assert_close(
             fused_grads[name], grad, rtol=1e-5, atol=1e-6 * scale + 1e-9, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_bloom_s_mlp_dropout_follows_the_mlp_s_mode():
+    """BLOOM applies its MLP's dropout by the MLP's own mode (``dropout_add(..., self.training)``
+    inside ``BloomMLP``): off with the MLP in eval in a training model, on (Monte-Carlo) with the
+    MLP in train in an eval model, as unpatched."""
+    original, patched, _ = fused_copy("bloom")
+    for model in (original, patched):
+        for block in model.transformer.h:
+            block.mlp.hidden_dropout = 0.5
+    inputs = hf_inputs("bloom")
+    results = []
+    for model in (original, patched):
+        model.train()
+        for block in model.transformer.h:
+            block.mlp.eval()
+        results.append(step(model, inputs))
+    (lo, go), (lp, gp) = results
+    torch.testing.assert_close(lp, lo, rtol=1e-5, atol=1e-5)
+    patched.eval()
+    for block in patched.transformer.h:
+        block.mlp.train()
+    with torch.no_grad():
+        assert not torch.equal(patched(**inputs).logits, patched(**inputs).logits)
+
+
+def test_a_hooked_or_replaced_module_whose_layers_the_block_runs_is_called():
+    """BLOOM's fused block runs its MLP's layers itself; a hook on the MLP (a user's, FSDP's), a
+    forward set on it, or another class in its place makes the block run its own forward, so that
+    the MLP is called as unpatched."""
+    original, patched, _ = fused_copy("bloom")
+    inputs = hf_inputs("bloom")
+    calls = []
+    for model in (original, patched):
+        model.transformer.h[0].mlp.register_forward_hook(lambda m, a, out: calls.append(1) or out * 0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(**inputs).logits, original(**inputs).logits, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2  # once in each model
+
+    class Halved(type(original.transformer.h[1].mlp)):
+        def forward(self, hidden_states, residual):
+            return super().forward(hidden_states * 0.5, residual)
+
+    for model in (original, patched):
+        model.transformer.h[1].mlp.__class__ = Halved
+    with torch.no_grad():
+        torch.testing.assert_close(patched(**inputs).logits, original(**inputs).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_that_adds_the_stream_itself_comes_first():
+    """``Step.adds`` (the sublayer adds the stream itself) is run on a sequential block's first step,
+    before a step with a norm: elsewhere the fused forward would add the stream twice."""
+    Family, Step = families_module.Family, families_module.Step
+    attn, mlp = Step("attn", "ln_1", adds="residual"), Step("mlp", "ln_2")
+    assert Family((attn, mlp)).steps[0].adds == "residual"
+    for steps, parallel in [((mlp, attn), None), ((attn,), None), ((attn, Step("mlp")), None), ((attn, mlp), "x1")]:
+        with pytest.raises(ValueError, match="Step.adds"):
+            Family(steps, parallel=parallel)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
-from .blocks import FAMILY, NEXT, ORIGINAL, attribute, block_forward
+from .blocks import FAMILY, NEXT, ORIGINAL, OWNERS, attribute, block_forward, owners
 from .families import FAMILIES, Family, entry_norms, family_of, final_names
 from .hf_norms import HF_NORMS
 from .norms import (
@@ -240,6 +240,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         m.__class__ = _subclass(original, "block")
         m.__dict__[ORIGINAL] = original
         m.__dict__[FAMILY] = family
+        m.__dict__[OWNERS] = {name: type(getattr(m, name)) for name in owners(family)}
         report.fused.append(name)
     _report_unknown_blocks(model, report)
 
@@ -247,7 +248,10 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
 def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
     """List the layers (items of a ModuleList) that hold a patched norm but no block of the table:
     their norms run addnorm's ops, their adds stay plain adds."""
-    why = "block layout not in addnorm.patch.FAMILIES: its norms are replaced, its adds stay plain"
+    unknown = "block layout not in addnorm.patch.FAMILIES: its norms are replaced, its adds stay plain"
+    # (a class of the table whose family runs not this configuration: BLOOM with the residual
+    # taken after the norm)
+    unfused = "this configuration of the block is not fused: its norms are replaced, its adds stay plain"
     for list_name, layers in model.named_modules():
         if not isinstance(layers, nn.ModuleList):
             continue
@@ -258,7 +262,8 @@ def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
             if any(norm_style(m) for m in inside) and not any(
                 ORIGINAL in m.__dict__ and FAMILY in m.__dict__ for m in inside
             ):
-                report.skipped.append((f"{list_name}.{i}", type(layer).__name__, why))
+                known = f"{type(layer).__module__}.{type(layer).__qualname__}" in FAMILIES
+                report.skipped.append((f"{list_name}.{i}", type(layer).__name__, unfused if known else unknown))
 
 
 def _runs_next(model: nn.Module, name: str, following):
@@ -424,6 +429,7 @@ def unpatch(model: nn.Module) -> int:
         original = m.__dict__.pop(ORIGINAL, None)
         m.__dict__.pop(NEXT, None)
         m.__dict__.pop(FAMILY, None)
+        m.__dict__.pop(OWNERS, None)
         if original is not None:
             if norm_style(m) is not None:
                 del m.backend

@@ -26,6 +26,7 @@ from .norms import add_norm_forward, fusable, hand_off
 ORIGINAL = "_addnorm_original_class"
 NEXT = "_addnorm_next"  # the norms the block's last add feeds, set by patch()
 FAMILY = "_addnorm_family"  # the block's Family, set by patch() (some depend on the block's config)
+OWNERS = "_addnorm_owners"  # {name: class} of the modules of owners(family), set by patch()
 
 
 # --------------------------------------------------------------------------- the fused forward
@@ -46,11 +47,28 @@ def _arguments(self, hidden_states, args, kwargs) -> tuple[dict, dict]:
 
 
 def attribute(block: nn.Module, path: str):
-    """The attribute at dotted ``path`` of ``block`` (``"mlp.dense_4h_to_h"``)."""
+    """The attribute at dotted ``path`` of ``block`` (``"mlp.dense_4h_to_h"``; ``""``: the block)."""
     value = block
-    for name in path.split("."):
+    for name in filter(None, path.split(".")):
         value = getattr(value, name)
     return value
+
+
+def owners(family: Family) -> set[str]:
+    """The modules whose layers the fused forward runs one by one instead of calling them (BLOOM's
+    ``mlp`` in ``"mlp.dense_h_to_4h mlp.gelu_impl mlp.dense_4h_to_h"``)."""
+    return {path.split(".")[0] for step in family.steps for path in step.sublayer.split() if "." in path}
+
+
+def _owners_intact(block: nn.Module) -> bool:
+    """Whether calling each of :func:`owners` would run what the fused forward runs instead: the
+    class seen when patched, its own forward, and no hook that the call would fire (a hook on it,
+    FSDP's, a global one)."""
+    for name, cls in block.__dict__.get(OWNERS, {}).items():
+        owner = getattr(block, name)
+        if type(owner) is not cls or "forward" in owner.__dict__ or _hooked(owner):
+            return False
+    return True
 
 
 def _dropout_p(block: nn.Module, step: Step) -> float:
@@ -62,7 +80,10 @@ def _dropout_p(block: nn.Module, step: Step) -> float:
     value = attribute(block, step.dropout)
     if isinstance(value, nn.Dropout):
         return float(value.p) if value.training else 0.0
-    return float(value) if block.training else 0.0
+    # a module's float attribute follows that module's mode (BLOOM's "mlp.hidden_dropout", applied
+    # inside its MLP as F.dropout(..., training=self.training)); a config's, the block's
+    owner = attribute(block, step.dropout.rpartition(".")[0]) if "." in step.dropout else block
+    return float(value) if (owner if isinstance(owner, nn.Module) else block).training else 0.0
 
 
 def _rowscale(block: nn.Module, step: Step, x: Tensor) -> Tensor | None:
@@ -132,12 +153,17 @@ def _inline(norm: nn.Module | None, x: Tensor) -> bool:
     module hook), which the fused op would skip."""
     if norm is None or not _computable(norm, x):
         return False
+    return not _hooked(norm)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether a call of ``module`` runs a hook: one on it, or a global module hook."""
     hooks = nn.modules.module
-    return not (
-        norm._forward_hooks
-        or norm._forward_pre_hooks
-        or norm._backward_hooks
-        or norm._backward_pre_hooks
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
         or hooks._global_forward_hooks
         or hooks._global_forward_pre_hooks
         or hooks._global_backward_hooks
@@ -179,8 +205,10 @@ def block_forward(self, hidden_states, *args, **kwargs):
     if family.post_norm:
         return _post_norm_forward(self, family, hidden_states, *args, **kwargs)
     named, spread = _arguments(self, hidden_states, args, kwargs)
-    if any(named.get(name) is not None for name in family.fallback) or (
-        family.clamp16 and hidden_states.dtype == torch.float16
+    if (
+        any(named.get(name) is not None for name in family.fallback)
+        or (family.clamp16 and hidden_states.dtype == torch.float16)
+        or not _owners_intact(self)
     ):
         return self.__dict__[ORIGINAL].forward(self, hidden_states, *args, **kwargs)
     steps = tuple(st for st in family.steps if st.needs is None or named.get(st.needs) is not None)

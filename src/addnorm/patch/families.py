@@ -64,6 +64,12 @@ class Family:
     alone: bool = False
     clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
 
+    def __post_init__(self):
+        if any(step.adds for step in self.steps[1:]) or (
+            self.steps[0].adds and (len(self.steps) < 2 or self.steps[1].norm is None or self.parallel)
+        ):
+            raise ValueError("Step.adds: only a sequential block's first step, followed by a step with a norm")
+
 
 def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
     return hf_path(m, f"{c}DecoderLayer"), Family(steps, final="norm")
