@@ -74,8 +74,15 @@ def test_the_norm_table_s_classes_are_installed():
 @pytest.mark.parametrize("path", PRESENT)
 def test_every_known_hf_norm_matches_its_class(path):
     style = HF_NORMS[path]
-    norm = _hf_class(path)(48) if style == "olmo" else _hf_class(path)(48, eps=1e-6)
-    if style != "olmo":
+    unweighted = style in ("olmo", "nanochat")  # (no parameters)
+    norm = (
+        _hf_class(path)(48)
+        if style == "olmo"
+        else _hf_class(path)(eps=1e-6)
+        if unweighted
+        else _hf_class(path)(48, eps=1e-6)
+    )
+    if not unweighted:
         with torch.no_grad():
             norm.weight.normal_(0.2, 0.5)
             if style == "deberta":
@@ -98,7 +105,7 @@ def test_every_known_hf_norm_matches_its_class(path):
     norm(xa).backward(dy)
     ours(xb).backward(dy)
     torch.testing.assert_close(xb.grad, xa.grad)
-    if style != "olmo":
+    if not unweighted:
         torch.testing.assert_close(ours.weight.grad, norm.weight.grad)
     if style == "deberta":
         torch.testing.assert_close(ours.bias.grad, norm.bias.grad)
@@ -235,6 +242,30 @@ def test_olmo_style_takes_olmo_s_epsilon_only():
     assert report.skipped == [
         ("1", "EpsNorm", "style 'olmo' computes with eps 1e-05 (OlmoLayerNorm's), the module's is 1e-06")
     ]
+
+
+def test_the_parameterless_rms_style_refuses_a_norm_with_parameters_or_buffers():
+    """Style "nanochat" (NanoChatRMSNorm: no weight) computes no parameter and no buffer: a norm
+    holding one (Falcon-Mamba's weightless norm keeps a buffer of ones) is left alone, by name."""
+    from transformers.models.nanochat.modeling_nanochat import NanoChatRMSNorm
+
+    class Weighted(NanoChatRMSNorm):
+        def __init__(self):
+            super().__init__(eps=1e-6)
+            self.weight = nn.Parameter(torch.ones(8))
+
+    class Buffered(NanoChatRMSNorm):
+        def __init__(self):
+            super().__init__(eps=1e-6)
+            self.register_buffer("ones", torch.ones(8), persistent=False)
+
+    model = nn.Sequential(NanoChatRMSNorm(eps=1e-6), Weighted(), Buffered())
+    report = addnorm.patch(model, norm_types={NanoChatRMSNorm: "nanochat", Weighted: "nanochat", Buffered: "nanochat"})
+    assert [n for n, _, _ in report.replaced] == ["0"]
+    why = "expected a float 'eps' and no parameters or buffers"
+    assert report.skipped == [("1", "Weighted", why), ("2", "Buffered", why)]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model[0](x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6))
 
 
 def _wrap_forward(module: nn.Module, calls: list) -> None:

@@ -34,6 +34,7 @@ COVERAGE = {
             ("llama", "Llama", 5),
             ("qwen2", "Qwen2", 5),
             ("qwen3", "Qwen3", 9),  # q_norm and k_norm too
+            ("nanochat", "NanoChat", 9),  # q and k norms too; no weights
             ("mistral", "Mistral", 5),
             ("mixtral", "Mixtral", 5),
             ("granite", "Granite", 5),  # the residual multiplier: a constant layer scale
@@ -202,6 +203,7 @@ LABELS = {
     "falcon_rw": "Falcon-RW (sequential)",
     "dinov2": "DINOv2 (layer scale, drop path)",
     "bloom": "BLOOM (its attention adds the residual)",
+    "nanochat": "NanoChat (norms without a weight)",
 }
 
 

@@ -44,6 +44,7 @@ DECODERS = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(residual_dropout=0.0, embedding_dropout=0.0)),
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_dropout=0.0, residual_dropout=0.0)),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
+    "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),  # Llama's layer, norms without a weight
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
     "deepseek_v3": (
         "DeepseekV3Config",

@@ -137,6 +137,10 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
         why = _why_not_hf_norm(m, style)
         if why is not None:
             return why
+    if style == "nanochat" and (
+        eps_of(m) is None or any(True for _ in m.parameters()) or any(True for _ in m.buffers())
+    ):
+        return "expected a float 'eps' and no parameters or buffers"
     if style == "olmo":
         shape = getattr(m, "normalized_shape", None)
         if not isinstance(shape, tuple) or not all(type(n) is int for n in shape) or any(True for _ in m.parameters()):

@@ -462,6 +462,7 @@ FAMILIES.update({hf_path(m, c): dataclasses.replace(FAMILIES[hf_path(m, c)], alo
 FINALS = {
     "bigbird_pegasus.BigBirdPegasusDecoderLayer": "layernorm_embedding",
     "dots3_note.Dots3NoteAudioLayer": "layer_norm",
+    "hrm_text.HrmTextDecoderLayer": "final_norm",
     "moonshine.MoonshineEncoderLayer": "layer_norm",
     "nemotron3_5_transcribe.Nemotron3_5TranscribeAsrAudioLayer": "layer_norm",
     "nemotron3_diarization.Nemotron3DiarizationAudioLayer": "layer_norm",

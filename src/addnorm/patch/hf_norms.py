@@ -88,6 +88,10 @@ _BY_STYLE = {
     cohere_compass.CohereCompassLayerNorm
     """,
     "olmo": "olmo.OlmoLayerNorm",
+    "nanochat": """
+    esmfold2.EsmFold2RMSNorm hrm_text.HrmTextRMSNorm inkling2.Inkling2UnweightedRMSNorm
+    inkling2_loop.Inkling2LoopUnweightedRMSNorm nanochat.NanoChatRMSNorm
+    """,
     "deberta": "deberta.DebertaLayerNorm",
 }
 

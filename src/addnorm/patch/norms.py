@@ -11,6 +11,7 @@ cast back to the activation dtype (all compute the statistics in float32)::
     "t5"     T5LayerNorm             y = w * xhat.to(w.dtype if w is half else float32)
     "cohere" CohereLayerNorm         y = (w.float() * xhat).to(x.dtype)  (LayerNorm, no bias)
     "olmo"   OlmoLayerNorm           y = xhat.to(x.dtype)                (LayerNorm, no parameters)
+    "nanochat" NanoChatRMSNorm       y = xhat.to(x.dtype)                (RMSNorm, no parameters)
     "deberta" DebertaLayerNorm       y = w * xhat.to(x.dtype) + b        (LayerNorm, cast, then weight and bias)
     "flash_attn"  flash-attn's / mamba_ssm's RMSNorm: its own forward(x, residual, prenorm,
              residual_in_fp32), run by :class:`addnorm.compat.flash_attn.RMSNorm`
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
-STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5", "cohere", "olmo", "deberta", "flash_attn")
+STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5", "cohere", "olmo", "nanochat", "deberta", "flash_attn")
 # Hugging Face classes: a 1-D weight (and bias, "deberta") and an epsilon
 HF_STYLES = ("llama", "gemma", "olmo2", "t5", "cohere", "deberta")
 MEAN_STYLES = ("layer", "cohere", "olmo", "deberta")  # LayerNorm: the mean subtracted
@@ -125,7 +126,7 @@ def add_norm_forward(
         if residual is not None:
             raise ValueError("a T5 norm casting to another dtype than the stream's cannot be fused")
         up = torch.promote_types(x.dtype, _t5_dtype(norm, x)) != x.dtype  # exact: x is widened
-        y = add_norm(x.to(_t5_dtype(norm, x)) if up else x, None, *_norm_args(norm, None), rms=True, **_common(norm))
+        y = add_norm(x.to(_t5_dtype(norm, x)) if up else x, None, *_norm_args(norm, None, x), rms=True, **_common(norm))
         return norm.weight * y.to(_t5_dtype(norm, x))
     parallel = NO_PARALLEL
     if x1 is not None or norm1 is not None:
@@ -141,7 +142,7 @@ def add_norm_forward(
     )  # the cast comes before the weight: in float32 it is a no-op and the weight can go into the op
     common = dict(rms=style not in MEAN_STYLES, prenorm=prenorm, residual_dtype=None, backend=norm.backend)
     out = add_norm(
-        x, residual, *_norm_args(norm, None if late else weight), **common, sublayer=sublayer, parallel=parallel
+        x, residual, *_norm_args(norm, None if late else weight, x), **common, sublayer=sublayer, parallel=parallel
     )
     if not late:
         return out
@@ -151,13 +152,15 @@ def add_norm_forward(
     return (y, out[1]) if prenorm else y
 
 
-def _norm_args(norm: nn.Module, weight: Tensor | None) -> tuple:
-    """``(normalized_shape, weight, bias, eps)`` of ``norm`` for :func:`addnorm.ops.add_norm`."""
+def _norm_args(norm: nn.Module, weight: Tensor | None, x: Tensor) -> tuple:
+    """``(normalized_shape, weight, bias, eps)`` of ``norm`` for :func:`addnorm.ops.add_norm` on ``x``."""
     if norm_style(norm) in ("layer", "rms"):
         bias = getattr(norm, "bias", None)
         return norm.normalized_shape, weight, bias, norm.eps
     if norm_style(norm) == "olmo":
         return norm.normalized_shape, None, None, OLMO_EPS
+    if norm_style(norm) == "nanochat":  # (no parameters, no shape: the last dim of its input)
+        return x.shape[-1:], None, None, eps_of(norm)
     bias = norm.bias if norm_style(norm) == "deberta" and weight is not None else None  # (late: added after)
     return norm.weight.shape, weight, bias, eps_of(norm)
 
