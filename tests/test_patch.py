@@ -85,13 +85,15 @@ def test_every_known_hf_norm_matches_its_class(path):
     if not unweighted:
         with torch.no_grad():
             norm.weight.normal_(0.2, 0.5)
-            if style == "deberta":
+            if style in ("deberta", "nemotron"):
                 norm.bias.normal_(0.0, 0.5)
     ours = copy.deepcopy(norm)
     report = addnorm.patch(ours, backend="reference")
     assert report.replaced == [("", type(norm).__name__, style)]
     x = torch.randn(5, 7, 48) * 3 + 1
     for weight_dtype, x_dtype in DTYPES:
+        if style == "nemotron" and (weight_dtype, x_dtype) == (torch.bfloat16, torch.float32):
+            continue  # (torch's CPU layer_norm refuses a bf16 weight on a float32 input)
         a, b = norm.to(weight_dtype), ours.to(weight_dtype)
         want, got = a(x.to(x_dtype)), b(x.to(x_dtype))
         assert got.dtype == want.dtype, (weight_dtype, x_dtype)
@@ -107,7 +109,7 @@ def test_every_known_hf_norm_matches_its_class(path):
     torch.testing.assert_close(xb.grad, xa.grad)
     if not unweighted:
         torch.testing.assert_close(ours.weight.grad, norm.weight.grad)
-    if style == "deberta":
+    if style in ("deberta", "nemotron"):
         torch.testing.assert_close(ours.bias.grad, norm.bias.grad)
 
 
@@ -412,3 +414,34 @@ def test_fused_blocks_generate_with_cache_and_cross_attention():
         fused(input_ids=ids, encoder_hidden_states=memory).logits,
         gpt2(input_ids=ids, encoder_hidden_states=memory).logits,
     )
+
+
+def test_a_nemotron_norm_casts_to_the_autocast_dtype_as_its_class_does(monkeypatch):
+    """NemotronLayerNorm1P casts its input, ``w + 1`` and bias to the autocast dtype where
+    ``torch.is_autocast_enabled()`` (CUDA's autocast) says so, then normalizes with autocast off:
+    so does its style, and an add before it is then not fused (the norm reads the rounded stream).
+    Here CPU autocast stands in for CUDA's."""
+    original = hf_model("nemotron")
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True, backend="reference")
+    assert {style for _, _, style in report.replaced} == {"nemotron"} and len(report.fused_adds) == 4
+    inputs = hf_inputs("nemotron")
+    calls = []
+    real = sys.modules["addnorm.patch.norms"].add_norm
+    monkeypatch.setattr(
+        sys.modules["addnorm.patch.norms"], "add_norm", lambda x, r, *a, **k: calls.append(r) or real(x, r, *a, **k)
+    )
+    enabled = torch.is_autocast_enabled
+    for cuda_autocast in (False, True):  # (asked with no device, as the class asks: CUDA's)
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda *a, on=cuda_autocast: enabled(*a) if a else on)
+        calls.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, got = original(**inputs).logits, patched(**inputs).logits
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        assert any(r is not None for r in calls) is not cuda_autocast  # fused adds only without the cast
+        if cuda_autocast:
+            norm = patched.model.norm
+            x = torch.randn(3, original.config.hidden_size)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert torch.equal(norm(x), original.model.norm(x))  # the class's own casts, bit for bit

@@ -35,6 +35,7 @@ COVERAGE = {
             ("qwen2", "Qwen2", 5),
             ("qwen3", "Qwen3", 9),  # q_norm and k_norm too
             ("nanochat", "NanoChat", 9),  # q and k norms too; no weights
+            ("nemotron", "Nemotron", 5),  # LayerNorm with weight + 1
             ("mistral", "Mistral", 5),
             ("mixtral", "Mixtral", 5),
             ("granite", "Granite", 5),  # the residual multiplier: a constant layer scale
@@ -204,6 +205,7 @@ LABELS = {
     "dinov2": "DINOv2 (layer scale, drop path)",
     "bloom": "BLOOM (its attention adds the residual)",
     "nanochat": "NanoChat (norms without a weight)",
+    "nemotron": "Nemotron (LayerNorm, weight + 1)",
 }
 
 

@@ -45,6 +45,7 @@ DECODERS = {
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_dropout=0.0, residual_dropout=0.0)),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}),
     "nanochat": ("NanoChatConfig", "NanoChatForCausalLM", {}),  # Llama's layer, norms without a weight
+    "nemotron": ("NemotronConfig", "NemotronForCausalLM", {}),  # LayerNorm with weight + 1
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {}),
     "deepseek_v3": (
         "DeepseekV3Config",

@@ -177,7 +177,7 @@ def _why_not_hf_norm(m: nn.Module, style: str) -> str | None:
         return "expected a 1-D 'weight', one per feature of the last dim"
     if eps_of(m) is None:
         return "expected a float 'variance_epsilon' or 'eps'"
-    kept = ("weight", "bias") if style == "deberta" else ("weight",)
+    kept = ("weight", "bias") if style in ("deberta", "nemotron") else ("weight",)
     if style == "deberta" and (not isinstance(getattr(m, "bias", None), Tensor) or m.bias.shape != w.shape):
         return "expected a 'bias' of the weight's shape"
     extra = [n for n, _ in m.named_parameters(recurse=False) if n not in kept]

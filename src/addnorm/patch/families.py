@@ -210,6 +210,8 @@ FAMILIES: dict[str, Family] = {
     "transformers.models.siglip.modeling_siglip.SiglipEncoderLayer": Family(
         _CLIP, final=("final_layer_norm", "post_layernorm")
     ),
+    # Nemotron: Llama's layer, its attention called without the block's **kwargs
+    "transformers.models.nemotron.modeling_nemotron.NemotronDecoderLayer": Family(_PRE, final="norm", kwargs=False),
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
     ),

@@ -13,6 +13,7 @@ cast back to the activation dtype (all compute the statistics in float32)::
     "olmo"   OlmoLayerNorm           y = xhat.to(x.dtype)                (LayerNorm, no parameters)
     "nanochat" NanoChatRMSNorm       y = xhat.to(x.dtype)                (RMSNorm, no parameters)
     "deberta" DebertaLayerNorm       y = w * xhat.to(x.dtype) + b        (LayerNorm, cast, then weight and bias)
+    "nemotron" NemotronLayerNorm1P   y = (xhat * (w + 1) + b).to(x.dtype) (LayerNorm; w + 1 in w's dtype)
     "flash_attn"  flash-attn's / mamba_ssm's RMSNorm: its own forward(x, residual, prenorm,
              residual_in_fp32), run by :class:`addnorm.compat.flash_attn.RMSNorm`
 
@@ -39,10 +40,13 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
-STYLES = ("layer", "rms", "llama", "gemma", "olmo2", "t5", "cohere", "olmo", "nanochat", "deberta", "flash_attn")
-# Hugging Face classes: a 1-D weight (and bias, "deberta") and an epsilon
-HF_STYLES = ("llama", "gemma", "olmo2", "t5", "cohere", "deberta")
-MEAN_STYLES = ("layer", "cohere", "olmo", "deberta")  # LayerNorm: the mean subtracted
+STYLES = (
+    *("layer", "rms", "llama", "gemma", "olmo2", "t5", "cohere", "olmo", "nanochat", "deberta", "nemotron"),
+    "flash_attn",
+)
+# Hugging Face classes: a 1-D weight (and bias, "deberta"; optional, "nemotron") and an epsilon
+HF_STYLES = ("llama", "gemma", "olmo2", "t5", "cohere", "deberta", "nemotron")
+MEAN_STYLES = ("layer", "cohere", "olmo", "deberta", "nemotron")  # LayerNorm: the mean subtracted
 OLMO_EPS = 1e-5  # OlmoLayerNorm's, written in its forward
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -93,9 +97,19 @@ def _t5_dtype(norm: nn.Module, x: Tensor) -> torch.dtype:
 
 def fusable(norm: nn.Module, x: Tensor) -> bool:
     """Whether ``norm``'s output on the stream of ``x``'s dtype can come out of a fused Add & Norm
-    (a T5 norm casting to a dtype other than the stream's cannot: its input is never rounded)."""
+    (a T5 norm casting to a dtype other than the stream's cannot, nor a Nemotron norm casting to
+    the autocast dtype: their input is never rounded)."""
     style = norm_style(norm)
+    if style == "nemotron":
+        return _nemotron_autocast(x) is None
     return style is not None and (style != "t5" or _t5_dtype(norm, x) == x.dtype)
+
+
+def _nemotron_autocast(x: Tensor) -> torch.dtype | None:
+    """The dtype NemotronLayerNorm1P casts its input, ``w + 1`` and bias to before its layer norm
+    (run with autocast off): the autocast dtype of ``x``'s device where ``torch.is_autocast_enabled()``
+    (CUDA's autocast, as the class asks it), else None."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled() else None
 
 
 def add_norm_forward(
@@ -128,6 +142,14 @@ def add_norm_forward(
         up = torch.promote_types(x.dtype, _t5_dtype(norm, x)) != x.dtype  # exact: x is widened
         y = add_norm(x.to(_t5_dtype(norm, x)) if up else x, None, *_norm_args(norm, None, x), rms=True, **_common(norm))
         return norm.weight * y.to(_t5_dtype(norm, x))
+    cast = _nemotron_autocast(x) if style == "nemotron" else None
+    if cast is not None:  # its own cast, then no autocast (unfused: fusable says so)
+        if residual is not None:
+            raise ValueError("a Nemotron norm casting to the autocast dtype cannot be fused")
+        args = (x.to(cast), None, norm.normalized_shape, (norm.weight + 1).to(cast))
+        bias = None if norm.bias is None else norm.bias.to(cast)
+        with torch.autocast(x.device.type, enabled=False):
+            return add_norm(*args, bias, norm.eps, rms=False, **_common(norm))
     parallel = NO_PARALLEL
     if x1 is not None or norm1 is not None:
         if norm1 is not None and style not in ("layer", "rms"):  # (x1 alone only changes the stream)
@@ -161,6 +183,8 @@ def _norm_args(norm: nn.Module, weight: Tensor | None, x: Tensor) -> tuple:
         return norm.normalized_shape, None, None, OLMO_EPS
     if norm_style(norm) == "nanochat":  # (no parameters, no shape: the last dim of its input)
         return x.shape[-1:], None, None, eps_of(norm)
+    if norm_style(norm) == "nemotron":  # the weight plus one, added in its own dtype, as the class does
+        return norm.normalized_shape, norm.weight + 1, norm.bias, norm.eps
     bias = norm.bias if norm_style(norm) == "deberta" and weight is not None else None  # (late: added after)
     return norm.weight.shape, weight, bias, eps_of(norm)
 
