@@ -74,14 +74,14 @@ def _owners_intact(block: nn.Module) -> bool:
 def _dropout_p(block: nn.Module, step: Step) -> float:
     """The dropout probability of ``step`` now: an ``nn.Dropout``'s own when that module is in
     training mode (as its own call; 0 in eval mode, whatever the block's mode), a float
-    attribute's when the block is (as ``F.dropout(..., training=self.training)``)."""
+    attribute's when the module holding it is (the block, or BLOOM's MLP: as
+    ``F.dropout(..., training=self.training)`` there)."""
     if step.dropout is None:
         return 0.0
     value = attribute(block, step.dropout)
     if isinstance(value, nn.Dropout):
         return float(value.p) if value.training else 0.0
-    # a module's float attribute follows that module's mode (BLOOM's "mlp.hidden_dropout", applied
-    # inside its MLP as F.dropout(..., training=self.training)); a config's, the block's
+    # (a config's float attribute follows the block's mode)
     owner = attribute(block, step.dropout.rpartition(".")[0]) if "." in step.dropout else block
     return float(value) if (owner if isinstance(owner, nn.Module) else block).training else 0.0
 
