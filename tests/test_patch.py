@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import addnorm
 from addnorm.patch import HF_NORMS, norm_style
@@ -77,14 +78,15 @@ def test_every_known_hf_norm_matches_its_class(path):
     unweighted = style in ("olmo", "nanochat")  # (no parameters)
     norm = (
         _hf_class(path)(48)
-        if style == "olmo"
+        if style in ("olmo", "moonshine")  # (MoonshineStreamingLayerNorm's eps: its LayerNorm's default)
         else _hf_class(path)(eps=1e-6)
         if unweighted
         else _hf_class(path)(48, eps=1e-6)
     )
+    weight = "gamma" if style == "moonshine" else "weight"
     if not unweighted:
         with torch.no_grad():
-            norm.weight.normal_(0.2, 0.5)
+            getattr(norm, weight).normal_(0.2, 0.5)
             if style in ("deberta", "nemotron"):
                 norm.bias.normal_(0.0, 0.5)
     ours = copy.deepcopy(norm)
@@ -108,7 +110,7 @@ def test_every_known_hf_norm_matches_its_class(path):
     ours(xb).backward(dy)
     torch.testing.assert_close(xb.grad, xa.grad)
     if not unweighted:
-        torch.testing.assert_close(ours.weight.grad, norm.weight.grad)
+        torch.testing.assert_close(getattr(ours, weight).grad, getattr(norm, weight).grad)
     if style in ("deberta", "nemotron"):
         torch.testing.assert_close(ours.bias.grad, norm.bias.grad)
 
@@ -445,3 +447,38 @@ def test_a_nemotron_norm_casts_to_the_autocast_dtype_as_its_class_does(monkeypat
             x = torch.randn(3, original.config.hidden_size)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 assert torch.equal(norm(x), original.model.norm(x))  # the class's own casts, bit for bit
+            # autocast's own rule: a float64 tensor is not cast, so neither is a float64 norm's input
+            norm64, original64 = copy.deepcopy(norm).double(), copy.deepcopy(original.model.norm).double()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                want = original64(x.double())
+                got = norm64(x.double())
+            assert got.dtype == want.dtype == torch.float64  # (a cast to bf16 would be off by 1e-2)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_norm_class_of_style_nemotron_needs_only_what_the_other_styles_need():
+    """``norm_types={MyNorm: "nemotron"}`` on a class with a 1-D weight, an ``eps`` or
+    ``variance_epsilon`` and an optional bias (no ``normalized_shape``) computes ``LN(x) * (w + 1) +
+    b``; a bias of another shape is refused by name."""
+
+    class MyLayerNorm1P(nn.Module):
+        def __init__(self, n, bias):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(n) * 0.1)
+            self.bias = nn.Parameter(torch.randn(n)) if bias else None
+            self.variance_epsilon = 1e-5
+
+        def forward(self, x):
+            return F.layer_norm(x, x.shape[-1:], self.weight + 1, self.bias, self.variance_epsilon)
+
+    x = torch.randn(4, 5, 24)
+    for bias in (False, True):
+        norm = MyLayerNorm1P(24, bias)
+        ours = copy.deepcopy(norm)
+        report = addnorm.patch(ours, norm_types={MyLayerNorm1P: "nemotron"})
+        assert report.replaced == [("", "MyLayerNorm1P", "nemotron")]
+        torch.testing.assert_close(ours(x), norm(x))
+    odd = MyLayerNorm1P(24, True)
+    odd.bias = nn.Parameter(torch.randn(12))
+    report = addnorm.patch(odd, norm_types={MyLayerNorm1P: "nemotron"})
+    assert report.skipped == [("", "MyLayerNorm1P", "expected a 'bias' of the weight's shape, or None")]

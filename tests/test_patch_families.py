@@ -855,7 +855,16 @@ def _tiny(kind: str):
 
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
     heads = dict(encoder_attention_heads=4, decoder_attention_heads=4)
-    if kind == "moonshine":
+    if kind == "moonshine_streaming":  # (its norms: LayerNorm times gamma + 1, style "moonshine")
+        sizes = dict(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2, num_attention_heads=4)
+        sizes |= dict(num_key_value_heads=4, head_dim=8)
+        encoder = sizes | dict(sliding_windows=[[16, 4], [16, 0]])
+        cfg = tf.MoonshineStreamingConfig(
+            encoder_config=encoder, vocab_size=64, pad_token_id=0, decoder_start_token_id=1, **sizes
+        )
+        model = tf.MoonshineStreamingForConditionalGeneration(cfg)
+        inputs = dict(input_values=torch.randn(2, 2000), labels=ids)
+    elif kind == "moonshine":
         cfg = tf.MoonshineConfig(
             vocab_size=64, hidden_size=WIDTH, intermediate_size=2 * WIDTH, encoder_num_hidden_layers=2,
             decoder_num_hidden_layers=2, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
@@ -885,7 +894,8 @@ def _tiny(kind: str):
 @pytest.mark.parametrize(
     "kind, finals",
     [
-        ("moonshine", ["model.encoder.layer_norm"]),
+        ("moonshine", ["model.encoder.layer_norm", "model.decoder.norm"]),
+        ("moonshine_streaming", ["model.encoder.final_norm", "model.decoder.norm"]),
         ("bigbird_pegasus", ["model.decoder.layernorm_embedding"]),
         ("vit_mae", ["vit.layernorm", "decoder.decoder_norm"]),  # one layer class, two stacks
     ],
@@ -909,6 +919,56 @@ def test_a_final_norm_named_otherwise_than_the_original_s_takes_the_last_add(kin
         torch.testing.assert_close(
             fused_grads[name], grad, rtol=1e-5, atol=1e-6 * scale + 1e-9, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_moonshine_s_decoders_call_their_cross_attention_without_the_block_s_kwargs():
+    """Moonshine's decoder layers pass their ``**kwargs`` to the self-attention alone (Whisper's
+    pass them to the cross-attention too): so does the fused block (``Step.kwargs``), and the
+    encoder's positions, which the layer takes and never uses, go to neither."""
+    for kind in ("moonshine", "moonshine_streaming"):
+        original, _ = _tiny(kind)
+        patched = copy.deepcopy(original)
+        addnorm.patch(patched, fuse_residual=True)
+        h, encoded = torch.randn(2, 5, WIDTH), torch.randn(2, 7, WIDTH)
+        positions = original.model.decoder.rotary_emb(h, torch.arange(5)[None])
+        seen = []
+        for model in (original, patched):
+            layer = model.model.decoder.layers[0]
+            calls = {}
+            for name in ("self_attn", "encoder_attn"):
+                hook = lambda m, a, kw, n=name, c=calls: c.update({n: set(kw) - {"hidden_states"}})  # noqa: E731
+                getattr(layer, name).register_forward_pre_hook(hook, with_kwargs=True)
+            out = layer(h, encoder_hidden_states=encoded, position_embeddings=positions, output_attentions=False)
+            seen.append((calls, out))
+        (want, expected), (got, result) = seen
+        assert (
+            got == want and "output_attentions" in got["self_attn"] and "output_attentions" not in got["encoder_attn"]
+        )
+        torch.testing.assert_close(result, expected)
+
+
+@pytest.mark.parametrize("name", ["llama", "nemotron", "stablelm"])
+def test_a_block_called_with_a_deprecated_argument_name_runs_as_its_class_does(name):
+    """transformers' layers rename ``past_key_values`` to ``cache`` in a decorator of their
+    forward (``deprecate_kwarg``); the fused forward, which has no such decorator, runs the original
+    for a call using the old name: the cache fills, and the next cached step agrees."""
+    from transformers import DynamicCache
+
+    original = hf_model(name).eval()
+    patched = copy.deepcopy(original)
+    addnorm.patch(patched, fuse_residual=True)
+    h, later = torch.randn(1, 4, WIDTH), torch.randn(1, 1, WIDTH)
+    outputs = []
+    for model in (original, patched):
+        layer, rotary, cache = model.model.layers[0], model.model.rotary_emb, DynamicCache(config=model.config)
+        with torch.no_grad():
+            for x, pos in ((h, torch.arange(4)[None]), (later, torch.tensor([[4]]))):
+                out = layer(
+                    x, position_ids=pos, past_key_values=cache, use_cache=True, position_embeddings=rotary(x, pos)
+                )
+        assert cache.get_seq_length() == 5
+        outputs.append(out)
+    torch.testing.assert_close(outputs[1], outputs[0])
 
 
 def test_bloom_s_mlp_dropout_follows_the_mlp_s_mode():

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
-from .blocks import FAMILY, NEXT, ORIGINAL, OWNERS, attribute, block_forward, owners
+from .blocks import FAMILY, NEXT, ORIGINAL, OWNERS, attribute, block_forward, owners, renamed_arguments
 from .families import FAMILIES, Family, entry_norms, family_of, final_names
 from .hf_norms import HF_NORMS
 from .norms import (
@@ -70,6 +70,7 @@ def _subclass(cls: type, kind: str) -> type:
             body = {
                 "forward": block_forward,
                 "_addnorm_signature": inspect.signature(cls.forward),
+                "_addnorm_renamed": renamed_arguments(cls.forward),
             }
         body |= {"__module__": __name__, "__reduce_ex__": _reduce_ex, "_addnorm_made_from": (cls, kind)}
         _SUBCLASSES[cls, kind] = type(f"Addnorm{cls.__name__}", (cls,), body)
@@ -141,6 +142,10 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
         eps_of(m) is None or any(True for _ in m.parameters()) or any(True for _ in m.buffers())
     ):
         return "expected a float 'eps' and no parameters or buffers"
+    if style == "moonshine":
+        why = _why_not_moonshine(m)
+        if why is not None:
+            return why
     if style == "olmo":
         shape = getattr(m, "normalized_shape", None)
         if not isinstance(shape, tuple) or not all(type(n) is int for n in shape) or any(True for _ in m.parameters()):
@@ -164,6 +169,28 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
     return None
 
 
+def _why_not_moonshine(m: nn.Module) -> str | None:
+    """Why ``m`` does not compute MoonshineStreamingLayerNorm's ``(gamma + unit_offset) * ln(x)``
+    with ``ln`` a LayerNorm without parameters over gamma's features."""
+    gamma, offset, ln = getattr(m, "gamma", None), getattr(m, "unit_offset", None), getattr(m, "ln", None)
+    if not isinstance(gamma, Tensor) or gamma.dim() != 1:
+        return "expected a 1-D 'gamma', one per feature of the last dim"
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool):
+        return "expected a float 'unit_offset'"
+    if (
+        not isinstance(ln, nn.LayerNorm)
+        or ln.weight is not None
+        or ln.bias is not None
+        or tuple(ln.normalized_shape) != tuple(gamma.shape)
+    ):
+        return "expected an 'ln' LayerNorm without parameters over gamma's features"
+    extra = [n for n, _ in m.named_parameters(recurse=False) if n != "gamma"]
+    extra += [n for n, _ in m.named_buffers(recurse=False)]
+    if extra:
+        return f"has {extra[0]!r} besides 'gamma', which style 'moonshine' does not compute with"
+    return None
+
+
 _WRAPPED = "its forward is replaced on the module itself (accelerate's hooks?): patch before dispatching or offloading"
 # attributes some Hugging Face norm classes have which, away from their default, change what they
 # compute (a norm per group of features; statistics in the input's dtype): none of the styles
@@ -180,6 +207,9 @@ def _why_not_hf_norm(m: nn.Module, style: str) -> str | None:
     kept = ("weight", "bias") if style in ("deberta", "nemotron") else ("weight",)
     if style == "deberta" and (not isinstance(getattr(m, "bias", None), Tensor) or m.bias.shape != w.shape):
         return "expected a 'bias' of the weight's shape"
+    bias = getattr(m, "bias", None)
+    if style == "nemotron" and bias is not None and (not isinstance(bias, Tensor) or bias.shape != w.shape):
+        return "expected a 'bias' of the weight's shape, or None"
     extra = [n for n, _ in m.named_parameters(recurse=False) if n not in kept]
     extra += [n for n, _ in m.named_buffers(recurse=False)]
     if extra:
@@ -400,12 +430,17 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
         raise TypeError(f"fuse_residual must be a bool, got {type(fuse_residual).__name__}")
     types = _resolve_norm_types(norm_types)
     report = PatchReport()
+    inside = ()  # the prefixes of replaced norms: modules inside one (a "moonshine" norm's ``ln``) are never called
     for name, m in list(model.named_modules()):
         cls = type(m)
+        if name.startswith(inside):
+            continue
         if ORIGINAL in m.__dict__:  # patched before (a norm: runs this call's backend from now on)
-            if "backend" in m.__dict__ and m.backend != backend:
-                m.backend = backend
-                report.replaced.append((name, m.__dict__[ORIGINAL].__name__, norm_style(m)))
+            if "backend" in m.__dict__:
+                inside += (f"{name}." if name else "",)
+                if m.backend != backend:
+                    m.backend = backend
+                    report.replaced.append((name, m.__dict__[ORIGINAL].__name__, norm_style(m)))
             continue
         style = types.get(cls, types.get(_path(cls)))
         if style is None and norm_types is None:
@@ -417,6 +452,7 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
         why = _patch_norm(m, style, backend)
         if why is None:
             report.replaced.append((name, cls.__name__, style))
+            inside += (f"{name}." if name else "",)
         else:
             report.skipped.append((name, cls.__name__, why))
     if fuse_residual:

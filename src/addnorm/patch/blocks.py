@@ -15,13 +15,15 @@ op and hand the next block both of its norms (``x1``, ``norm1``).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..ops import Sublayer
 from .families import Family, Step
-from .norms import add_norm_forward, fusable, hand_off
+from .norms import PARAMETERS, add_norm_forward, fusable, hand_off
 
 ORIGINAL = "_addnorm_original_class"
 NEXT = "_addnorm_next"  # the norms the block's last add feeds, set by patch()
@@ -30,6 +32,23 @@ OWNERS = "_addnorm_owners"  # {name: class} of the modules of owners(family), se
 
 
 # --------------------------------------------------------------------------- the fused forward
+
+
+def renamed_arguments(forward) -> frozenset[str]:
+    """The argument names a decorator of a block's ``forward`` renames before calling it:
+    transformers' ``deprecate_kwarg`` (``past_key_values`` -> ``cache``), found by the ``old_name``
+    its wrapper holds. A call using one of them runs the original forward, which renames it (the
+    fused forward, not decorated, would pass it on under the old name, beside the new one)."""
+    names = set()
+    while callable(forward):
+        try:
+            old = inspect.getclosurevars(forward).nonlocals.get("old_name")
+        except (TypeError, ValueError):  # (not a Python function)
+            break
+        if isinstance(old, str):
+            names.add(old)
+        forward = getattr(forward, "__wrapped__", None)
+    return frozenset(names)
 
 
 def _arguments(self, hidden_states, args, kwargs) -> tuple[dict, dict]:
@@ -138,12 +157,12 @@ def _may_hand_off(block: nn.Module, norms: tuple[nn.Module, ...], x: Tensor) -> 
 
 def _computable(norm: nn.Module, x: Tensor) -> bool:
     """Whether ``norm``'s output on ``x`` can come out of a fused op: its output can
-    (:func:`.norms.fusable`), its weight is a plain tensor on ``x``'s device (not sharded away by
+    (:func:`.norms.fusable`), its parameters are plain tensors on ``x``'s device (not sharded away by
     FSDP, not offloaded), and calling it runs its class's forward alone (no forward set on the
     module itself, as accelerate's hooks set one to load the weights first)."""
-    w = getattr(norm, "weight", None)
-    if w is not None and (type(w.data) is not Tensor or w.device != x.device):
-        return False
+    for w in (getattr(norm, n, None) for n in PARAMETERS):
+        if isinstance(w, Tensor) and (type(w.data) is not Tensor or w.device != x.device):
+            return False
     return "forward" not in norm.__dict__ and fusable(norm, x)
 
 
@@ -202,6 +221,8 @@ def _call_first(block: nn.Module, family: Family, step: Step, h: Tensor, named: 
 def block_forward(self, hidden_states, *args, **kwargs):
     """The forward of every block of ``FAMILIES``: the original's steps with each add fused."""
     family = self.__dict__[FAMILY]
+    if kwargs and not type(self)._addnorm_renamed.isdisjoint(kwargs):  # (renamed_arguments)
+        return self.__dict__[ORIGINAL].forward(self, hidden_states, *args, **kwargs)
     if family.post_norm:
         return _post_norm_forward(self, family, hidden_states, *args, **kwargs)
     named, spread = _arguments(self, hidden_states, args, kwargs)
@@ -212,7 +233,9 @@ def block_forward(self, hidden_states, *args, **kwargs):
     ):
         return self.__dict__[ORIGINAL].forward(self, hidden_states, *args, **kwargs)
     steps = tuple(st for st in family.steps if st.needs is None or named.get(st.needs) is not None)
-    calls = [{new: named.get(old) for old, new in st.call} | spread if st.call else {} for st in steps]
+    calls = [
+        {new: named.get(old) for old, new in st.call} | (spread if st.kwargs else {}) if st.call else {} for st in steps
+    ]
     for name in family.fallback + family.drop:
         named.pop(name, None)
     nxt = tuple(self.__dict__.get(NEXT, ()))

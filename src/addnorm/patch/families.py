@@ -33,6 +33,7 @@ class Step:
     # (Whisper's cross-attention: encoder_hidden_states -> key_value_states)
     call: tuple[tuple[str, str], ...] = ()
     needs: str | None = None  # a block argument without which the step is skipped (cross-attention)
+    kwargs: bool = True  # with ``call``: the block's **kwargs go to the sublayer too (not Moonshine's)
     # the sublayer adds the stream itself, given as this keyword, and returns the new stream
     # (BLOOM's attention: ``residual``): that add stays inside it, the next norm reads its result
     adds: str | None = None
@@ -210,6 +211,33 @@ FAMILIES: dict[str, Family] = {
     "transformers.models.siglip.modeling_siglip.SiglipEncoderLayer": Family(
         _CLIP, final=("final_layer_norm", "post_layernorm")
     ),
+    # Moonshine's decoders: Llama's layer with Whisper's cross-attention between, which the block
+    # calls without its **kwargs (and its encoder's positions unused)
+    **{
+        hf_path(m, f"{c}DecoderLayer"): Family(
+            (
+                Step("self_attn", "input_layernorm"),
+                Step(
+                    "encoder_attn",
+                    "post_attention_layernorm",
+                    first=True,
+                    call=(
+                        ("encoder_hidden_states", "key_value_states"),
+                        ("encoder_attention_mask", "attention_mask"),
+                        ("cache", "cache"),
+                        ("use_cache", "use_cache"),
+                    ),
+                    needs="encoder_hidden_states",
+                    kwargs=False,
+                ),
+                Step("mlp", "final_layernorm"),
+            ),
+            final="norm",
+            drop=("encoder_hidden_states", "encoder_attention_mask")
+            + ("encoder_position_ids", "encoder_position_embeddings"),  # (unused by the original)
+        )
+        for m, c in [("moonshine", "Moonshine"), ("moonshine_streaming", "MoonshineStreaming")]
+    },
     # Nemotron: Llama's layer, its attention called without the block's **kwargs
     "transformers.models.nemotron.modeling_nemotron.NemotronDecoderLayer": Family(_PRE, final="norm", kwargs=False),
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
@@ -466,6 +494,7 @@ FINALS = {
     "dots3_note.Dots3NoteAudioLayer": "layer_norm",
     "hrm_text.HrmTextDecoderLayer": "final_norm",
     "moonshine.MoonshineEncoderLayer": "layer_norm",
+    "moonshine_streaming.MoonshineStreamingEncoderLayer": "final_norm",
     "nemotron3_5_transcribe.Nemotron3_5TranscribeAsrAudioLayer": "layer_norm",
     "nemotron3_diarization.Nemotron3DiarizationAudioLayer": "layer_norm",
     "pp_ocrv5_mobile_rec.PPOCRV5MobileRecBlock": "norm",

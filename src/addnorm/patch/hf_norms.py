@@ -4,7 +4,7 @@
 A class enters this table when it computes one of the styles exactly: tests/test_patch.py checks every
 entry against the real class (the RMSNorm styles' outputs bit for bit in float32, bfloat16 and float16,
 and with a weight and an input of different dtypes, where those styles differ; the LayerNorm styles',
-"cohere", "olmo", "deberta" and "nemotron", within rounding, their mean and variance summed in another
+"cohere", "olmo", "deberta", "nemotron" and "moonshine", within rounding, their mean and variance summed in another
 order; gradients within float32 rounding). An entry whose module the installed transformers lacks
 is never matched. Other classes are left as they are and listed by the report;
 ``addnorm.patch(model, norm_types={MyNorm: "llama"})`` adds one.
@@ -94,6 +94,7 @@ _BY_STYLE = {
     """,
     "deberta": "deberta.DebertaLayerNorm",
     "nemotron": "nemotron.NemotronLayerNorm1P",
+    "moonshine": "moonshine_streaming.MoonshineStreamingLayerNorm",
 }
 
 

@@ -14,6 +14,8 @@ cast back to the activation dtype (all compute the statistics in float32)::
     "nanochat" NanoChatRMSNorm       y = xhat.to(x.dtype)                (RMSNorm, no parameters)
     "deberta" DebertaLayerNorm       y = w * xhat.to(x.dtype) + b        (LayerNorm, cast, then weight and bias)
     "nemotron" NemotronLayerNorm1P   y = (xhat * (w + 1) + b).to(x.dtype) (LayerNorm; w + 1 in w's dtype)
+    "moonshine" MoonshineStreamingLayerNorm  y = (g + offset) * xhat.to(x.dtype)  (LayerNorm, cast, then
+             its ``gamma`` plus its ``unit_offset``, added in gamma's dtype)
     "flash_attn"  flash-attn's / mamba_ssm's RMSNorm: its own forward(x, residual, prenorm,
              residual_in_fp32), run by :class:`addnorm.compat.flash_attn.RMSNorm`
 
@@ -42,12 +44,13 @@ from ..ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 
 STYLES = (
     *("layer", "rms", "llama", "gemma", "olmo2", "t5", "cohere", "olmo", "nanochat", "deberta", "nemotron"),
-    "flash_attn",
+    *("moonshine", "flash_attn"),
 )
 # Hugging Face classes: a 1-D weight (and bias, "deberta"; optional, "nemotron") and an epsilon
 HF_STYLES = ("llama", "gemma", "olmo2", "t5", "cohere", "deberta", "nemotron")
-MEAN_STYLES = ("layer", "cohere", "olmo", "deberta", "nemotron")  # LayerNorm: the mean subtracted
+MEAN_STYLES = ("layer", "cohere", "olmo", "deberta", "nemotron", "moonshine")  # LayerNorm: the mean subtracted
 OLMO_EPS = 1e-5  # OlmoLayerNorm's, written in its forward
+PARAMETERS = ("weight", "bias", "gamma")  # the names of the tensors a norm of any style computes with
 
 _HALF = (torch.float16, torch.bfloat16)
 # flash-attn's fused-norm module and its copies in mamba_ssm, recognised by name and signature
@@ -101,15 +104,26 @@ def fusable(norm: nn.Module, x: Tensor) -> bool:
     the autocast dtype: their input is never rounded)."""
     style = norm_style(norm)
     if style == "nemotron":
-        return _nemotron_autocast(x) is None
+        return _nemotron_autocast(norm, x) is None
     return style is not None and (style != "t5" or _t5_dtype(norm, x) == x.dtype)
 
 
-def _nemotron_autocast(x: Tensor) -> torch.dtype | None:
-    """The dtype NemotronLayerNorm1P casts its input, ``w + 1`` and bias to before its layer norm
-    (run with autocast off): the autocast dtype of ``x``'s device where ``torch.is_autocast_enabled()``
-    (CUDA's autocast, as the class asks it), else None."""
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled() else None
+def _nemotron_autocast(norm: nn.Module, x: Tensor) -> tuple | None:
+    """``(x, w + 1, bias)`` as NemotronLayerNorm1P casts them before its layer norm (run with
+    autocast off) where ``torch.is_autocast_enabled()`` (CUDA's autocast, as the class asks it) and
+    the cast changes one of them, else None. As autocast's own cast: each floating tensor on ``x``'s
+    device type, float64 excepted, to that device's autocast dtype."""
+    if not torch.is_autocast_enabled():
+        return None
+    device, dtype = x.device.type, torch.get_autocast_dtype(x.device.type)
+    tensors = (x, norm.weight + 1, getattr(norm, "bias", None))
+    cast = tuple(
+        t.to(dtype)
+        if t is not None and t.is_floating_point() and t.device.type == device and t.dtype is not torch.float64
+        else t
+        for t in tensors
+    )
+    return cast if any(t is not None and t.dtype != u.dtype for t, u in zip(cast, tensors)) else None
 
 
 def add_norm_forward(
@@ -142,14 +156,13 @@ def add_norm_forward(
         up = torch.promote_types(x.dtype, _t5_dtype(norm, x)) != x.dtype  # exact: x is widened
         y = add_norm(x.to(_t5_dtype(norm, x)) if up else x, None, *_norm_args(norm, None, x), rms=True, **_common(norm))
         return norm.weight * y.to(_t5_dtype(norm, x))
-    cast = _nemotron_autocast(x) if style == "nemotron" else None
+    cast = _nemotron_autocast(norm, x) if style == "nemotron" else None
     if cast is not None:  # its own cast, then no autocast (unfused: fusable says so)
         if residual is not None:
             raise ValueError("a Nemotron norm casting to the autocast dtype cannot be fused")
-        args = (x.to(cast), None, norm.normalized_shape, (norm.weight + 1).to(cast))
-        bias = None if norm.bias is None else norm.bias.to(cast)
+        x, weight, bias = cast
         with torch.autocast(x.device.type, enabled=False):
-            return add_norm(*args, bias, norm.eps, rms=False, **_common(norm))
+            return add_norm(x, None, norm.weight.shape, weight, bias, eps_of(norm), rms=False, **_common(norm))
     parallel = NO_PARALLEL
     if x1 is not None or norm1 is not None:
         if norm1 is not None and style not in ("layer", "rms"):  # (x1 alone only changes the stream)
@@ -158,8 +171,8 @@ def add_norm_forward(
         parallel = Parallel(x1, w1, b1)
     if style == "gemma":  # the (1 + w) offset in float32 (zero_centered_weight), the cast last
         sublayer = sublayer._replace(zero_centered_weight=True)
-    weight = getattr(norm, "weight", None)  # (None: a norm without parameters)
-    late = style in ("llama", "t5", "deberta") and not (
+    weight = _weight(norm)  # (None: a norm without parameters)
+    late = style in ("llama", "t5", "deberta", "moonshine") and not (
         x.dtype == weight.dtype == torch.float32 and (residual is None or residual.dtype == torch.float32)
     )  # the cast comes before the weight: in float32 it is a no-op and the weight can go into the op
     common = dict(rms=style not in MEAN_STYLES, prenorm=prenorm, residual_dtype=None, backend=norm.backend)
@@ -174,6 +187,15 @@ def add_norm_forward(
     return (y, out[1]) if prenorm else y
 
 
+def _weight(norm: nn.Module) -> Tensor | None:
+    """What the norm multiplies ``xhat`` by (besides a "gemma" or "nemotron" offset, which the op
+    or :func:`_norm_args` adds): its ``weight``, or a "moonshine" norm's ``gamma + unit_offset``
+    (in gamma's dtype, as the class adds them)."""
+    if norm_style(norm) == "moonshine":
+        return norm.gamma + norm.unit_offset
+    return getattr(norm, "weight", None)
+
+
 def _norm_args(norm: nn.Module, weight: Tensor | None, x: Tensor) -> tuple:
     """``(normalized_shape, weight, bias, eps)`` of ``norm`` for :func:`addnorm.ops.add_norm` on ``x``."""
     if norm_style(norm) in ("layer", "rms"):
@@ -184,7 +206,9 @@ def _norm_args(norm: nn.Module, weight: Tensor | None, x: Tensor) -> tuple:
     if norm_style(norm) == "nanochat":  # (no parameters, no shape: the last dim of its input)
         return x.shape[-1:], None, None, eps_of(norm)
     if norm_style(norm) == "nemotron":  # the weight plus one, added in its own dtype, as the class does
-        return norm.normalized_shape, norm.weight + 1, norm.bias, norm.eps
+        return norm.weight.shape, norm.weight + 1, getattr(norm, "bias", None), eps_of(norm)
+    if norm_style(norm) == "moonshine":  # (its statistics: a LayerNorm without parameters, ``ln``)
+        return norm.ln.normalized_shape, weight, None, norm.ln.eps
     bias = norm.bias if norm_style(norm) == "deberta" and weight is not None else None  # (late: added after)
     return norm.weight.shape, weight, bias, eps_of(norm)
 
@@ -214,7 +238,7 @@ def _autograd_context() -> tuple:
 def _parameters(norm: nn.Module) -> tuple:
     """The tensors ``norm`` computes with, and their versions: an output made with them is stale
     once one is replaced or changed in place (an optimizer step, an edit between two calls)."""
-    return tuple((t, t._version) for t in (getattr(norm, n, None) for n in ("weight", "bias")) if t is not None)
+    return tuple((t, t._version) for t in (getattr(norm, n, None) for n in PARAMETERS) if t is not None)
 
 
 def hand_off(norm: nn.Module, stream: Tensor, output: Tensor) -> None:
