@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     variants = None
     if args.train_variants:
         variants = args.train_variants.split(",")
-        known = {f"{v}{c}" for v in ("unpatched", "addnorm", "liger") for c in ("", "+compile")}
+        known = {f"{v}{c}" for v in ("unpatched", "addnorm", "liger") for c in ("", "+compile", "+graphs")}
         if not set(variants) <= known:
             p.error(
                 f"--train-variants: expected {', '.join(sorted(known))}, comma-separated; got {args.train_variants!r}"

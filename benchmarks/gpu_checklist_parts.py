@@ -548,9 +548,11 @@ def _patched(variant: str, model: torch.nn.Module, kind: str, backend: str) -> t
 def training_step(setup: Setup) -> Part:
     """A training step (forward, loss, backward, AdamW) of a GPT-2-small-shaped and a
     Llama-shaped stack with random weights: unpatched, addnorm's patch, Liger's patch, and each
-    under ``torch.compile`` where ``setup.train_variants`` names it ("addnorm+compile"); tokens/s,
-    peak memory and the first step's seconds (a compile's included). Liger's patch rewrites the
-    Llama module globally, so its variants run last."""
+    under ``torch.compile`` where ``setup.train_variants`` names it ("addnorm+compile"), or under
+    ``torch.compile(mode="reduce-overhead")``, whose CUDA graphs replay the step's launches
+    without their host code ("addnorm+graphs"); tokens/s, peak memory and the first step's seconds
+    (a compile's included). Liger's patch rewrites the Llama module globally, so its variants run
+    last."""
     rows, log = [], []
     batch, seq = setup.tokens
     backend = "triton"
@@ -560,14 +562,17 @@ def training_step(setup: Setup) -> Part:
         kind = cfg.pop("kind")
         for variant in sorted(setup.train_variants, key=lambda v: v.startswith("liger")):
             try:
-                base, compiled = variant.removesuffix("+compile"), variant.endswith("+compile")
+                base, _, how = variant.partition("+")
                 model = _patched(base, _model(kind, dtype, setup.device, **cfg), kind, backend)
-                if compiled:
-                    model = torch.compile(model)
+                graphs = how == "graphs"
+                if how:
+                    model = torch.compile(model, mode="reduce-overhead" if graphs else "default")
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
                 ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=setup.device)
 
-                def step(model=model, opt=opt, ids=ids):
+                def step(model=model, opt=opt, ids=ids, graphs=graphs):
+                    if graphs:  # a new step: the last one's graph outputs may be overwritten
+                        torch.compiler.cudagraph_mark_step_begin()
                     model(input_ids=ids, labels=ids).loss.backward()
                     opt.step()
                     opt.zero_grad(set_to_none=True)
