@@ -58,8 +58,17 @@ COVERAGE = {
             ("gpt_oss", "GptOss", 5),  # its MoE returns (output, router scores)
             ("glm4", "Glm4", 9),  # sandwich norms
             ("qwen3_next", "Qwen3Next", 7),  # linear, then full attention (q_norm, k_norm)
+            ("qwen3_5", "Qwen3_5", 7),
+            ("apertus", "Apertus", 9),  # attention_layernorm, feedforward_layernorm; q_norm, k_norm
+            ("apertus1p5", "Apertus1p5Text", 9),
+            ("vaultgemma", "VaultGemma", 5),  # pre_feedforward_layernorm
+            ("minicpm3", "MiniCPM3", 9),  # residual_scale; MLA's q_a_layernorm and kv_a_layernorm
+            ("emu3", "Emu3", 5),  # dropout
+            ("persimmon", "Persimmon", 9),  # dropout of the MLP; q and k LayerNorms
+            ("hyperclovax", "HyperCLOVAX", 9),  # sandwich norms and a residual multiplier
         ]
     },
+    "jetmoe": (5, {"JetMoeDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),
     **{
         name: (
             9,
@@ -139,6 +148,7 @@ FAMILIES = list(COVERAGE)
 SKIPPED = {  # gated; without a weight
     "mamba2": {"MambaRMSNormGated"},
     "qwen3_next": {"Qwen3NextRMSNormGated"},
+    "qwen3_5": {"Qwen3_5RMSNormGated"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
 }
 # MoE experts (torch._grouped_mm) have no float64 oracle
@@ -148,6 +158,7 @@ BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
 DROPOUT = [
     *("bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt", "whisper", "bart"),
     "bloom",
+    *("emu3", "persimmon"),
 ]
 LABELS = {
     "qwen2": "Qwen2",
@@ -206,6 +217,15 @@ LABELS = {
     "bloom": "BLOOM (its attention adds the residual)",
     "nanochat": "NanoChat (norms without a weight)",
     "nemotron": "Nemotron (LayerNorm, weight + 1)",
+    "qwen3_5": "Qwen3.5 (linear and full attention)",
+    "apertus": "Apertus",
+    "apertus1p5": "Apertus 1.5 (text)",
+    "vaultgemma": "VaultGemma",
+    "jetmoe": "JetMoE",
+    "minicpm3": "MiniCPM3 (residual scale, MLA)",
+    "emu3": "Emu3 (text, dropout)",
+    "persimmon": "Persimmon (dropout)",
+    "hyperclovax": "HyperCLOVA X (sandwich norms, residual multiplier)",
 }
 
 
@@ -969,6 +989,35 @@ def test_a_block_called_with_a_deprecated_argument_name_runs_as_its_class_does(n
         assert cache.get_seq_length() == 5
         outputs.append(out)
     torch.testing.assert_close(outputs[1], outputs[0])
+
+
+def test_glm4v_s_text_layers_run_glm4_s_sandwich_norms():
+    """GLM-4V's text layers (its own forward: the attention gets ``use_cache``) are GLM-4's: a
+    norm before and after each sublayer, every add fused, outputs and gradients as unpatched."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 0])
+    config = tf.Glm4vTextConfig(
+        num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, rope_parameters=rope,
+    )  # fmt: skip
+    original = tf.Glm4vTextModel(config)
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    assert len(report.fused_adds) == len(report.adds) == 4
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(2, SEQ, WIDTH, generator=torch.Generator().manual_seed(2))  # (a sum of squares of a
+    results = []  # final RMSNorm's output is constant: its input's gradient would be rounding alone)
+    for model in (original, patched):
+        out = model(input_ids=ids).last_hidden_state
+        out.backward(dy)
+        results.append((out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, grads), (got, fused_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == fused_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
 
 
 def test_bloom_s_mlp_dropout_follows_the_mlp_s_mode():

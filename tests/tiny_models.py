@@ -81,6 +81,27 @@ DECODERS = {
     ),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}),
     "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", {}),
+    "qwen3_5": (  # Qwen3-Next's layers without the MoE
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2)
+        | dict(linear_key_head_dim=8, linear_value_head_dim=8),
+    ),
+    # Llama's layer with its norms named otherwise, a residual scale, dropout or sandwich norms
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
+    "apertus1p5": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {}),
+    "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", {}),
+    "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1, kv_channels=8)),
+    "minicpm3": (
+        "MiniCPM3Config",
+        "MiniCPM3ForCausalLM",
+        dict(
+            q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, num_key_value_heads=4
+        ),
+    ),
+    "emu3": ("Emu3TextConfig", "Emu3ForCausalLM", dict(attention_dropout=0.0, num_key_value_heads=4)),
+    "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", dict(residual_multiplier=0.3)),
 }
 SMALL = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
 _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

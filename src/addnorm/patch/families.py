@@ -157,13 +157,16 @@ FAMILIES: dict[str, Family] = {
         )
         for m, c in [("cohere", "Cohere"), ("cohere2", "Cohere2")]
     },
-    hf_path("glm4", "Glm4DecoderLayer"): Family(
-        (
-            Step("self_attn", "input_layernorm", post="post_self_attn_layernorm"),
-            Step("mlp", "post_attention_layernorm", post="post_mlp_layernorm"),
-        ),
-        final="norm",
-    ),
+    **{
+        hf_path(m, c): Family(
+            (
+                Step("self_attn", "input_layernorm", post="post_self_attn_layernorm"),
+                Step("mlp", "post_attention_layernorm", post="post_mlp_layernorm"),
+            ),
+            final="norm",
+        )
+        for m, c in [("glm4", "Glm4DecoderLayer"), ("glm4v", "Glm4vTextDecoderLayer")]
+    },
     "transformers.models.llama4.modeling_llama4.Llama4TextDecoderLayer": lambda block: Family(
         (
             Step("self_attn", "input_layernorm"),
@@ -173,8 +176,36 @@ FAMILIES: dict[str, Family] = {
         drop=("position_ids",),
     ),
     **{
-        hf_path(m, f"{c}DecoderLayer"): _hybrid for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe")]
+        hf_path(m, f"{c}DecoderLayer"): _hybrid
+        for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5")]
     },
+    # Llama's layer with its norms named otherwise, or with a residual scale, dropout or sandwich
+    # norms (each a forward of its own, not a copy of Llama's statements)
+    **{
+        hf_path(m, c): Family((Step(attn, n1), Step("mlp", n2)), final="norm")
+        for m, c, attn, n1, n2 in [
+            ("apertus", "ApertusDecoderLayer", "self_attn", "attention_layernorm", "feedforward_layernorm"),
+            ("apertus1p5", "Apertus1p5TextDecoderLayer", "self_attn", "attention_layernorm", "feedforward_layernorm"),
+            ("vaultgemma", "VaultGemmaDecoderLayer", "self_attn", "input_layernorm", "pre_feedforward_layernorm"),
+            ("jetmoe", "JetMoeDecoderLayer", "self_attention", "input_layernorm", "post_attention_layernorm"),
+        ]
+    },
+    hf_path("minicpm3", "MiniCPM3DecoderLayer"): Family(
+        tuple(Step(s.sublayer, s.norm, multiplier="residual_scale") for s in _PRE), final="norm"
+    ),
+    hf_path("emu3", "Emu3DecoderLayer"): Family(
+        tuple(Step(s.sublayer, s.norm, dropout="dropout") for s in _PRE), final="norm"
+    ),
+    hf_path("persimmon", "PersimmonDecoderLayer"): Family(
+        (_PRE[0], Step("mlp", "post_attention_layernorm", dropout="dropout")), final="final_layernorm"
+    ),
+    hf_path("hyperclovax", "HyperCLOVAXDecoderLayer"): Family(
+        (
+            Step("self_attn", "input_layernorm", post="post_norm1", multiplier="residual_multiplier"),
+            Step("mlp", "post_attention_layernorm", post="post_norm2", multiplier="residual_multiplier"),
+        ),
+        final="norm",
+    ),
     "transformers.models.phi.modeling_phi.PhiDecoderLayer": Family(
         (
             Step("self_attn", "input_layernorm", dropout="resid_dropout"),
