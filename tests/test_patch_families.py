@@ -70,6 +70,24 @@ COVERAGE = {
     },
     "jetmoe": (5, {"JetMoeDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),
     **{
+        name: (norms, {f"{c}DecoderLayer": {"conv": "fused", "self_attn": "fused", "feed_forward": "fused"}})
+        for name, c, norms in [("lfm2", "Lfm2", 7), ("lfm2_moe", "Lfm2Moe", 7), ("lfm3", "Lfm3", 11)]
+    },
+    "granitemoeshared": (
+        5,
+        {"GraniteMoeSharedDecoderLayer": {"self_attn": "fused", "block_sparse_moe+shared_mlp": "fused"}},
+    ),
+    "granitemoehybrid": (
+        5,
+        {
+            "GraniteMoeHybridDecoderLayer": {
+                "mamba": "fused",
+                "self_attn": "fused",
+                "block_sparse_moe+shared_mlp": "fused",
+            }
+        },
+    ),
+    **{
         name: (
             9,
             {
@@ -149,10 +167,12 @@ SKIPPED = {  # gated; without a weight
     "mamba2": {"MambaRMSNormGated"},
     "qwen3_next": {"Qwen3NextRMSNormGated"},
     "qwen3_5": {"Qwen3_5RMSNormGated"},
+    "granitemoehybrid": {"GraniteMoeHybridRMSNormGated"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
 }
 # MoE experts (torch._grouped_mm) have no float64 oracle
 MOE = ("qwen3_next", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
+MOE += ("lfm2_moe", "granitemoeshared", "granitemoehybrid")
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
 DROPOUT = [
@@ -226,6 +246,11 @@ LABELS = {
     "emu3": "Emu3 (text, dropout)",
     "persimmon": "Persimmon (dropout)",
     "hyperclovax": "HyperCLOVA X (sandwich norms, residual multiplier)",
+    "lfm2": "LFM2 (convolution and attention layers)",
+    "lfm2_moe": "LFM2-MoE",
+    "lfm3": "LFM3 (sandwich norms)",
+    "granitemoeshared": "Granite-MoE-Shared (experts + shared MLP)",
+    "granitemoehybrid": "Granite 4 (Mamba and attention, experts + shared MLP)",
 }
 
 
@@ -923,7 +948,7 @@ def _tiny(kind: str):
 def test_a_final_norm_named_otherwise_than_the_original_s_takes_the_last_add(kind, finals):
     """Moonshine's encoder ends in ``layer_norm`` where Llama's stack has ``norm``, BigBird-Pegasus's
     decoder in ``layernorm_embedding``, ViT-MAE's decoder in ``decoder_norm``: each stack's last
-    layer hands its last add to it (``families.FINALS``)."""
+    layer hands its last add to it (``copies.FINALS``)."""
     torch.manual_seed(0)
     original, inputs = _tiny(kind)
     patched = copy.deepcopy(original)

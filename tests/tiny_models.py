@@ -102,6 +102,28 @@ DECODERS = {
     "emu3": ("Emu3TextConfig", "Emu3ForCausalLM", dict(attention_dropout=0.0, num_key_value_heads=4)),
     "persimmon": ("PersimmonConfig", "PersimmonForCausalLM", dict(hidden_dropout=0.0, attention_dropout=0.0)),
     "hyperclovax": ("HyperCLOVAXConfig", "HyperCLOVAXForCausalLM", dict(residual_multiplier=0.3)),
+    # a short convolution, then an attention layer
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", dict(layer_types=["conv", "full_attention"])),
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        dict(layer_types=["conv", "full_attention"], num_experts=2, num_experts_per_tok=1)
+        | dict(moe_intermediate_size=WIDTH, num_dense_layers=1),
+    ),
+    "lfm3": ("Lfm3Config", "Lfm3ForCausalLM", dict(layer_types=["conv", "full_attention"])),  # sandwich norms
+    # the experts and a shared MLP, their outputs summed; Granite 4: Mamba, then attention
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        "GraniteMoeSharedForCausalLM",
+        dict(num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=WIDTH, residual_multiplier=0.3),
+    ),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=WIDTH, residual_multiplier=0.3)
+        | dict(layers_block_type=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=16)
+        | dict(mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4),
+    ),
 }
 SMALL = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
 _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

@@ -28,7 +28,7 @@ from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
 from .blocks import FAMILY, NEXT, ORIGINAL, OWNERS, attribute, block_forward, owners, renamed_arguments
-from .families import FAMILIES, Family, entry_norms, family_of, final_names
+from .families import FAMILIES, Family, entry_norms, family_of, final_names, modules
 from .hf_norms import HF_NORMS
 from .norms import (
     FLASH_ATTN_MODULES,
@@ -249,7 +249,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         family = family_of(m)
         if family is None:
             continue
-        names = [a for s in family.steps for a in (*s.sublayer.split(), s.norm, s.post, s.layer_scale) if a]
+        names = [a for s in family.steps for a in (*modules(s.sublayer), s.norm, s.post, s.layer_scale) if a]
         missing = [a for a in dict.fromkeys(names) if not _has(m, a)]
         if missing:
             report.skipped.append((name, type(m).__name__, f"has no {', '.join(missing)}: not the layout fused"))

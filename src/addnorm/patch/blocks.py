@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..ops import Sublayer
-from .families import Family, Step
+from .families import Family, Step, modules
 from .norms import PARAMETERS, add_norm_forward, fusable, hand_off
 
 ORIGINAL = "_addnorm_original_class"
@@ -76,7 +76,7 @@ def attribute(block: nn.Module, path: str):
 def owners(family: Family) -> set[str]:
     """The modules whose layers the fused forward runs one by one instead of calling them (BLOOM's
     ``mlp`` in ``"mlp.dense_h_to_4h mlp.gelu_impl mlp.dense_4h_to_h"``)."""
-    return {path.split(".")[0] for step in family.steps for path in step.sublayer.split() if "." in path}
+    return {path.split(".")[0] for step in family.steps for path in modules(step.sublayer) if "." in path}
 
 
 def _owners_intact(block: nn.Module) -> bool:
@@ -203,6 +203,13 @@ def _run(block: nn.Module, step: Step, h: Tensor, call: dict) -> Tensor:
     """The step's sublayer (its modules in turn, a float among them a dropout) on ``h``; ``call``:
     the keyword arguments of a sublayer that takes the block's (:attr:`Step.call`)."""
     for name in step.sublayer.split():
+        if "+" in name:  # modules on the same input, their outputs summed in the order written
+            first, *others = (attribute(block, path) for path in name.split("+"))
+            out = first(h, **call)
+            for module in others:
+                out = out + module(h, **call)
+            h = out
+            continue
         module = attribute(block, name)
         if isinstance(module, (int, float)):  # as F.dropout(h, p=self.<name>, training=self.training)
             h = F.dropout(h, module, training=block.training) if module else h

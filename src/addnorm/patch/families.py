@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .copies import ALONE, COPIES, FINALS
 from .hf_norms import hf_path, pairs
 
 
@@ -19,7 +20,8 @@ class Step:
     """One sublayer and its add: ``s = s + branch(post(sublayer(norm(s))))``."""
 
     # a module, or several applied in turn ("fc1 activation_fn fc2": OPT's MLP), a float attribute
-    # among them a dropout probability (Whisper's "activation_dropout")
+    # among them a dropout probability (Whisper's "activation_dropout"); "a+b": the sum of two
+    # modules on the same input, in that order (Granite 4's experts and shared MLP)
     sublayer: str
     norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
@@ -37,6 +39,11 @@ class Step:
     # the sublayer adds the stream itself, given as this keyword, and returns the new stream
     # (BLOOM's attention: ``residual``): that add stays inside it, the next norm reads its result
     adds: str | None = None
+
+
+def modules(sublayer: str) -> list[str]:
+    """The attribute paths a :attr:`Step.sublayer` names, in order."""
+    return [path for word in sublayer.split() for path in word.split("+")]
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,29 @@ def _hybrid(block: nn.Module) -> Family:
     return Family((mixer, _PRE[1]), final="norm", drop=("position_embeddings", "position_ids") if linear else ())
 
 
+def _lfm(block: nn.Module) -> Family:
+    """LFM2's and LFM3's layers: attention or a short convolution (which takes no positions), then
+    the MLP; LFM3's with a norm after each (``post_operator_norm``, ``post_ffn_norm``)."""
+    attention = block.is_attention_layer
+    post = ("post_operator_norm", "post_ffn_norm") if hasattr(block, "post_ffn_norm") else (None, None)
+    steps = (
+        Step("self_attn" if attention else "conv", "operator_norm", post=post[0]),
+        Step("feed_forward", "ffn_norm", post=post[1]),
+    )
+    return Family(steps, final="embedding_norm", drop=() if attention else ("position_embeddings", "position_ids"))
+
+
+def _granite_shared(block: nn.Module) -> Family:
+    """Granite's layers with a shared MLP beside the experts (their outputs summed), Granite 4's
+    with Mamba or attention by layer (Mamba takes no positions); both with a residual multiplier."""
+    mamba = getattr(block, "mamba", None) is not None
+    experts = getattr(block, "has_experts", True) and block.block_sparse_moe is not None
+    mlp = "block_sparse_moe" if block.shared_mlp is None else "block_sparse_moe+shared_mlp" if experts else "shared_mlp"
+    steps = (Step("mamba" if mamba else "self_attn", "input_layernorm"), Step(mlp, "post_attention_layernorm"))
+    steps = tuple(dataclasses.replace(st, multiplier="residual_multiplier") for st in steps)
+    return Family(steps, final="norm", drop=("use_cache", "position_embeddings") if mamba else ())
+
+
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
@@ -178,6 +208,11 @@ FAMILIES: dict[str, Family] = {
     **{
         hf_path(m, f"{c}DecoderLayer"): _hybrid
         for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5")]
+    },
+    **{hf_path(m, f"{c}DecoderLayer"): _lfm for m, c in [("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe"), ("lfm3", "Lfm3")]},
+    **{
+        hf_path(m, f"{c}DecoderLayer"): _granite_shared
+        for m, c in [("granitemoeshared", "GraniteMoeShared"), ("granitemoehybrid", "GraniteMoeHybrid")]
     },
     # Llama's layer with its norms named otherwise, or with a residual scale, dropout or sandwich
     # norms (each a forward of its own, not a copy of Llama's statements)
@@ -346,160 +381,7 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
-# layers whose forward runs the statements of a layer of the table: the same syntax tree, docstring,
-# comments and signature aside, where a sublayer called with ``hidden_states=h`` counts as called
-# with ``h`` first (a test compares the trees, and checks that those sublayers take ``hidden_states``
-# first). Each runs with that layer's Family. The original "model.Class" -> its copies.
-COPIES: dict[str, str] = {
-    "mt5.MT5LayerSelfAttention": """
-    longt5.LongT5LayerSelfAttention pop2piano.Pop2PianoLayerSelfAttention
-    switch_transformers.SwitchTransformersLayerSelfAttention udop.UdopLayerSelfAttention
-    """,
-    "mt5.MT5LayerCrossAttention": """
-    longt5.LongT5LayerCrossAttention pop2piano.Pop2PianoLayerCrossAttention
-    switch_transformers.SwitchTransformersLayerCrossAttention udop.UdopLayerCrossAttention
-    """,
-    "mt5.MT5LayerFF": """
-    longt5.LongT5LayerFF pix2struct.Pix2StructTextLayerFF pop2piano.Pop2PianoLayerFF udop.UdopLayerFF
-    umt5.UMT5LayerFF
-    """,
-    "bert.BertSelfOutput": """
-    align.AlignTextOutput align.AlignTextSelfOutput altclip.AltRobertaOutput
-    altclip.AltRobertaSelfOutput bert.BertOutput bert_generation.BertGenerationOutput
-    bert_generation.BertGenerationSelfOutput big_bird.BigBirdOutput big_bird.BigBirdSelfOutput
-    blip_2.Blip2QFormerOutput blip_2.Blip2QFormerSelfOutput bridgetower.BridgeTowerOutput
-    bridgetower.BridgeTowerSelfOutput bros.BrosOutput bros.BrosSelfOutput camembert.CamembertOutput
-    camembert.CamembertSelfOutput canine.CanineOutput canine.CanineSelfOutput
-    chinese_clip.ChineseCLIPTextOutput chinese_clip.ChineseCLIPTextSelfOutput clap.ClapTextOutput
-    clap.ClapTextSelfOutput convbert.ConvBertOutput convbert.ConvBertSelfOutput cpmant.CpmAntOutput
-    deberta.DebertaOutput deberta.DebertaSelfOutput deberta_v2.DebertaV2Output
-    deberta_v2.DebertaV2SelfOutput electra.ElectraOutput electra.ElectraSelfOutput ernie.ErnieOutput
-    ernie.ErnieSelfOutput fnet.FNetOutput git.GitOutput git.GitSelfOutput
-    instructblip.InstructBlipQFormerOutput instructblip.InstructBlipQFormerSelfOutput
-    instructblipvideo.InstructBlipVideoQFormerOutput
-    instructblipvideo.InstructBlipVideoQFormerSelfOutput layoutlm.LayoutLMOutput
-    layoutlm.LayoutLMSelfOutput layoutlmv2.LayoutLMv2Output layoutlmv2.LayoutLMv2SelfOutput
-    layoutlmv3.LayoutLMv3Output layoutlmv3.LayoutLMv3SelfOutput lilt.LiltOutput lilt.LiltSelfOutput
-    longformer.LongformerOutput longformer.LongformerSelfOutput luke.LukeOutput luke.LukeSelfOutput
-    lxmert.LxmertAttentionOutput lxmert.LxmertOutput markuplm.MarkupLMOutput
-    markuplm.MarkupLMSelfOutput mpnet.MPNetOutput mra.MraOutput mra.MraSelfOutput
-    nystromformer.NystromformerOutput nystromformer.NystromformerSelfOutput rembert.RemBertOutput
-    rembert.RemBertSelfOutput roberta.RobertaOutput roberta.RobertaSelfOutput roc_bert.RoCBertOutput
-    roc_bert.RoCBertSelfOutput roformer.RoFormerOutput roformer.RoFormerSelfOutput sew_d.SEWDOutput
-    sew_d.SEWDSelfOutput splinter.SplinterOutput splinter.SplinterSelfOutput tapas.TapasOutput
-    tapas.TapasSelfOutput visual_bert.VisualBertOutput visual_bert.VisualBertSelfOutput
-    xlm_roberta.XLMRobertaOutput xlm_roberta.XLMRobertaSelfOutput yoso.YosoOutput
-    yoso.YosoSelfOutput
-    """,
-    "llama.LlamaDecoderLayer": """
-    arcee.ArceeDecoderLayer aria.AriaTextDecoderLayer axk1.AXK1DecoderLayer axk2.AXK2DecoderLayer
-    bitnet.BitNetDecoderLayer cosmos3_edge.Cosmos3EdgeTextDecoderLayer csm.CsmDecoderLayer
-    cwm.CwmDecoderLayer deepseek_ocr2.DeepseekOcr2TextDecoderLayer
-    deepseek_ocr2.DeepseekOcr2VisionEncoderLayer deepseek_v2.DeepseekV2DecoderLayer
-    deepseek_v3.DeepseekV3DecoderLayer deepseek_v32.DeepseekV32DecoderLayer
-    diffllama.DiffLlamaDecoderLayer dots1.Dots1DecoderLayer dots3_note.Dots3NoteTextDecoderLayer
-    ernie4_5.Ernie4_5DecoderLayer ernie4_5_moe.Ernie4_5_MoeDecoderLayer
-    eurobert.EuroBertDecoderLayer exaone_moe.ExaoneMoeDecoderLayer flint.FlintDecoderLayer
-    glm.GlmDecoderLayer glm4_moe.Glm4MoeDecoderLayer glm4_moe_lite.Glm4MoeLiteDecoderLayer
-    glm4v_moe.Glm4vMoeTextDecoderLayer gradium_phonon_tts.GradiumPhononTTSDecoderLayer
-    helium.HeliumDecoderLayer hrm_text.HrmTextDecoderLayer
-    hunyuan_v1_dense.HunYuanDenseV1DecoderLayer hunyuan_v1_moe.HunYuanMoEV1DecoderLayer
-    hunyuan_vl.HunYuanVLDenseV1DecoderLayer hy_v3.HYV3DecoderLayer jais2.Jais2DecoderLayer
-    laguna.LagunaDecoderLayer mellum.MellumDecoderLayer mimo_v2_flash.MiMoV2FlashDecoderLayer
-    ministral.MinistralDecoderLayer ministral3.Ministral3DecoderLayer mistral4.Mistral4DecoderLayer
-    moonshine.MoonshineEncoderLayer moonshine_streaming.MoonshineStreamingEncoderLayer
-    nanochat.NanoChatDecoderLayer neucodec.NeuCodecDecoderLayer olmo.OlmoDecoderLayer
-    olmoe.OlmoeDecoderLayer paddleocr_vl.PaddleOCRDecoderLayer pe_audio.PeAudioEncoderLayer
-    pe_audio_video.PeAudioVideoEncoderLayer pe_video.PeVideoEncoderLayer
-    pocket_tts.PocketTTSDecoderLayer qwen2_5_omni.Qwen2_5OmniDecoderLayer
-    qwen2_5_vl.Qwen2_5_VLDecoderLayer qwen2_vl.Qwen2VLDecoderLayer
-    qwen3_omni_moe.Qwen3OmniMoeTalkerCodePredictorDecoderLayer
-    qwen3_omni_moe.Qwen3OmniMoeTalkerDecoderLayer qwen3_omni_moe.Qwen3OmniMoeThinkerTextDecoderLayer
-    qwen3_vl.Qwen3VLTextDecoderLayer qwen3_vl_moe.Qwen3VLMoeTextDecoderLayer
-    seed_oss.SeedOssDecoderLayer smollm3.SmolLM3DecoderLayer solar_open.SolarOpenDecoderLayer
-    starcoder2.Starcoder2DecoderLayer step3p7.Step3p7DecoderLayer ultrabert.UltrabertDecoderLayer
-    unlimited_ocr.UnlimitedOcrTextDecoderLayer xcodec2.Xcodec2DecoderLayer youtu.YoutuDecoderLayer
-    """,
-    "olmo2.Olmo2DecoderLayer": """
-    exaone4.Exaone4DecoderLayer exaone4_5.Exaone4_5_DecoderLayer olmo3.Olmo3DecoderLayer
-    olmo_hybrid.OlmoHybridAttentionDecoderLayer
-    """,
-    "siglip.SiglipEncoderLayer": """
-    idefics2.Idefics2EncoderLayer idefics3.Idefics3EncoderLayer siglip2.Siglip2EncoderLayer
-    smolvlm.SmolVLMEncoderLayer
-    """,
-    "vit.ViTLayer": """
-    audio_spectrogram_transformer.ASTLayer deit.DeiTLayer ijepa.IJepaLayer
-    videoprism.VideoPrismLayer vit_mae.ViTMAELayer vit_msn.ViTMSNLayer vivit.VivitLayer
-    """,
-    "whisper.WhisperEncoderLayer": """
-    audioflamingo3.AudioFlamingo3EncoderLayer blenderbot.BlenderbotEncoderLayer
-    m2m_100.M2M100EncoderLayer mbart.MBartEncoderLayer
-    moss_transcribe_diarize.MossTranscribeDiarizeAudioLayer pegasus.PegasusEncoderLayer
-    qwen2_audio.Qwen2AudioEncoderLayer speech_to_text.Speech2TextEncoderLayer
-    voxtral.VoxtralEncoderLayer
-    """,
-    "whisper.WhisperDecoderLayer": """
-    bigbird_pegasus.BigBirdPegasusDecoderLayer blenderbot.BlenderbotDecoderLayer
-    m2m_100.M2M100DecoderLayer mbart.MBartDecoderLayer musicgen.MusicgenDecoderLayer
-    pegasus.PegasusDecoderLayer pegasus_x.PegasusXDecoderLayer
-    pp_formulanet.PPFormulaNetDecoderLayer speech_to_text.Speech2TextDecoderLayer
-    xglm.XGLMDecoderLayer
-    """,
-    "bart.BartEncoderLayer": """
-    blenderbot_small.BlenderbotSmallEncoderLayer informer.InformerEncoderLayer
-    marian.MarianEncoderLayer plbart.PLBartEncoderLayer
-    time_series_transformer.TimeSeriesTransformerEncoderLayer
-    """,
-    "bart.BartDecoderLayer": """
-    blenderbot_small.BlenderbotSmallDecoderLayer informer.InformerDecoderLayer
-    marian.MarianDecoderLayer plbart.PLBartDecoderLayer
-    time_series_transformer.TimeSeriesTransformerDecoderLayer
-    """,
-    "clip.CLIPEncoderLayer": """
-    altclip.AltCLIPEncoderLayer chinese_clip.ChineseCLIPVisionLayer clipseg.CLIPSegEncoderLayer
-    git.GitVisionEncoderLayer granite_docling.GraniteDoclingEncoderLayer
-    groupvit.GroupViTEncoderLayer hunyuan_vl.HunYuanVLVisionBlock hy_v4_vl.HYV4VLVisionBlock
-    janus.JanusVisionEncoderLayer kosmos2.Kosmos2VisionEncoderLayer metaclip_2.MetaClip2EncoderLayer
-    minicpm_ocr.MiniCPMOcrVisionEncoderLayer minicpmv4_6.MiniCPMV4_6VisionEncoderLayer
-    minicpmv4_7.MiniCPMV4_7VisionEncoderLayer molmo2.Molmo2VisionEncoderLayer
-    nemotron3_5_transcribe.Nemotron3_5TranscribeAsrAudioLayer
-    nemotron3_diarization.Nemotron3DiarizationAudioLayer owlv2.Owlv2EncoderLayer
-    owlvit.OwlViTEncoderLayer phi4_multimodal.Phi4MultimodalVisionEncoderLayer
-    pp_ocrv5_mobile_rec.PPOCRV5MobileRecBlock pp_ocrv5_server_rec.PPOCRV5ServerRecBlock
-    pp_ocrv6_small_rec.PPOCRV6SmallRecBlock sam3_lite_text.Sam3LiteTextTextEncoderLayer
-    tipsv2.Tipsv2TextEncoderLayer unlimited_ocr.UnlimitedOcrEncoderLayer x_clip.XCLIPEncoderLayer
-    """,
-    "gptj.GPTJBlock": """
-    codegen.CodeGenBlock
-    """,
-    "cohere2.Cohere2DecoderLayer": """
-    cohere2_moe.Cohere2MoeDecoderLayer cohere_compass.CohereCompassDecoderLayer
-    """,
-    "gpt2.GPT2Block": """
-    decision_transformer.DecisionTransformerGPT2Block
-    """,
-    "dinov2.Dinov2Layer": """
-    dinov2_with_registers.Dinov2WithRegistersLayer eomt.EomtLayer radio.RadioLayer
-    tipsv2.Tipsv2VisionLayer videomt.VideomtLayer
-    """,
-    "phi3.Phi3DecoderLayer": """
-    dots3_note.Dots3NoteAudioLayer phi4_multimodal.Phi4MultimodalDecoderLayer
-    """,
-    "granite.GraniteDecoderLayer": """
-    granite4_vision.Granite4VisionTextDecoderLayer granite_docling.GraniteDoclingTextDecoderLayer
-    granite_swa.GraniteSWADecoderLayer
-    """,
-    "glm4.Glm4DecoderLayer": """
-    kolibri1.Kolibri1DecoderLayer
-    """,
-    "mixtral.MixtralDecoderLayer": """
-    minimax_m2.MiniMaxM2DecoderLayer minimax_m3_vl.MiniMaxM3VLDecoderLayer phimoe.PhimoeDecoderLayer
-    """,
-    "gemma2.Gemma2DecoderLayer": """
-    muse_glimmer.MuseGlimmerTextDecoderLayer
-    """,
-}
+# the copies of :mod:`.copies`: each with its original's Family, alone or with another final norm
 FAMILIES.update(
     {
         hf_path(m, c): FAMILIES[hf_path(*original.split("."))]
@@ -507,32 +389,7 @@ FAMILIES.update(
         for m, c in pairs(copies)
     }
 )
-
-
-# copies in models that change the stream between their layers or before the final norm: pooled
-# (Qwen2-Audio's and AudioFlamingo3's encoders), merged (MiniCPM's vision) or added tokens (EoMT)
-ALONE = """
-    audioflamingo3.AudioFlamingo3EncoderLayer eomt.EomtLayer minicpm_ocr.MiniCPMOcrVisionEncoderLayer
-    minicpmv4_6.MiniCPMV4_6VisionEncoderLayer minicpmv4_7.MiniCPMV4_7VisionEncoderLayer
-    qwen2_audio.Qwen2AudioEncoderLayer
-"""
 FAMILIES.update({hf_path(m, c): dataclasses.replace(FAMILIES[hf_path(m, c)], alone=True) for m, c in pairs(ALONE)})
-
-# copies whose stack names its final norm otherwise than the original's does (each applied right
-# after the stack's last layer); ViT-MAE's layer runs in its encoder and in its decoder
-FINALS = {
-    "bigbird_pegasus.BigBirdPegasusDecoderLayer": "layernorm_embedding",
-    "dots3_note.Dots3NoteAudioLayer": "layer_norm",
-    "hrm_text.HrmTextDecoderLayer": "final_norm",
-    "moonshine.MoonshineEncoderLayer": "layer_norm",
-    "moonshine_streaming.MoonshineStreamingEncoderLayer": "final_norm",
-    "nemotron3_5_transcribe.Nemotron3_5TranscribeAsrAudioLayer": "layer_norm",
-    "nemotron3_diarization.Nemotron3DiarizationAudioLayer": "layer_norm",
-    "pp_ocrv5_mobile_rec.PPOCRV5MobileRecBlock": "norm",
-    "pp_ocrv5_server_rec.PPOCRV5ServerRecBlock": "norm",
-    "pp_ocrv6_small_rec.PPOCRV6SmallRecBlock": "norm",
-    "vit_mae.ViTMAELayer": ("layernorm", "decoder_norm"),
-}
 FAMILIES.update(
     {
         hf_path(*cls.split(".")): dataclasses.replace(FAMILIES[hf_path(*cls.split("."))], final=final)
