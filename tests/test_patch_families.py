@@ -73,6 +73,15 @@ COVERAGE = {
         name: (norms, {f"{c}DecoderLayer": {"conv": "fused", "self_attn": "fused", "feed_forward": "fused"}})
         for name, c, norms in [("lfm2", "Lfm2", 7), ("lfm2_moe", "Lfm2Moe", 7), ("lfm3", "Lfm3", 11)]
     },
+    "jamba": (
+        8,  # and its Mamba mixer's dt, B and C norms
+        {
+            "JambaMambaDecoderLayer": {"mamba": "fused", "feed_forward": "fused"},
+            "JambaAttentionDecoderLayer": {"self_attn": "fused", "feed_forward": "fused"},
+        },
+    ),
+    "kimi_linear": (6, {"KimiLinearDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
+    "afmoe": (13, {"AfmoeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # sandwich, q and k norms
     "granitemoeshared": (
         5,
         {"GraniteMoeSharedDecoderLayer": {"self_attn": "fused", "block_sparse_moe+shared_mlp": "fused"}},
@@ -168,11 +177,12 @@ SKIPPED = {  # gated; without a weight
     "qwen3_next": {"Qwen3NextRMSNormGated"},
     "qwen3_5": {"Qwen3_5RMSNormGated"},
     "granitemoehybrid": {"GraniteMoeHybridRMSNormGated"},
+    "kimi_linear": {"KimiLinearRMSNormGated"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
 }
 # MoE experts (torch._grouped_mm) have no float64 oracle
 MOE = ("qwen3_next", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
-MOE += ("lfm2_moe", "granitemoeshared", "granitemoehybrid")
+MOE += ("lfm2_moe", "granitemoeshared", "granitemoehybrid", "jamba", "kimi_linear", "afmoe")
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
 DROPOUT = [
@@ -246,6 +256,9 @@ LABELS = {
     "emu3": "Emu3 (text, dropout)",
     "persimmon": "Persimmon (dropout)",
     "hyperclovax": "HyperCLOVA X (sandwich norms, residual multiplier)",
+    "jamba": "Jamba (Mamba and attention layers, MoE)",
+    "kimi_linear": "Kimi Linear (linear and full attention, MoE)",
+    "afmoe": "AFMoE (sandwich norms, MoE)",
     "lfm2": "LFM2 (convolution and attention layers)",
     "lfm2_moe": "LFM2-MoE",
     "lfm3": "LFM3 (sandwich norms)",

@@ -117,6 +117,28 @@ DECODERS = {
         "GraniteMoeSharedForCausalLM",
         dict(num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=WIDTH, residual_multiplier=0.3),
     ),
+    "jamba": (  # a Mamba layer, then an attention layer with experts
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(num_experts=2, num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1)
+        | dict(attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_dt_rank=4, use_mamba_kernels=False)
+        | dict(num_key_value_heads=4),
+    ),
+    "kimi_linear": (  # linear, then full attention
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], num_experts=2)
+        | dict(num_experts_per_token=1, moe_intermediate_size=WIDTH, linear_head_dim=8, linear_num_heads=4)
+        | dict(num_shared_experts=1, num_key_value_heads=4),
+    ),
+    "afmoe": (  # sandwich norms
+        "AfmoeConfig",
+        "AfmoeForCausalLM",
+        dict(
+            num_dense_layers=1, num_experts=2, num_experts_per_tok=1, num_shared_experts=1, moe_intermediate_size=WIDTH
+        )
+        | dict(layer_types=["sliding_attention", "full_attention"], global_attn_every_n_layers=2),
+    ),
     "granitemoehybrid": (
         "GraniteMoeHybridConfig",
         "GraniteMoeHybridForCausalLM",

@@ -159,6 +159,12 @@ def _granite_shared(block: nn.Module) -> Family:
     return Family(steps, final="norm", drop=("use_cache", "position_embeddings") if mamba else ())
 
 
+def _kimi(block: nn.Module) -> Family:
+    """Kimi Linear's layers: linear attention (which takes no positions) or full attention."""
+    linear = block.block_type == "linear_attention"
+    return Family(_PRE, final="norm", drop=("position_ids", "use_cache") if linear else ())
+
+
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
@@ -209,6 +215,24 @@ FAMILIES: dict[str, Family] = {
         hf_path(m, f"{c}DecoderLayer"): _hybrid
         for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5")]
     },
+    hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
+    # Jamba's Mamba layers call their mixer with the cache and mask alone
+    hf_path("jamba", "JambaMambaDecoderLayer"): Family(
+        (Step("mamba", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm")),
+        final="final_layernorm",
+        drop=("position_ids",),
+        kwargs=False,
+    ),
+    hf_path("jamba", "JambaAttentionDecoderLayer"): Family(
+        (Step("self_attn", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm")), final="final_layernorm"
+    ),
+    hf_path("afmoe", "AfmoeDecoderLayer"): Family(
+        (
+            Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
+            Step("mlp", "pre_mlp_layernorm", post="post_mlp_layernorm"),
+        ),
+        final="norm",
+    ),
     **{hf_path(m, f"{c}DecoderLayer"): _lfm for m, c in [("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe"), ("lfm3", "Lfm3")]},
     **{
         hf_path(m, f"{c}DecoderLayer"): _granite_shared
