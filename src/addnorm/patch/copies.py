@@ -159,6 +159,16 @@ COPIES: dict[str, str] = {
     "gemma2.Gemma2DecoderLayer": """
     muse_glimmer.MuseGlimmerTextDecoderLayer
     """,
+    "glm4v.Glm4vTextDecoderLayer": "glm_image.GlmImageTextDecoderLayer glm_ocr.GlmOcrTextDecoderLayer",
+    "granitemoeshared.GraniteMoeSharedDecoderLayer": "granitemoe_swa.GraniteMoeSWADecoderLayer",
+    "kimi_linear.KimiLinearDecoderLayer": "bailing_hybrid.BailingHybridDecoderLayer",
+    "lfm2.Lfm2DecoderLayer": "lfm3_vl.Lfm3VlVisionLayer",
+    "mllama.MllamaSelfAttentionDecoderLayer": "blt.BltTransformerLayer",
+    "qwen3_5.Qwen3_5DecoderLayer": "lara_mini.LaraMiniDecoderLayer",
+    "wav2vec2.Wav2Vec2EncoderLayer": """
+    hubert.HubertEncoderLayer sew.SEWEncoderLayer unispeech.UniSpeechEncoderLayer
+    unispeech_sat.UniSpeechSatEncoderLayer
+    """,
 }
 
 

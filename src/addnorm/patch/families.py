@@ -216,6 +216,30 @@ FAMILIES: dict[str, Family] = {
         for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5")]
     },
     hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
+    # Whisper's encoder layer, its attention given no use_cache (BioGPT)
+    hf_path("biogpt", "BioGptDecoderLayer"): Family(
+        (_WHISPER_ATTENTION, _WHISPER_MLP), final="layer_norm", drop=("use_cache",)
+    ),
+    # post-norm, each norm after its add (BART's layout): wav2vec 2.0's encoder layer
+    hf_path("wav2vec2", "Wav2Vec2EncoderLayer"): Family(
+        (Step("attention", "layer_norm", dropout="dropout"), Step("feed_forward", "final_layer_norm")), norm_after=True
+    ),
+    **{
+        hf_path(m, f"{c}EncoderLayer"): Family(
+            (
+                Step("self_attn", "pre_self_attn_layernorm", post="post_self_attn_layernorm", dropout="dropout"),
+                Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm", dropout="dropout"),
+            ),
+            final="norm",
+        )
+        for m, c in [("t5gemma", "T5Gemma"), ("t5gemma2", "T5Gemma2")]
+    },
+    hf_path("modernbert_decoder", "ModernBertDecoderLayer"): Family(
+        (Step("attn", "attn_norm"), Step("mlp", "mlp_norm")), final="final_norm"
+    ),
+    hf_path("mllama", "MllamaSelfAttentionDecoderLayer"): Family(
+        _PRE, final="norm", drop=("cross_attention_states", "cross_attention_mask", "full_text_row_masked_out_mask")
+    ),
     # Jamba's Mamba layers call their mixer with the cache and mask alone
     hf_path("jamba", "JambaMambaDecoderLayer"): Family(
         (Step("mamba", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm")),
