@@ -1057,21 +1057,30 @@ def test_a_block_called_with_a_deprecated_argument_name_runs_as_its_class_does(n
     torch.testing.assert_close(outputs[1], outputs[0])
 
 
-def test_glm4v_s_text_layers_run_glm4_s_sandwich_norms():
-    """GLM-4V's text layers (its own forward: the attention gets ``use_cache``) are GLM-4's: a
-    norm before and after each sublayer, every add fused, outputs and gradients as unpatched."""
+def _text_model(kind: str):
+    """A text model without a head (GLM-4V's, Molmo2's in either layout) and how many of its adds
+    a norm reads."""
     import transformers as tf
 
+    sizes = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
+    sizes |= dict(num_key_value_heads=2, vocab_size=64)
+    if kind == "glm4v":
+        rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 0])
+        return tf.Glm4vTextModel(tf.Glm4vTextConfig(**sizes, rope_parameters=rope)), 4
+    norm_after = kind == "molmo2_norm_after"  # OLMo 2's layout: only the final norm reads a sum
+    return tf.Molmo2TextModel(tf.Molmo2TextConfig(**sizes, head_dim=8, norm_after=norm_after)), 1 if norm_after else 4
+
+
+@pytest.mark.parametrize("kind", ["glm4v", "molmo2", "molmo2_norm_after"])
+def test_text_models_without_a_head_fuse_their_layers(kind):
+    """GLM-4V's text layers run GLM-4's sandwich norms (their attention also gets ``use_cache``),
+    Molmo2's Llama's or, with ``norm_after``, OLMo 2's: the adds a norm reads are fused, outputs and
+    gradients as unpatched."""
     torch.manual_seed(0)
-    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[1, 1, 0])
-    config = tf.Glm4vTextConfig(
-        num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, rope_parameters=rope,
-    )  # fmt: skip
-    original = tf.Glm4vTextModel(config)
+    original, fused = _text_model(kind)
     patched = copy.deepcopy(original)
     report = addnorm.patch(patched, fuse_residual=True)
-    assert len(report.fused_adds) == len(report.adds) == 4
+    assert len(report.adds) == 4 and len(report.fused_adds) == fused
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(1))
     dy = torch.randn(2, SEQ, WIDTH, generator=torch.Generator().manual_seed(2))  # (a sum of squares of a
     results = []  # final RMSNorm's output is constant: its input's gradient would be rounding alone)

@@ -165,6 +165,16 @@ def _kimi(block: nn.Module) -> Family:
     return Family(_PRE, final="norm", drop=("position_ids", "use_cache") if linear else ())
 
 
+def _molmo2(block: nn.Module) -> Family:
+    """Molmo2's text layers: Llama's, or with ``norm_after`` OLMo 2's (each norm on its sublayer's
+    output, before the add)."""
+    if not block.norm_after:
+        return Family(_PRE, final="norm")
+    return Family(
+        (Step("self_attn", post="input_layernorm"), Step("mlp", post="post_attention_layernorm")), final="norm"
+    )
+
+
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
@@ -216,6 +226,7 @@ FAMILIES: dict[str, Family] = {
         for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5")]
     },
     hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
+    hf_path("molmo2", "Molmo2DecoderLayer"): _molmo2,
     # Whisper's encoder layer, its attention given no use_cache (BioGPT)
     hf_path("biogpt", "BioGptDecoderLayer"): Family(
         (_WHISPER_ATTENTION, _WHISPER_MLP), final="layer_norm", drop=("use_cache",)
