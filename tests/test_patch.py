@@ -482,3 +482,24 @@ def test_a_norm_class_of_style_nemotron_needs_only_what_the_other_styles_need():
     odd.bias = nn.Parameter(torch.randn(12))
     report = addnorm.patch(odd, norm_types={MyLayerNorm1P: "nemotron"})
     assert report.skipped == [("", "MyLayerNorm1P", "expected a 'bias' of the weight's shape, or None")]
+
+
+def test_a_moonshine_norm_whose_ln_is_hooked_is_left_alone():
+    """The "moonshine" style computes its ``ln`` itself: a hook on it (or a forward set on it)
+    would be skipped, so such a norm is left as it is and reported."""
+    from transformers.models.moonshine_streaming.modeling_moonshine_streaming import MoonshineStreamingLayerNorm
+
+    norm = MoonshineStreamingLayerNorm(16)
+    calls = []
+    norm.ln.register_forward_hook(lambda m, args, out: calls.append(1) or out * 2)
+    report = addnorm.patch(norm)
+    assert report.skipped == [
+        (
+            "",
+            "MoonshineStreamingLayerNorm",
+            "its 'ln' has hooks or a forward of its own, which style 'moonshine' would skip",
+        )
+    ]
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(norm(x), 2 * F.layer_norm(x, (16,)) * (norm.gamma + norm.unit_offset))
+    assert calls == [1]

@@ -1095,6 +1095,52 @@ def test_text_models_without_a_head_fuse_their_layers(kind):
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item())
 
 
+def test_copies_whose_model_norms_or_changes_the_stream_elsewhere_hand_nothing_on():
+    """LFM3-VL's vision layers copy LFM2's, whose stack ends in ``embedding_norm``; the vision model
+    applies its ``embedding_norm`` before its layers, so their last add has no final norm. BLT's
+    local decoder adds a cross-attention output before each layer (``copies.ALONE``): no layer of
+    it hands its last add on. Both models' outputs are as unpatched."""
+    import transformers as tf
+    from transformers.models.lfm3_vl import modeling_lfm3_vl as lfm3_vl
+
+    torch.manual_seed(0)
+    cfg = lfm3_vl.Lfm3VlVisionConfig(
+        hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, layer_types=["conv", "full_attention"],
+    )  # fmt: skip
+    vision = lfm3_vl.Lfm3VlVisionModel(cfg).eval()
+    patched = copy.deepcopy(vision)
+    report = addnorm.patch(patched, fuse_residual=True)
+    last = report.adds[-1]
+    assert (last.block, last.add, last.norm) == ("layers.1", "feed_forward", None)
+    assert last.why == "no final norm found above the block" and report.fused_adds == report.adds[:-1]
+    merge = cfg.spatial_merge_size
+    grid = torch.tensor([[1, 2 * merge, 2 * merge]])
+    pixels = torch.randn(int(grid.prod()), cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2)
+    with torch.no_grad():
+        want = vision(pixel_values=pixels, grid_thw=grid).last_hidden_state
+        got = patched(pixel_values=pixels, grid_thw=grid).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    small = dict(hidden_size=WIDTH, num_attention_heads=4, intermediate_size=2 * WIDTH, num_hidden_layers=2)
+    sides = dict(vocab_size=260, hidden_size_global=WIDTH)
+    cfg = tf.BltConfig(
+        vocab_size=260, encoder_hash_byte_group_vocab=64, encoder_hash_byte_group_size=[3], patch_in_forward=False,
+        max_position_embeddings=64, patcher_config=dict(small, vocab_size=260), global_config=small,
+        encoder_config=dict(small, **sides, num_hidden_layers=1),
+        decoder_config=dict(small, **sides, num_hidden_layers=3),
+    )  # fmt: skip
+    blt = tf.BltForCausalLM(cfg).eval()
+    patched = copy.deepcopy(blt)
+    report = addnorm.patch(patched, fuse_residual=True)
+    decoder = [a for a in report.adds if a.block.startswith("model.local_decoder.")]
+    assert [a.add for a in decoder if not a.fused] == ["mlp"] * 3  # each layer's last add stays plain
+    ids = torch.randint(0, 260, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = blt(input_ids=ids, use_cache=False).logits, patched(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bloom_s_mlp_dropout_follows_the_mlp_s_mode():
     """BLOOM applies its MLP's dropout by the MLP's own mode (``dropout_add(..., self.training)``
     inside ``BloomMLP``): off with the MLP in eval in a training model, on (Monte-Carlo) with the

@@ -184,6 +184,8 @@ def _why_not_moonshine(m: nn.Module) -> str | None:
         or tuple(ln.normalized_shape) != tuple(gamma.shape)
     ):
         return "expected an 'ln' LayerNorm without parameters over gamma's features"
+    if ln._forward_hooks or ln._forward_pre_hooks or "forward" in ln.__dict__:
+        return "its 'ln' has hooks or a forward of its own, which style 'moonshine' would skip"
     extra = [n for n, _ in m.named_parameters(recurse=False) if n != "gamma"]
     extra += [n for n, _ in m.named_buffers(recurse=False)]
     if extra:
@@ -369,7 +371,8 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     else:
         _, final = _stack(model, name, family)
         targets = [(_module_name(model, final), final)] if final is not None else [(None, None)]
-        where = f"no final norm {' or '.join(map(repr, final_names(family)))} found above the block"
+        finals = " or ".join(map(repr, final_names(family)))
+        where = f"no final norm {finals + ' ' if finals else ''}found above the block"
     why = _handoff_problem(targets, where)
     if why is None and family.cast and getattr(m, "residual_in_fp32", False):
         cast = [n for n, norm in targets if norm.weight.dtype != torch.float32]

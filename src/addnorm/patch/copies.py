@@ -162,7 +162,7 @@ COPIES: dict[str, str] = {
     "glm4v.Glm4vTextDecoderLayer": "glm_image.GlmImageTextDecoderLayer glm_ocr.GlmOcrTextDecoderLayer",
     "granitemoeshared.GraniteMoeSharedDecoderLayer": "granitemoe_swa.GraniteMoeSWADecoderLayer",
     "kimi_linear.KimiLinearDecoderLayer": "bailing_hybrid.BailingHybridDecoderLayer",
-    "lfm2.Lfm2DecoderLayer": "lfm3_vl.Lfm3VlVisionLayer",
+    "lfm2.Lfm2DecoderLayer": "lfm3_vl.Lfm3VlVisionLayer",  # (no final norm: see FINALS)
     "mllama.MllamaSelfAttentionDecoderLayer": "blt.BltTransformerLayer",
     "qwen3_5.Qwen3_5DecoderLayer": "lara_mini.LaraMiniDecoderLayer",
     "wav2vec2.Wav2Vec2EncoderLayer": """
@@ -173,11 +173,12 @@ COPIES: dict[str, str] = {
 
 
 # copies in models that change the stream between their layers or before the final norm: pooled
-# (Qwen2-Audio's and AudioFlamingo3's encoders), merged (MiniCPM's vision) or added tokens (EoMT)
+# (Qwen2-Audio's and AudioFlamingo3's encoders), merged (MiniCPM's vision) or added tokens (EoMT),
+# or a cross-attention output added before each layer (BLT's local decoder)
 ALONE = """
-    audioflamingo3.AudioFlamingo3EncoderLayer eomt.EomtLayer minicpm_ocr.MiniCPMOcrVisionEncoderLayer
-    minicpmv4_6.MiniCPMV4_6VisionEncoderLayer minicpmv4_7.MiniCPMV4_7VisionEncoderLayer
-    qwen2_audio.Qwen2AudioEncoderLayer
+    audioflamingo3.AudioFlamingo3EncoderLayer blt.BltTransformerLayer eomt.EomtLayer
+    minicpm_ocr.MiniCPMOcrVisionEncoderLayer minicpmv4_6.MiniCPMV4_6VisionEncoderLayer
+    minicpmv4_7.MiniCPMV4_7VisionEncoderLayer qwen2_audio.Qwen2AudioEncoderLayer
 """
 
 # copies whose stack names its final norm otherwise than the original's does (each applied right
@@ -194,4 +195,6 @@ FINALS = {
     "pp_ocrv5_server_rec.PPOCRV5ServerRecBlock": "norm",
     "pp_ocrv6_small_rec.PPOCRV6SmallRecBlock": "norm",
     "vit_mae.ViTMAELayer": ("layernorm", "decoder_norm"),
+    # none: LFM3-VL's vision model applies its embedding_norm (LFM2's final norm) before its layers
+    "lfm3_vl.Lfm3VlVisionLayer": (),
 }

@@ -448,12 +448,18 @@ FAMILIES.update(
         for m, c in pairs(copies)
     }
 )
-FAMILIES.update({hf_path(m, c): dataclasses.replace(FAMILIES[hf_path(m, c)], alone=True) for m, c in pairs(ALONE)})
+
+
+def _with(entry, **changes):
+    """A ``FAMILIES`` entry (a Family, or a function of the block giving one) with ``changes``."""
+    if callable(entry):
+        return lambda block: dataclasses.replace(entry(block), **changes)
+    return dataclasses.replace(entry, **changes)
+
+
+FAMILIES.update({hf_path(m, c): _with(FAMILIES[hf_path(m, c)], alone=True) for m, c in pairs(ALONE)})
 FAMILIES.update(
-    {
-        hf_path(*cls.split(".")): dataclasses.replace(FAMILIES[hf_path(*cls.split("."))], final=final)
-        for cls, final in FINALS.items()
-    }
+    {hf_path(*cls.split(".")): _with(FAMILIES[hf_path(*cls.split("."))], final=final) for cls, final in FINALS.items()}
 )
 
 
