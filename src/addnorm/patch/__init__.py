@@ -186,11 +186,15 @@ def _why_not_moonshine(m: nn.Module) -> str | None:
         return "expected an 'ln' LayerNorm without parameters over gamma's features"
     if ln._forward_hooks or ln._forward_pre_hooks or "forward" in ln.__dict__:
         return "its 'ln' has hooks or a forward of its own, which style 'moonshine' would skip"
-    extra = [n for n, _ in m.named_parameters(recurse=False) if n != "gamma"]
+    return _unused_tensors(m, ("gamma",), "moonshine")
+
+
+def _unused_tensors(m: nn.Module, kept: tuple[str, ...], style: str) -> str | None:
+    """Why not, where ``m`` holds a parameter or buffer of its own besides ``kept``: one the style
+    would not compute with."""
+    extra = [n for n, _ in m.named_parameters(recurse=False) if n not in kept]
     extra += [n for n, _ in m.named_buffers(recurse=False)]
-    if extra:
-        return f"has {extra[0]!r} besides 'gamma', which style 'moonshine' does not compute with"
-    return None
+    return f"has {extra[0]!r} besides {kept[0]!r}, which style {style!r} does not compute with" if extra else None
 
 
 _WRAPPED = "its forward is replaced on the module itself (accelerate's hooks?): patch before dispatching or offloading"
@@ -207,15 +211,14 @@ def _why_not_hf_norm(m: nn.Module, style: str) -> str | None:
     if eps_of(m) is None:
         return "expected a float 'variance_epsilon' or 'eps'"
     kept = ("weight", "bias") if style in ("deberta", "nemotron") else ("weight",)
-    if style == "deberta" and (not isinstance(getattr(m, "bias", None), Tensor) or m.bias.shape != w.shape):
-        return "expected a 'bias' of the weight's shape"
     bias = getattr(m, "bias", None)
+    if style == "deberta" and (not isinstance(bias, Tensor) or bias.shape != w.shape):
+        return "expected a 'bias' of the weight's shape"
     if style == "nemotron" and bias is not None and (not isinstance(bias, Tensor) or bias.shape != w.shape):
         return "expected a 'bias' of the weight's shape, or None"
-    extra = [n for n, _ in m.named_parameters(recurse=False) if n not in kept]
-    extra += [n for n, _ in m.named_buffers(recurse=False)]
-    if extra:
-        return f"has {extra[0]!r} besides 'weight', which style {style!r} does not compute with"
+    why = _unused_tensors(m, kept, style)
+    if why is not None:
+        return why
     for name, default in _OPTIONS.items():
         if getattr(m, name, default) != default:
             return f"{name}={getattr(m, name)!r} changes what it computes"

@@ -84,7 +84,14 @@ def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
 
 
 _PRE = (Step("self_attn", "input_layernorm"), Step("mlp", "post_attention_layernorm"))
-_GRANITE = tuple(Step(s.sublayer, s.norm, multiplier="residual_multiplier") for s in _PRE)  # s + out * m
+
+
+def _each(steps: tuple[Step, ...], **changes) -> tuple[Step, ...]:
+    """``steps`` with ``changes`` made to each."""
+    return tuple(dataclasses.replace(step, **changes) for step in steps)
+
+
+_GRANITE = _each(_PRE, multiplier="residual_multiplier")  # s + out * m
 _SANDWICH = (
     Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
     Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
@@ -155,8 +162,11 @@ def _granite_shared(block: nn.Module) -> Family:
     experts = getattr(block, "has_experts", True) and block.block_sparse_moe is not None
     mlp = "block_sparse_moe" if block.shared_mlp is None else "block_sparse_moe+shared_mlp" if experts else "shared_mlp"
     steps = (Step("mamba" if mamba else "self_attn", "input_layernorm"), Step(mlp, "post_attention_layernorm"))
-    steps = tuple(dataclasses.replace(st, multiplier="residual_multiplier") for st in steps)
-    return Family(steps, final="norm", drop=("use_cache", "position_embeddings") if mamba else ())
+    return Family(
+        _each(steps, multiplier="residual_multiplier"),
+        final="norm",
+        drop=("use_cache", "position_embeddings") if mamba else (),
+    )
 
 
 def _kimi(block: nn.Module) -> Family:
@@ -284,12 +294,8 @@ FAMILIES: dict[str, Family] = {
             ("jetmoe", "JetMoeDecoderLayer", "self_attention", "input_layernorm", "post_attention_layernorm"),
         ]
     },
-    hf_path("minicpm3", "MiniCPM3DecoderLayer"): Family(
-        tuple(Step(s.sublayer, s.norm, multiplier="residual_scale") for s in _PRE), final="norm"
-    ),
-    hf_path("emu3", "Emu3DecoderLayer"): Family(
-        tuple(Step(s.sublayer, s.norm, dropout="dropout") for s in _PRE), final="norm"
-    ),
+    hf_path("minicpm3", "MiniCPM3DecoderLayer"): Family(_each(_PRE, multiplier="residual_scale"), final="norm"),
+    hf_path("emu3", "Emu3DecoderLayer"): Family(_each(_PRE, dropout="dropout"), final="norm"),
     hf_path("persimmon", "PersimmonDecoderLayer"): Family(
         (_PRE[0], Step("mlp", "post_attention_layernorm", dropout="dropout")), final="final_layernorm"
     ),

@@ -108,22 +108,24 @@ def fusable(norm: nn.Module, x: Tensor) -> bool:
     return style is not None and (style != "t5" or _t5_dtype(norm, x) == x.dtype)
 
 
-def _nemotron_autocast(norm: nn.Module, x: Tensor) -> tuple | None:
-    """``(x, w + 1, bias)`` as NemotronLayerNorm1P casts them before its layer norm (run with
-    autocast off) where ``torch.is_autocast_enabled()`` (CUDA's autocast, as the class asks it) and
-    the cast changes one of them, else None. As autocast's own cast: each floating tensor on ``x``'s
-    device type, float64 excepted, to that device's autocast dtype."""
+def _nemotron_autocast(norm: nn.Module, x: Tensor) -> torch.dtype | None:
+    """The dtype NemotronLayerNorm1P casts ``x``, ``w + 1`` and bias to before its layer norm (run
+    with autocast off) where ``torch.is_autocast_enabled()`` (CUDA's autocast, as the class asks it)
+    and the cast changes one of them (:func:`_autocast_cast`; ``w + 1`` has the weight's dtype and
+    device), else None."""
     if not torch.is_autocast_enabled():
         return None
     device, dtype = x.device.type, torch.get_autocast_dtype(x.device.type)
-    tensors = (x, norm.weight + 1, getattr(norm, "bias", None))
-    cast = tuple(
-        t.to(dtype)
-        if t is not None and t.is_floating_point() and t.device.type == device and t.dtype is not torch.float64
-        else t
-        for t in tensors
-    )
-    return cast if any(t is not None and t.dtype != u.dtype for t, u in zip(cast, tensors)) else None
+    tensors = (x, norm.weight, getattr(norm, "bias", None))
+    return dtype if any(_autocast_cast(t, device, dtype) is not t for t in tensors) else None
+
+
+def _autocast_cast(t: Tensor | None, device: str, dtype: torch.dtype) -> Tensor | None:
+    """``t`` as autocast's own cast leaves it: a floating tensor on ``device``'s type, float64
+    excepted, in ``dtype``; any other as it is (``t`` itself where nothing changes)."""
+    if t is None or not t.is_floating_point() or t.device.type != device or t.dtype in (torch.float64, dtype):
+        return t
+    return t.to(dtype)
 
 
 def add_norm_forward(
@@ -160,8 +162,9 @@ def add_norm_forward(
     if cast is not None:  # its own cast, then no autocast (unfused: fusable says so)
         if residual is not None:
             raise ValueError("a Nemotron norm casting to the autocast dtype cannot be fused")
-        x, weight, bias = cast
-        with torch.autocast(x.device.type, enabled=False):
+        device = x.device.type
+        x, weight, bias = (_autocast_cast(t, device, cast) for t in (x, norm.weight + 1, getattr(norm, "bias", None)))
+        with torch.autocast(device, enabled=False):
             return add_norm(x, None, norm.weight.shape, weight, bias, eps_of(norm), rms=False, **_common(norm))
     parallel = NO_PARALLEL
     if x1 is not None or norm1 is not None:
