@@ -272,6 +272,30 @@ def test_the_parameterless_rms_style_refuses_a_norm_with_parameters_or_buffers()
     torch.testing.assert_close(model[0](x), x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6))
 
 
+@pytest.mark.parametrize(
+    "path", ["gemma4.Gemma4RMSNorm", "gemma4_unified.Gemma4UnifiedRMSNorm", "gemma3n.Gemma3nRMSNorm"]
+)
+def test_a_gemma_norm_built_without_its_weight_runs_the_parameterless_style(path):
+    """Gemma 4's and Gemma 3n's RMSNorm with ``with_scale=False`` (Gemma 4's ``v_norm``) has no
+    weight: it runs style "nanochat", ``x̂.to(x.dtype)``, in every dtype, its gradient torch's."""
+    cls = _hf_class(hf_path(*path.split(".")))
+    if cls is None:
+        pytest.skip(f"this transformers has no {path}")
+    norm = cls(48, eps=1e-6, with_scale=False)
+    ours = copy.deepcopy(norm)
+    assert addnorm.patch(ours).replaced == [("", cls.__name__, "nanochat")]
+    x = torch.randn(5, 7, 48) * 3 + 1
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        want, got = norm(x.to(dtype)), ours(x.to(dtype))
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want)
+    xa, xb = (x.clone().requires_grad_() for _ in range(2))
+    dy = torch.randn_like(x)
+    norm(xa).backward(dy)
+    ours(xb).backward(dy)
+    torch.testing.assert_close(xb.grad, xa.grad)
+
+
 def _wrap_forward(module: nn.Module, calls: list) -> None:
     """Set a forward on the module itself, as accelerate's hooks do (to load offloaded weights
     before the class's forward runs)."""

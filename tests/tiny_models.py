@@ -91,6 +91,15 @@ DECODERS = {
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
     "apertus1p5": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {}),
     "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", {}),
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=0)),
+    "gemma4_ple": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=8)),  # per-layer inputs
+    "gemma4_moe": (
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=2, top_k_experts=1)
+        | dict(moe_intermediate_size=WIDTH),
+    ),
+    "gemma4_unified": ("Gemma4UnifiedTextConfig", "Gemma4UnifiedForCausalLM", {}),
     "jetmoe": ("JetMoeConfig", "JetMoeForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1, kv_channels=8)),
     "minicpm3": (
         "MiniCPM3Config",
@@ -358,6 +367,9 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropo
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.3)
+        for m in model.modules():  # (Gemma 4's scale of each layer's output: a buffer, ones at init)
+            if isinstance(getattr(m, "layer_scalar", None), torch.Tensor):
+                m.layer_scalar.mul_(0.5 + torch.rand(()))
     return model.to(dtype).train()
 
 

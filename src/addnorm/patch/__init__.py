@@ -134,6 +134,8 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
         return "already has an attribute named 'backend'"
     if "forward" in m.__dict__:
         return _WRAPPED
+    if style == "olmo2" and getattr(m, "with_scale", None) is False and getattr(m, "weight", None) is None:
+        style = "nanochat"  # (Gemma 4's and Gemma 3n's norms built without a weight: xhat.to(x.dtype))
     if style in HF_STYLES or style == "flash_attn":
         why = _why_not_hf_norm(m, style)
         if why is not None:
@@ -271,6 +273,8 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
             following = members[i + 1] if i + 1 < len(members) else None
             if family.alone:
                 following = "the model changes the stream after this layer (pooled, merged or added tokens)"
+            elif family.scale:
+                following = f"the layer scales the stream after its last add ({family.scale})"
             elif not (family.post_norm or family.norm_after):  # (those hand nothing on)
                 following = _runs_next(model, name, following)
             _wire(model, report, following, name, m, family)
@@ -457,7 +461,7 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
             continue
         why = _patch_norm(m, style, backend)
         if why is None:
-            report.replaced.append((name, cls.__name__, style))
+            report.replaced.append((name, cls.__name__, norm_style(m)))
             inside += (f"{name}." if name else "",)
         else:
             report.skipped.append((name, cls.__name__, why))

@@ -201,8 +201,16 @@ def _add(block: nn.Module, step: Step, out: Tensor, s: Tensor, norm: nn.Module |
 
 def _run(block: nn.Module, step: Step, h: Tensor, call: dict) -> Tensor:
     """The step's sublayer (its modules in turn, a float among them a dropout) on ``h``; ``call``:
-    the keyword arguments of a sublayer that takes the block's (:attr:`Step.call`)."""
-    for name in step.sublayer.split():
+    the keyword arguments of a sublayer that takes the block's (:attr:`Step.call`), those named
+    ``*name`` in it multiplying ``h`` there rather than passed on."""
+    words = step.sublayer.split()
+    factors = {word[1:]: call[word[1:]] for word in words if word[0] == "*"}
+    if factors:
+        call = {k: v for k, v in call.items() if k not in factors}
+    for name in words:
+        if name[0] == "*":  # as the block's ``h = h * name``
+            h = h * factors[name[1:]]
+            continue
         if "+" in name:  # modules on the same input, their outputs summed in the order written
             first, *others = (attribute(block, path) for path in name.split("+"))
             out = first(h, **call)
@@ -294,12 +302,14 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
             h = s = _add_then_norm(self, step, out, s)
         elif i + 1 < len(steps):
             h, s = _add(self, step, out, s, _norm(self, steps[i + 1].norm))
-        elif nxt and fusable(nxt[0], out) and _reads_the_stream(family, nxt[0], s, out):
+        elif nxt and not family.scale and fusable(nxt[0], out) and _reads_the_stream(family, nxt[0], s, out):
             # (the next norm is called by the model: its hooks run there)
             y, s = add_norm_forward(nxt[0], out, s, sublayer=_sublayer(self, step, out))
             hand_off(nxt[0], s, y)
         else:
             s = s + _branch(self, step, out)
+    if family.scale:  # (a fresh sum: scaled in place, as the block does)
+        s *= attribute(self, family.scale)
     return s, extras
 
 

@@ -21,7 +21,8 @@ class Step:
 
     # a module, or several applied in turn ("fc1 activation_fn fc2": OPT's MLP), a float attribute
     # among them a dropout probability (Whisper's "activation_dropout"); "a+b": the sum of two
-    # modules on the same input, in that order (Granite 4's experts and shared MLP)
+    # modules on the same input, in that order (Granite 4's experts and shared MLP); "*name": the
+    # output so far times the block argument ``name``, which ``call`` passes (Gemma 4's per-layer input)
     sublayer: str
     norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
@@ -42,8 +43,8 @@ class Step:
 
 
 def modules(sublayer: str) -> list[str]:
-    """The attribute paths a :attr:`Step.sublayer` names, in order."""
-    return [path for word in sublayer.split() for path in word.split("+")]
+    """The attribute paths a :attr:`Step.sublayer` names, in order (not its ``*`` block arguments)."""
+    return [path for word in sublayer.split() if word[0] != "*" for path in word.split("+")]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class Family:
     # encoder, EoMT): its last add hands nothing on
     alone: bool = False
     clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
+    # a tensor attribute of the block the stream is multiplied by, in place, after the last add
+    # (Gemma 4's ``layer_scalar``): that add then hands nothing on
+    scale: str | None = None
 
     def __post_init__(self):
         if any(step.adds for step in self.steps[1:]) or (
@@ -185,6 +189,24 @@ def _molmo2(block: nn.Module) -> Family:
     )
 
 
+def _gemma4(block: nn.Module) -> Family | None:
+    """Gemma 4's text layers: Gemma 3's sandwich norms; then, with per-layer inputs (E2B, E4B), a
+    gated projection of the per-layer input, which reads the stream itself; then the stream times a
+    learned scalar. The MoE layout, whose experts read the stream beside the MLP, runs as it is."""
+    if block.enable_moe_block:
+        return None
+    steps = _SANDWICH
+    if block.hidden_size_per_layer_input:
+        gated = Step(
+            "per_layer_input_gate act_fn *per_layer_input per_layer_projection",
+            post="post_per_layer_input_norm",
+            call=(("per_layer_input", "per_layer_input"),),
+            kwargs=False,
+        )
+        steps += (gated,)
+    return Family(steps, final="norm", drop=("per_layer_input",), scale="layer_scalar")
+
+
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
@@ -236,6 +258,9 @@ FAMILIES: dict[str, Family] = {
         for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5")]
     },
     hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
+    hf_path("gemma4", "Gemma4TextDecoderLayer"): _gemma4,
+    hf_path("gemma4_unified", "Gemma4UnifiedTextDecoderLayer"): Family(_SANDWICH, final="norm", scale="layer_scalar"),
+    hf_path("gemma4", "Gemma4VisionEncoderLayer"): Family(_SANDWICH),  # (pooled after its stack: no final norm)
     hf_path("molmo2", "Molmo2DecoderLayer"): _molmo2,
     # Whisper's encoder layer, its attention given no use_cache (BioGPT)
     hf_path("biogpt", "BioGptDecoderLayer"): Family(
