@@ -112,6 +112,7 @@ COVERAGE = {
         },
     ),
     "kimi_linear": (6, {"KimiLinearDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
+    "bamba": (5, {"BambaDecoderLayer": {"mamba": "fused", "self_attn": "fused", "feed_forward": "fused"}}),
     "afmoe": (13, {"AfmoeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # sandwich, q and k norms
     "granitemoeshared": (
         5,
@@ -209,6 +210,7 @@ SKIPPED = {  # gated; without a weight
     "qwen3_5": {"Qwen3_5RMSNormGated"},
     "granitemoehybrid": {"GraniteMoeHybridRMSNormGated"},
     "kimi_linear": {"KimiLinearRMSNormGated"},
+    "bamba": {"BambaRMSNormGated"},
     "mllama": {"MllamaCrossAttentionDecoderLayer"},
     "wav2vec2": {"Wav2Vec2NoLayerNormConvLayer"},
     "hubert": {"HubertNoLayerNormConvLayer"},
@@ -306,6 +308,7 @@ LABELS = {
     "t5gemma": "T5Gemma (encoder layers)",
     "jamba": "Jamba (Mamba and attention layers, MoE)",
     "kimi_linear": "Kimi Linear (linear and full attention, MoE)",
+    "bamba": "Bamba (Mamba-2 and attention layers)",
     "afmoe": "AFMoE (sandwich norms, MoE)",
     "lfm2": "LFM2 (convolution and attention layers)",
     "lfm2_moe": "LFM2-MoE",

@@ -162,6 +162,12 @@ DECODERS = {
         | dict(layers_block_type=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=16)
         | dict(mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4),
     ),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8)
+        | dict(mamba_chunk_size=4),
+    ),
 }
 SMALL = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
 _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

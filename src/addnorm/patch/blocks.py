@@ -260,7 +260,9 @@ def block_forward(self, hidden_states, *args, **kwargs):
         s, extras = _parallel_forward(self, family, hidden_states, named, nxt)
     else:
         s, extras = _sequential_forward(self, family, steps, hidden_states, named, calls, nxt)
-    return (s, *extras) if family.extras else s
+    if not family.extras:
+        return s
+    return (s, *extras, *(None,) * (family.padded - len(extras)))
 
 
 def _norm(block: nn.Module, name: str | None) -> nn.Module | None:

@@ -58,6 +58,7 @@ class Family:
     drop: tuple[str, ...] = ()  # block arguments the attention does not take
     fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
     extras: bool = False  # the block returns (stream, *the attention's other outputs)
+    padded: int = 0  # with extras, at least this many, None for those missing (Bamba's Mamba layers)
     kwargs: bool = True  # the block passes its ``**kwargs`` on to the attention
     # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX: mlp + attn + s);
     # "chain" the same in the stream's order (Cohere: s + attn + mlp); "sum" adds their sum with
@@ -173,6 +174,15 @@ def _granite_shared(block: nn.Module) -> Family:
     )
 
 
+def _bamba(block: nn.Module) -> Family:
+    """Bamba's layers: Mamba-2 (called with the cache and mask alone) or attention by layer, each
+    returning the stream and the attention's weights (None from a Mamba layer)."""
+    mamba = block.block_type == "linear_attention"
+    steps = (Step("mamba" if mamba else "self_attn", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm"))
+    drop = ("position_ids", "use_cache", "position_embeddings") if mamba else ()
+    return Family(steps, final="final_layernorm", drop=drop, extras=True, padded=1)
+
+
 def _kimi(block: nn.Module) -> Family:
     """Kimi Linear's layers: linear attention (which takes no positions) or full attention."""
     linear = block.block_type == "linear_attention"
@@ -258,6 +268,7 @@ FAMILIES: dict[str, Family] = {
         for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5")]
     },
     hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
+    hf_path("bamba", "BambaDecoderLayer"): _bamba,
     hf_path("gemma4", "Gemma4TextDecoderLayer"): _gemma4,
     hf_path("gemma4_unified", "Gemma4UnifiedTextDecoderLayer"): Family(_SANDWICH, final="norm", scale="layer_scalar"),
     hf_path("gemma4", "Gemma4VisionEncoderLayer"): Family(_SANDWICH),  # (pooled after its stack: no final norm)
