@@ -555,3 +555,26 @@ def test_cli_fuzz_never_tracebacks(command, words):
             status = exc.code
     assert status in (0, 1, 2, None), (argv, status)
     assert "Traceback" not in out.getvalue() + err.getvalue()
+
+
+@pytest.mark.parametrize(
+    "call, warns",
+    [
+        (lambda x: addnorm.layer_norm(x[:, :2], 2), True),  # LayerNorm of 2 features: ±1
+        (lambda x: addnorm.rms_norm(x[:, :2], 2), False),  # RMSNorm of 2 features: x / rms(x), informative
+        (lambda x: addnorm.rms_norm(x[:, :1], 1), True),  # RMSNorm of 1 feature: ±1
+        (lambda x: addnorm.LayerNorm(2)(x[:, :2]), True),  # through nn.Module.__call__
+        (lambda x: layer_norm_fn(x[:, :2], torch.ones(2), None), True),  # the flash-attn layer
+        (lambda x: addnorm.add_layer_norm(x[:, :2], x[:, 2:], 2, x1=x[:, :2]), True),  # parallel blocks
+    ],
+)
+def test_too_few_features_are_warned_of_at_the_caller_s_line(call, warns):
+    """Rows that normalize to ±1 whatever the input (LayerNorm over 2 features or fewer, RMSNorm
+    over 1) are warned of, the warning attributed to the line that called addnorm."""
+    x = torch.tensor([[3.0, 1.0, 0.5, -2.0]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(x)
+    narrow = [w for w in caught if "feature(s)" in str(w.message)]
+    assert len(narrow) == warns
+    assert all(w.filename == __file__ for w in narrow)  # (the lambda's line, in this file)

@@ -377,3 +377,16 @@ def test_a_look_alike_keeping_its_dropout_elsewhere_is_left_alone(monkeypatch):
     report = addnorm.patch(torch.nn.Sequential(norm))
     assert report.replaced == [] and "'drop'" in report.skipped[0][2]
     assert type(norm) is FlashRMSNorm
+
+
+def test_a_dropped_inf_multiplies_to_nan_as_torch_s_dropout_where_flash_attn_selects_zero():
+    """The documented difference: a dropped element is multiplied by 0 (torch's dropout), so an
+    inf there gives NaN in the stream; flash-attn's oracle selects 0. Kept elements agree."""
+    x, r, w = torch.randn(4, 16), torch.randn(4, 16), torch.ones(16)
+    x[0] = float("inf")
+    torch.manual_seed(0)
+    _, s, keep, _ = layer_norm_fn(x, w, None, r, dropout_p=0.5, prenorm=True, return_dropout_mask=True)
+    _, s_ref = layer_norm_ref(x, w, None, r, dropout_p=0.5, prenorm=True, dropout_mask=keep)
+    assert (~keep[0]).any() and keep[0].any()
+    assert s[0][~keep[0]].isnan().all() and torch.equal(s_ref[0][~keep[0]], r[0][~keep[0]])
+    assert torch.equal(s[1:], s_ref[1:]) and s[0][keep[0]].isinf().all()

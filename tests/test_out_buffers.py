@@ -47,7 +47,7 @@ def test_mixed_stream_dtype_into_buffers(backend):
 def test_requires_grad_is_refused_but_no_grad_is_fine():
     x, r, w, b = _inputs()
     w.requires_grad_()
-    with pytest.raises(RuntimeError, match="out= and residual_out= do not support autograd"):
+    with pytest.raises(ValueError, match="out= and residual_out= do not support autograd"):
         addnorm.add_layer_norm(x, r, 96, w, b, out=torch.empty_like(x))
     with torch.no_grad():
         out = addnorm.add_layer_norm(x, r, 96, w, b, out=torch.empty_like(x))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import sys
 import warnings
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,20 @@ _FLOAT_DTYPES = "float16, bfloat16, float32 or float64"
 # float8 and other exotic floats pass is_floating_point() but no backend computes in them.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
+
+
+# the frames a warning skips: addnorm's own, and torch's that call into it (nn.Module.__call__)
+_SKIPPED = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside addnorm and torch: the user's line,
+    whichever of addnorm's paths (functional, modules, the flash-attn layer, parallel blocks) led
+    there."""
+    level, frame = 1, sys._getframe()
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIPPED):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def check_float_tensor(name: str, t: object) -> Tensor:
@@ -112,9 +127,11 @@ def check_inputs(
     bias: Tensor | None,
     eps: object,
     residual_dtype: object,
+    rms: bool = False,
 ) -> tuple[tuple[int, ...], float]:
     """Validate the arguments of a public op; returns ``(normalized_shape, eps)`` (module
-    docstring: the common case first)."""
+    docstring: the common case first). Rows too narrow to normalize (LayerNorm over 2 features
+    or fewer, RMSNorm over 1) are warned of."""
     if not (type(x) in PLAIN and x.dtype in _SUPPORTED and x.layout is _STRIDED):
         x = check_float_tensor("x", x)
     n = normalized_shape
@@ -129,12 +146,10 @@ def check_inputs(
         if tuple(x.shape[x.dim() - len(shape) :]) != shape or x.dim() < len(shape):
             raise ValueError(f"x of shape {tuple(x.shape)} must end with normalized_shape {shape}")
         n = math.prod(shape)
-        if n <= 2 and not torch.compiler.is_compiling():  # (a warning would break the graph)
-            warnings.warn(
-                f"normalizing over {n} feature(s): every output row is then ±1 (or 0) times weight, "
-                "plus bias, whatever the input; project the features to a wider dimension first",
-                UserWarning,
-                stacklevel=4,
+        if n <= (1 if rms else 2) and not torch.compiler.is_compiling():  # (a warning would break the graph)
+            warn_caller(
+                f"normalizing over {n} feature(s): every output row is then ±1 (or 0) times weight"
+                f"{'' if rms else ', plus bias'}, whatever the input; project the features to a wider dimension first"
             )
     cpu = x.is_cpu
     if weight is not None and not (
@@ -162,7 +177,7 @@ def check_inputs(
 def check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
     """``out``/``residual_out`` must be contiguous buffers of the results' shape, dtype and device."""
     if needs_grad:
-        raise RuntimeError(
+        raise ValueError(
             "out= and residual_out= do not support autograd: an input requires grad; "
             "call under torch.no_grad() / torch.inference_mode(), or drop out="
         )

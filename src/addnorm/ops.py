@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -66,6 +65,7 @@ from .checks import (
     check_sublayer,
     normalize_shape,
     overlaps,
+    warn_caller,
 )
 from .dropped import dropped_add, keep_mask_of
 from .kernels import torch as torch_kernels
@@ -169,7 +169,7 @@ def add_norm(
         if parallel is not NO_PARALLEL:
             return _parallel(*call, out, residual_out, sublayer, parallel)
         return _stream_starts_here(*call, out, residual_out, sublayer)
-    shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype)
+    shape, eps = check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype, rms)
     if backend != "auto":
         check_backend(backend)
     dropout_p, seed, layer_scale, rowscale = 0.0, None, None, None
@@ -346,13 +346,12 @@ def draw_seed(generator: torch.Generator | None, device: torch.device) -> Tensor
     another mask. That is warned of (not under torch.compile, which does not take generators)."""
     if generator is not None and not torch.compiler.is_compiling() and torch.is_grad_enabled():
         if torch._C._current_graph_task_id() != -1:
-            warnings.warn(
+            warn_caller(
                 "addnorm: dropout with generator= is drawing its seed in a backward pass, as activation "
                 "checkpointing recomputes a forward. torch.utils.checkpoint restores torch's default generator "
                 "alone, so this mask is not the forward's and the gradients are wrong: under checkpointing leave "
                 "generator=None (torch.manual_seed reproduces the run)",
                 RuntimeWarning,
-                stacklevel=2,
             )
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device, generator=generator)
 
@@ -414,7 +413,7 @@ def _parallel(
     x = check_float_tensor("x", x)
     if backend != "auto":  # (before the backend's capabilities are looked up by name)
         check_backend(backend)
-    norm_shape, eps_checked = check_inputs(x, residual, shape, weight, bias, eps, residual_dtype)
+    norm_shape, eps_checked = check_inputs(x, residual, shape, weight, bias, eps, residual_dtype, rms)
     check_parallel(x, norm_shape, parallel, sublayer, out, residual_out)
     check_sublayer(x, residual, norm_shape, weight, sublayer)  # (before x1's seed is drawn)
     n = math.prod(norm_shape)

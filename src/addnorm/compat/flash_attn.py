@@ -16,6 +16,9 @@ copy (``mamba_ssm.ops.triton.layernorm``) has no ``x1``: pass its ``eps``, ``pre
   with a 16-bit stream the two ``y`` differ by about one rounding;
 - dropout's keep masks come from addnorm's counter-based hash, not Triton's ``tl.rand``: other
   random bits, the same distribution, and the same bits on the CPU and the GPU;
+- a dropped element is multiplied by 0, as torch's dropout does, so an inf or NaN there gives
+  NaN in the stream and its row; flash-attn's kernel (and :func:`layer_norm_ref`, its oracle)
+  selects 0 instead. Finite values give the same results either way;
 - ``x1``'s term is added to the residual first and rounded to the residual dtype, then ``x``'s
   (:func:`addnorm.add_layer_norm`); flash-attn sums the three in float32 before one rounding;
 - ``out_dtype`` converts the result of the input dtype (flash-attn writes it in ``out_dtype``
