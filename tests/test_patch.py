@@ -442,6 +442,22 @@ def test_fused_blocks_generate_with_cache_and_cross_attention():
     )
 
 
+@pytest.mark.parametrize("name", ["t5gemma", "gemma4_ple", "bamba"])
+def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
+    """Cached greedy generation from a left-padded batch: T5Gemma's decoder (its self-attention
+    given the self-attention part of the cache, its cross-attention the whole), Gemma 4 with
+    per-layer inputs, Bamba's Mamba and attention layers."""
+    model = hf_model(name).eval()
+    fused = copy.deepcopy(model)
+    assert addnorm.patch(fused, fuse_residual=True).fused_adds
+    prompt = hf_inputs(name)["input_ids"][:, :5]
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(fused.generate(prompt, **kwargs), model.generate(prompt, **kwargs))
+
+
 def test_a_nemotron_norm_casts_to_the_autocast_dtype_as_its_class_does(monkeypatch):
     """NemotronLayerNorm1P casts its input, ``w + 1`` and bias to the autocast dtype where
     ``torch.is_autocast_enabled()`` (CUDA's autocast) says so, then normalizes with autocast off:

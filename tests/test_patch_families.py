@@ -103,7 +103,21 @@ COVERAGE = {
         name: (6, {f"{c}EncoderLayer": {"attention": "fused", "feed_forward": "fused"}})
         for name, c in [("wav2vec2", "Wav2Vec2"), ("hubert", "Hubert")]
     },
-    "t5gemma": (22, {"T5GemmaEncoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
+    "t5gemma": (
+        22,
+        {
+            "T5GemmaEncoderLayer": {"self_attn": "fused", "mlp": "fused"},
+            "T5GemmaDecoderLayer": {"self_attn": "fused", "cross_attn": "fused", "mlp": "fused"},
+        },
+    ),
+    "t5gemma2": (
+        31,
+        {
+            "T5Gemma2EncoderLayer": {"self_attn": "fused", "mlp": "fused"},
+            "T5Gemma2DecoderLayer": {"self_attn": "fused", "mlp": "fused"},
+            "SiglipEncoderLayer": {"self_attn": "fused", "mlp": "fused"},  # its vision tower's
+        },
+    ),
     "jamba": (
         8,  # and its Mamba mixer's dt, B and C norms
         {
@@ -214,7 +228,6 @@ SKIPPED = {  # gated; without a weight
     "mllama": {"MllamaCrossAttentionDecoderLayer"},
     "wav2vec2": {"Wav2Vec2NoLayerNormConvLayer"},
     "hubert": {"HubertNoLayerNormConvLayer"},
-    "t5gemma": {"T5GemmaDecoderLayer"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
@@ -305,7 +318,8 @@ LABELS = {
     "mllama": "Llama 3.2 Vision (text: self-attention layers)",
     "wav2vec2": "wav2vec 2.0 (post-norm)",
     "hubert": "HuBERT (post-norm)",
-    "t5gemma": "T5Gemma (encoder layers)",
+    "t5gemma": "T5Gemma (encoder-decoder)",
+    "t5gemma2": "T5Gemma 2 (encoder-decoder, vision tower)",
     "jamba": "Jamba (Mamba and attention layers, MoE)",
     "kimi_linear": "Kimi Linear (linear and full attention, MoE)",
     "bamba": "Bamba (Mamba-2 and attention layers)",

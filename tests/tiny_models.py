@@ -174,6 +174,9 @@ _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0
 _IMAGE = dict(**_ENCODER, image_size=8, patch_size=4, num_channels=3, num_labels=5)
 _VISION = dict(**SMALL, image_size=8, patch_size=4, num_channels=3)
 _IDS = dict(bos_token_id=0, eos_token_id=0)
+_GEMMA_TEXT = dict(**SMALL, num_key_value_heads=2, head_dim=WIDTH // 4, vocab_size=VOCAB)
+_TOWER = dict(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=1, num_attention_heads=4)
+_TOWER |= dict(image_size=8, patch_size=4)
 _SEQ2SEQ = dict(
     vocab_size=VOCAB, d_model=WIDTH, encoder_layers=2, decoder_layers=2, pad_token_id=0, dropout=0.0, **_IDS
 ) | dict(encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH)
@@ -271,7 +274,7 @@ OTHERS = {
         )
         for name, prefix in [("wav2vec2", "Wav2Vec2"), ("hubert", "Hubert")]
     },
-    "t5gemma": (  # its encoder layers (sandwich norms, dropout); the decoder's are not fused
+    "t5gemma": (  # sandwich norms and dropout; the decoder's self-attention and cross-attention
         "T5GemmaConfig",
         "T5GemmaForConditionalGeneration",
         dict(vocab_size=VOCAB, dropout_rate=0.0, attention_dropout=0.0, pad_token_id=0, **_IDS)
@@ -279,6 +282,15 @@ OTHERS = {
             side: dict(**SMALL, num_key_value_heads=2, head_dim=WIDTH // 4, vocab_size=VOCAB)
             for side in ("encoder", "decoder")
         },
+    ),
+    "t5gemma2": (  # its text encoder, decoder (one merged attention) and SigLIP vision tower
+        "T5Gemma2Config",
+        "T5Gemma2ForConditionalGeneration",
+        dict(dropout_rate=0.0, attention_dropout=0.0, image_token_index=VOCAB - 1, pad_token_id=0, **_IDS)
+        | dict(
+            encoder=dict(text_config=_GEMMA_TEXT, vision_config=_TOWER, mm_tokens_per_image=1),
+            decoder=_GEMMA_TEXT,
+        ),
     ),
     "bloom": (
         "BloomConfig",
@@ -390,6 +402,10 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
             input_values=torch.randn(2, 400, generator=g).to(dtype), labels=torch.randint(1, 16, (2, 5), generator=g)
         )
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    if name == "t5gemma2":  # one image per prompt, its one token (VOCAB - 1) second
+        ids = torch.randint(0, VOCAB - 1, (2, SEQ), generator=g)
+        image, ids[:, 1] = torch.randn(2, 3, 8, 8, generator=g).to(dtype), VOCAB - 1
+        return dict(input_ids=ids, pixel_values=image, labels=torch.randint(0, VOCAB - 1, (2, SEQ), generator=g))
     if name == "whisper":  # log-mel features: 8 bins, two frames per encoder position
         return dict(input_features=torch.randn(2, 8, 2 * SEQ, generator=g).to(dtype), labels=ids[:, :5])
     return dict(input_ids=ids, labels=ids)

@@ -229,6 +229,8 @@ def _run(block: nn.Module, step: Step, h: Tensor, call: dict) -> Tensor:
 def _call_first(block: nn.Module, family: Family, step: Step, h: Tensor, named: dict) -> tuple[Tensor, tuple]:
     for old, new in family.rename:
         named[new] = named.pop(old)
+    if family.self_cache and named.get("cache") is not None:
+        named["cache"] = getattr(named["cache"], family.self_cache)
     result = getattr(block, step.sublayer)(h, **named)
     return (result[0], tuple(result[1:])) if isinstance(result, tuple) else (result, ())
 

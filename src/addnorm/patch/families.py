@@ -73,6 +73,9 @@ class Family:
     # encoder, EoMT): its last add hands nothing on
     alone: bool = False
     clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
+    # the attribute of the block's ``cache`` its first sublayer takes (T5Gemma's decoder: the
+    # self-attention's part of an EncoderDecoderCache, whose whole the cross-attention takes)
+    self_cache: str | None = None
     # a tensor attribute of the block the stream is multiplied by, in place, after the last add
     # (Gemma 4's ``layer_scalar``): that add then hands nothing on
     scale: str | None = None
@@ -101,6 +104,8 @@ _SANDWICH = (
     Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
     Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
 )
+_T5GEMMA_ATTENTION = Step("self_attn", "pre_self_attn_layernorm", post="post_self_attn_layernorm", dropout="dropout")
+_T5GEMMA_MLP = Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm", dropout="dropout")
 _T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"),), extras=True)
 _T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's prefix
     "LayerSelfAttention": Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
@@ -282,15 +287,32 @@ FAMILIES: dict[str, Family] = {
         (Step("attention", "layer_norm", dropout="dropout"), Step("feed_forward", "final_layer_norm")), norm_after=True
     ),
     **{
-        hf_path(m, f"{c}EncoderLayer"): Family(
-            (
-                Step("self_attn", "pre_self_attn_layernorm", post="post_self_attn_layernorm", dropout="dropout"),
-                Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm", dropout="dropout"),
-            ),
-            final="norm",
-        )
-        for m, c in [("t5gemma", "T5Gemma"), ("t5gemma2", "T5Gemma2")]
+        hf_path(m, f"{c}{side}Layer"): Family((_T5GEMMA_ATTENTION, _T5GEMMA_MLP), final="norm")
+        for m, c, side in [
+            ("t5gemma", "T5Gemma", "Encoder"),
+            ("t5gemma2", "T5Gemma2", "Encoder"),
+            ("t5gemma2", "T5Gemma2", "Decoder"),  # (one attention over itself and the encoder: merged)
+        ]
     },
+    # self-attention on the self-attention part of the cache, then cross-attention on the whole of it
+    hf_path("t5gemma", "T5GemmaDecoderLayer"): Family(
+        (
+            _T5GEMMA_ATTENTION,
+            Step(
+                "cross_attn",
+                "pre_cross_attn_layernorm",
+                post="post_cross_attn_layernorm",
+                dropout="dropout",
+                first=True,
+                call=(("encoder_hidden_states", "encoder_hidden_states"), ("encoder_attention_mask", "attention_mask"))
+                + (("cache", "cache"), ("use_cache", "use_cache")),
+            ),
+            _T5GEMMA_MLP,
+        ),
+        final="norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask"),
+        self_cache="self_attention_cache",
+    ),
     hf_path("modernbert_decoder", "ModernBertDecoderLayer"): Family(
         (Step("attn", "attn_norm"), Step("mlp", "mlp_norm")), final="final_norm"
     ),
