@@ -152,7 +152,7 @@ COVERAGE = {
                 }
             },
         )
-        for name, c in [("olmo2", "Olmo2"), ("olmo3", "Olmo3")]
+        for name, c in [("olmo2", "Olmo2"), ("olmo3", "Olmo3"), ("flex_olmo", "FlexOlmo")]
     },
     "gpt2": (5, {"GPT2Block": {"attn": "fused", "mlp": "fused"}}),
     **{
@@ -236,7 +236,7 @@ SKIPPED = {  # gated; without a weight
 ROUNDED = ("gemma4_ple",)
 # MoE experts (torch._grouped_mm) have no float64 oracle
 MOE = ("qwen3_next", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
-MOE += ("lfm2_moe", "granitemoeshared", "granitemoehybrid", "jamba", "kimi_linear", "afmoe")
+MOE += ("lfm2_moe", "granitemoeshared", "granitemoehybrid", "jamba", "kimi_linear", "afmoe", "flex_olmo")
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
 DROPOUT = [
@@ -253,6 +253,7 @@ LABELS = {
     "phi3": "Phi-3",
     "olmo2": "OLMo 2",
     "olmo3": "OLMo 3",
+    "flex_olmo": "FlexOlmo (OLMo 2's layout, MoE)",
     "olmo": "OLMo",
     "qwen3_next": "Qwen3-Next (linear and full attention, MoE)",
     "olmoe": "OLMoE",
@@ -361,7 +362,7 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
     for cls, adds in expected.items():
         for add, outcome in adds.items():
             assert outcome in outcomes[cls][add], (cls, add, outcomes[cls])
-    if name in ("olmo2", "olmo3"):  # only the last block's MLP add is read by a norm: the final one
+    if name in ("olmo2", "olmo3", "flex_olmo"):  # only the last block's MLP add is read by a norm: the final one
         assert [a.norm for a in report.fused_adds] == ["model.norm"]
     elif name in ("clip", "mllama"):  # the last add: no final norm above (CLIP), a layer not fused next
         assert report.fused_adds == report.adds[:-1]
@@ -1259,36 +1260,66 @@ def test_gemma4_moe_layers_run_their_own_forward():
     assert_same_step(norms_only, fused, hf_inputs("gemma4_moe"), exact=True)
 
 
-def test_gemma4_vision_encoder_adds_fused_but_the_last():
-    """Gemma 4's vision encoder (sandwich norms, pooled after its last layer): each add but the
-    last is fused, and the features and every gradient are the bits of the encoder with its norms
-    alone replaced."""
+def _vision_encoder(name: str):
+    """A tiny vision encoder without a head (model, its inputs, the adds not fused): Gemma 4's
+    (sandwich norms, pooled after its last layer), DINOv3's (layer scale, drop path, RoPE), or
+    Pixtral's (Llama's steps, read by a projector after its last layer)."""
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.Gemma4VisionConfig(
-        hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=WIDTH // 4, patch_size=2, pooling_kernel_size=2, position_embedding_size=16,
-    )  # fmt: skip
-    original = tf.Gemma4VisionModel(config).train()
+    heads = dict(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2, num_attention_heads=4)
+    g = torch.Generator().manual_seed(1)
+    if name == "gemma4":
+        config = tf.Gemma4VisionConfig(
+            **heads, num_key_value_heads=2, head_dim=WIDTH // 4, patch_size=2, pooling_kernel_size=2,
+            position_embedding_size=16,
+        )  # fmt: skip
+        # 4x4 patches of 2x2 pixels, 3 channels, at their grid positions
+        grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(1, 16, 2)
+        inputs = dict(pixel_values=torch.rand(2, 16, 12, generator=g), pixel_position_ids=grid.expand(2, 16, 2))
+        return tf.Gemma4VisionModel(config), inputs, [("encoder.layers.1", "mlp")]
+    pixels = torch.randn(2, 3, 8, 8, generator=g)
+    if name.startswith("dinov3"):
+        config = tf.DINOv3ViTConfig(
+            **heads, image_size=8, patch_size=4, num_register_tokens=1, layerscale_value=0.5,
+            drop_path_rate=0.3 if name == "dinov3_drop_path" else 0.0,
+        )  # fmt: skip
+        return tf.DINOv3ViTModel(config), dict(pixel_values=pixels), []
+    config = tf.PixtralVisionConfig(**heads, image_size=8, patch_size=4, head_dim=WIDTH // 4)
+    inputs = dict(pixel_values=pixels, image_sizes=torch.tensor([[8, 8], [8, 8]]))
+    return tf.PixtralVisionModel(config), inputs, [("transformer.layers.1", "feed_forward")]
+
+
+@pytest.mark.parametrize("name", ["gemma4", "dinov3", "dinov3_drop_path", "pixtral"])
+def test_vision_encoders_fuse_their_adds(name):
+    """Vision encoders in training mode: the adds fused where a norm reads them (not an encoder's
+    last, where a pooler or projector does); features and every gradient the bits of the encoder
+    with its norms alone replaced, and within float32 rounding of the unpatched one's. With drop
+    path (DINOv3) the fused add scales by the same kept samples (the same draws of torch's
+    generator) and rounds once: within float32 rounding of both."""
+    original, inputs, unfused = _vision_encoder(name)
     with torch.no_grad():
         for p in original.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.3)
+    original.train()
     norms_only, fused = copy.deepcopy(original), copy.deepcopy(original)
     addnorm.patch(norms_only)
     report = addnorm.patch(fused, fuse_residual=True)
-    assert [(a.block, a.add) for a in report.adds if a.norm is None] == [("encoder.layers.1", "mlp")]
-    assert len(report.fused_adds) == 3
-    # 4x4 patches of 2x2 pixels, 3 channels, at their grid positions
-    positions = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(1, 16, 2)
-    pixels = torch.rand(2, 16, 12, generator=torch.Generator().manual_seed(1))
+    assert [(a.block, a.add) for a in report.adds if a.norm is None] == unfused
+    assert len(report.fused_adds) == 4 - len(unfused)
     outputs = []
     for model in (norms_only, fused, original):
-        features = model(pixel_values=pixels, pixel_position_ids=positions.expand(2, 16, 2)).last_hidden_state
+        torch.manual_seed(2)  # (DINOv3's RoPE jitters its coordinates in training; drop path)
+        features = model(**inputs).last_hidden_state
         features.square().sum().backward()
-        outputs.append((features, {n: p.grad for n, p in model.named_parameters()}))
-    (want, want_grads), (got, got_grads), (theirs, _) = outputs
-    assert torch.equal(got, want) and want_grads.keys() == got_grads.keys()
-    assert all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+        outputs.append((features, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads), (theirs, their_grads) = outputs
+    assert want_grads.keys() == got_grads.keys() == their_grads.keys()
+    if name != "dinov3_drop_path":
+        assert torch.equal(got, want) and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
     torch.testing.assert_close(got, theirs, rtol=1e-5, atol=1e-5)
+    if name == "gemma4":  # its norms' pow(ms, -0.5) rounds otherwise than 1 / sqrt (ROUNDED, above)
+        return
+    for n, g in their_grads.items():
+        torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-5 * max(1.0, g.abs().max().item()))

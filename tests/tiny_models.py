@@ -36,6 +36,7 @@ DECODERS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", dict(num_experts=2, num_experts_per_tok=1)),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {}),
     "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=2, num_experts_per_tok=1)),

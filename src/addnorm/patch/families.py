@@ -113,6 +113,10 @@ _T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's pr
     "LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
 }
 
+_DINO = (  # layer scale and drop path on each step (DINOv2, DINOv3)
+    Step("attention", "norm1", layer_scale="layer_scale1", drop_path="drop_path"),
+    Step("mlp", "norm2", layer_scale="layer_scale2", drop_path="drop_path"),
+)
 _CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
 _VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
 _POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
@@ -240,7 +244,10 @@ FAMILIES: dict[str, Family] = {
         ]
     ),
     **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
-    hf_path("olmo2", "Olmo2DecoderLayer"): Family(_POST, final="norm"),
+    **{
+        hf_path(m, c): Family(_POST, final="norm")
+        for m, c in [("olmo2", "Olmo2DecoderLayer"), ("flex_olmo", "FlexOlmoDecoderLayer")]
+    },
     hf_path("gpt_oss", "GptOssDecoderLayer"): Family(
         (_PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
     ),
@@ -487,12 +494,11 @@ FAMILIES: dict[str, Family] = {
         parallel="x1" if block.use_parallel_residual else None,
     ),
     "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: _falcon(block.config),
-    "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(
-        (
-            Step("attention", "norm1", layer_scale="layer_scale1", drop_path="drop_path"),
-            Step("mlp", "norm2", layer_scale="layer_scale2", drop_path="drop_path"),
-        ),
-        final="layernorm",
+    "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(_DINO, final="layernorm"),
+    hf_path("dinov3_vit", "DINOv3ViTLayer"): Family(_DINO, final="norm"),  # (its attention takes RoPE)
+    # Pixtral's vision encoder: Llama's steps, no norm after its stack (the projector reads it)
+    hf_path("pixtral", "PixtralAttentionLayer"): Family(
+        (Step("attention", "attention_norm"), Step("feed_forward", "ffn_norm"))
     ),
     **{
         hf_path(m, f"{c}{layer}"): family
