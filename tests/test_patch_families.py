@@ -1260,10 +1260,11 @@ def test_gemma4_moe_layers_run_their_own_forward():
     assert_same_step(norms_only, fused, hf_inputs("gemma4_moe"), exact=True)
 
 
-def _vision_encoder(name: str):
-    """A tiny vision encoder without a head (model, its inputs, the adds not fused): Gemma 4's
-    (sandwich norms, pooled after its last layer), DINOv3's (layer scale, drop path, RoPE), or
-    Pixtral's (Llama's steps, read by a projector after its last layer)."""
+def _headless(name: str):
+    """A tiny encoder without a head (model, its inputs, the adds not fused): the vision encoders
+    of Gemma 4 (sandwich norms, pooled after its last layer), DINOv3 (layer scale, drop path,
+    RoPE) or Pixtral (Llama's steps, read by a projector after its last layer), or Qwen3-ASR's
+    audio encoder (Whisper's steps on the packed rows of all clips, cut in windows)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -1278,6 +1279,17 @@ def _vision_encoder(name: str):
         grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(1, 16, 2)
         inputs = dict(pixel_values=torch.rand(2, 16, 12, generator=g), pixel_position_ids=grid.expand(2, 16, 2))
         return tf.Gemma4VisionModel(config), inputs, [("encoder.layers.1", "mlp")]
+    if name == "qwen3_asr":
+        from transformers.models.qwen3_asr import modeling_qwen3_asr
+
+        config = tf.models.qwen3_asr.Qwen3ASREncoderConfig(
+            num_mel_bins=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, d_model=WIDTH,
+            n_window=50, n_window_infer=200, output_dim=WIDTH, downsample_hidden_size=8, max_position_embeddings=64,
+        )  # fmt: skip
+        mask = torch.ones(2, 400, dtype=torch.long)
+        mask[1, 300:] = 0  # (the second clip shorter)
+        inputs = dict(input_features=torch.randn(2, 16, 400, generator=g), input_features_mask=mask)
+        return modeling_qwen3_asr.Qwen3ASREncoder(config), inputs, []
     pixels = torch.randn(2, 3, 8, 8, generator=g)
     if name.startswith("dinov3"):
         config = tf.DINOv3ViTConfig(
@@ -1290,14 +1302,14 @@ def _vision_encoder(name: str):
     return tf.PixtralVisionModel(config), inputs, [("transformer.layers.1", "feed_forward")]
 
 
-@pytest.mark.parametrize("name", ["gemma4", "dinov3", "dinov3_drop_path", "pixtral"])
-def test_vision_encoders_fuse_their_adds(name):
-    """Vision encoders in training mode: the adds fused where a norm reads them (not an encoder's
+@pytest.mark.parametrize("name", ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr"])
+def test_encoders_without_a_head_fuse_their_adds(name):
+    """Vision and audio encoders in training mode: the adds fused where a norm reads them (not an encoder's
     last, where a pooler or projector does); features and every gradient the bits of the encoder
     with its norms alone replaced, and within float32 rounding of the unpatched one's. With drop
     path (DINOv3) the fused add scales by the same kept samples (the same draws of torch's
     generator) and rounds once: within float32 rounding of both."""
-    original, inputs, unfused = _vision_encoder(name)
+    original, inputs, unfused = _headless(name)
     with torch.no_grad():
         for p in original.parameters():
             if p.dim() == 1:

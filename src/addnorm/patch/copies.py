@@ -99,6 +99,9 @@ COPIES: dict[str, str] = {
     qwen2_audio.Qwen2AudioEncoderLayer speech_to_text.Speech2TextEncoderLayer
     voxtral.VoxtralEncoderLayer
     """,
+    "qwen3_asr.Qwen3ASRAudioEncoderLayer": """
+    qwen2_5_omni.Qwen2_5OmniAudioEncoderLayer qwen3_omni_moe.Qwen3OmniMoeAudioEncoderLayer
+    """,
     "whisper.WhisperDecoderLayer": """
     bigbird_pegasus.BigBirdPegasusDecoderLayer blenderbot.BlenderbotDecoderLayer
     m2m_100.M2M100DecoderLayer mbart.MBartDecoderLayer musicgen.MusicgenDecoderLayer
@@ -197,4 +200,6 @@ FINALS = {
     "vit_mae.ViTMAELayer": ("layernorm", "decoder_norm"),
     # none: LFM3-VL's vision model applies its embedding_norm (LFM2's final norm) before its layers
     "lfm3_vl.Lfm3VlVisionLayer": (),
+    # none: Qwen2.5-Omni's audio encoder pools its rows in pairs before its ln_post
+    "qwen2_5_omni.Qwen2_5OmniAudioEncoderLayer": (),
 }

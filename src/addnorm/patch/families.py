@@ -284,6 +284,14 @@ FAMILIES: dict[str, Family] = {
     hf_path("gemma4", "Gemma4TextDecoderLayer"): _gemma4,
     hf_path("gemma4_unified", "Gemma4UnifiedTextDecoderLayer"): Family(_SANDWICH, final="norm", scale="layer_scalar"),
     hf_path("gemma4", "Gemma4VisionEncoderLayer"): Family(_SANDWICH),  # (pooled after its stack: no final norm)
+    # Qwen3-ASR's audio encoder: Whisper's encoder steps, no dropout, the rows of all clips packed;
+    # it returns (stream,)
+    hf_path("qwen3_asr", "Qwen3ASRAudioEncoderLayer"): Family(
+        (Step("self_attn", "self_attn_layer_norm"), Step("fc1 activation_fn fc2", "final_layer_norm")),
+        final="ln_post",
+        clamp16=True,
+        extras=True,
+    ),
     hf_path("molmo2", "Molmo2DecoderLayer"): _molmo2,
     # Whisper's encoder layer, its attention given no use_cache (BioGPT)
     hf_path("biogpt", "BioGptDecoderLayer"): Family(
