@@ -931,8 +931,9 @@ def test_blocks_outside_layer_lists_and_lists_holding_none():
     }
 
 
-def test_a_model_that_changes_the_stream_after_a_layer_takes_no_hand_off():
-    """Qwen2-Audio's encoder pools the stream before its final norm: its last add stays plain."""
+def test_a_model_that_changes_the_stream_after_its_stack_takes_no_hand_off_there():
+    """Qwen2-Audio's encoder pools the stream before its final norm: its last layer's last add
+    stays plain, the one before hands its add to the next layer's norm."""
     import transformers as tf
 
     config = tf.Qwen2AudioEncoderConfig(
@@ -943,13 +944,17 @@ def test_a_model_that_changes_the_stream_after_a_layer_takes_no_hand_off():
     original = tf.Qwen2AudioEncoder(config).eval()
     patched = copy.deepcopy(original)
     report = addnorm.patch(patched, fuse_residual=True)
-    assert [(a.block, a.why) for a in report.adds if a.norm is None] == [
-        (f"layers.{i}", "the model changes the stream after this layer (pooled, merged or added tokens)")
-        for i in (0, 1)
+    assert [(a.block, a.add, a.why) for a in report.adds if a.norm is None] == [
+        ("layers.1", _MLP, "no final norm found above the block")
     ]
+    assert len(report.fused_adds) == 3
     features = torch.randn(2, 8, 2 * SEQ)
     with torch.no_grad():
         torch.testing.assert_close(patched(features)[0], original(features)[0], rtol=1e-5, atol=1e-5)
+    norms_only = copy.deepcopy(original)
+    addnorm.patch(norms_only)
+    with torch.no_grad():
+        assert torch.equal(patched(features)[0], norms_only(features)[0])
 
 
 def test_an_output_handed_to_a_norm_never_called_goes_with_its_stream():

@@ -175,13 +175,11 @@ COPIES: dict[str, str] = {
 }
 
 
-# copies in models that change the stream between their layers or before the final norm: pooled
-# (Qwen2-Audio's and AudioFlamingo3's encoders), merged (MiniCPM's vision) or added tokens (EoMT),
-# or a cross-attention output added before each layer (BLT's local decoder)
+# copies in models that change the stream between their layers: merged (MiniCPM's vision) or added
+# tokens (EoMT), or a cross-attention output added before each layer (BLT's local decoder)
 ALONE = """
-    audioflamingo3.AudioFlamingo3EncoderLayer blt.BltTransformerLayer eomt.EomtLayer
-    minicpm_ocr.MiniCPMOcrVisionEncoderLayer minicpmv4_6.MiniCPMV4_6VisionEncoderLayer
-    minicpmv4_7.MiniCPMV4_7VisionEncoderLayer qwen2_audio.Qwen2AudioEncoderLayer
+    blt.BltTransformerLayer eomt.EomtLayer minicpm_ocr.MiniCPMOcrVisionEncoderLayer
+    minicpmv4_6.MiniCPMV4_6VisionEncoderLayer minicpmv4_7.MiniCPMV4_7VisionEncoderLayer
 """
 
 # copies whose stack names its final norm otherwise than the original's does (each applied right
@@ -200,6 +198,8 @@ FINALS = {
     "vit_mae.ViTMAELayer": ("layernorm", "decoder_norm"),
     # none: LFM3-VL's vision model applies its embedding_norm (LFM2's final norm) before its layers
     "lfm3_vl.Lfm3VlVisionLayer": (),
-    # none: Qwen2.5-Omni's audio encoder pools its rows in pairs before its ln_post
+    # none: these audio encoders pool their rows in pairs before their final norm
     "qwen2_5_omni.Qwen2_5OmniAudioEncoderLayer": (),
+    "qwen2_audio.Qwen2AudioEncoderLayer": (),
+    "audioflamingo3.AudioFlamingo3EncoderLayer": (),
 }

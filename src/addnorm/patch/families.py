@@ -69,8 +69,8 @@ class Family:
     # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
     # in float32 where the block's ``residual_in_fp32`` is set
     cast: bool = False
-    # the model changes the stream after the block (pooled, merged or added tokens: Qwen2-Audio's
-    # encoder, EoMT): its last add hands nothing on
+    # the model changes the stream after each block (merged or added tokens: MiniCPM's vision
+    # tower, EoMT): its last add hands nothing on
     alone: bool = False
     clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
     # the attribute of the block's ``cache`` its first sublayer takes (T5Gemma's decoder: the
