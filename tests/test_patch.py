@@ -15,7 +15,7 @@ import addnorm
 from addnorm.patch import HF_NORMS, norm_style
 from addnorm.patch.hf_norms import hf_path, pairs
 from addnorm.patch.norms import MEAN_STYLES
-from tiny_models import TinyTransformer, assert_same_step, hf_inputs, hf_model, round_trip, step
+from tiny_models import WIDTH, TinyTransformer, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 patch_module = sys.modules["addnorm.patch"]  # addnorm.patch is the function
 norms_module = sys.modules["addnorm.patch.norms"]
@@ -456,6 +456,23 @@ def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
     kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
     with torch.no_grad():
         assert torch.equal(fused.generate(prompt, **kwargs), model.generate(prompt, **kwargs))
+
+
+@pytest.mark.parametrize("name", ["chameleon", "chameleon_swin"])
+def test_a_fused_layer_returns_the_attention_weights_only_when_asked(name):
+    """Chameleon's layers return ``(stream,)``, and ``(stream, attention weights)`` with
+    ``output_attentions=True``: so do the fused ones, with the same values."""
+    model = hf_model(name).eval()
+    fused = copy.deepcopy(model)
+    addnorm.patch(fused, fuse_residual=True)
+    x = torch.randn(2, 8, WIDTH)
+    positions = model.model.rotary_emb(x, torch.arange(8)[None])
+    with torch.no_grad():
+        for asked in (False, True):
+            want = model.model.layers[0](x, position_embeddings=positions, output_attentions=asked)
+            got = fused.model.layers[0](x, position_embeddings=positions, output_attentions=asked)
+            assert type(got) is tuple and len(got) == len(want) == 1 + asked
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_a_nemotron_norm_casts_to_the_autocast_dtype_as_its_class_does(monkeypatch):

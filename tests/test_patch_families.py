@@ -144,7 +144,7 @@ COVERAGE = {
     ),
     **{
         name: (
-            9,
+            norms,
             {
                 f"{c}DecoderLayer": {
                     "self_attn": "no norm reads the sum: mlp takes the stream itself",
@@ -152,8 +152,14 @@ COVERAGE = {
                 }
             },
         )
-        for name, c in [("olmo2", "Olmo2"), ("olmo3", "Olmo3"), ("flex_olmo", "FlexOlmo")]
+        for name, c, norms in [
+            ("olmo2", "Olmo2", 9),
+            ("olmo3", "Olmo3", 9),
+            ("flex_olmo", "FlexOlmo", 9),
+            ("chameleon_swin", "ChameleonSwin", 5),  # (its q and k norms: per-head weights, left alone)
+        ]
     },
+    "chameleon": (5, {"ChameleonDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "gpt2": (5, {"GPT2Block": {"attn": "fused", "mlp": "fused"}}),
     **{
         name: (3, {f"{c}Block": {"mixer": "fused"}})
@@ -225,6 +231,7 @@ SKIPPED = {  # gated; without a weight
     "granitemoehybrid": {"GraniteMoeHybridRMSNormGated"},
     "kimi_linear": {"KimiLinearRMSNormGated"},
     "bamba": {"BambaRMSNormGated"},
+    **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "mllama": {"MllamaCrossAttentionDecoderLayer"},
     "wav2vec2": {"Wav2Vec2NoLayerNormConvLayer"},
     "hubert": {"HubertNoLayerNormConvLayer"},
@@ -254,6 +261,8 @@ LABELS = {
     "olmo2": "OLMo 2",
     "olmo3": "OLMo 3",
     "flex_olmo": "FlexOlmo (OLMo 2's layout, MoE)",
+    "chameleon": "Chameleon",
+    "chameleon_swin": "Chameleon (`swin_norm=True`: OLMo 2's layout)",
     "olmo": "OLMo",
     "qwen3_next": "Qwen3-Next (linear and full attention, MoE)",
     "olmoe": "OLMoE",
@@ -362,7 +371,12 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
     for cls, adds in expected.items():
         for add, outcome in adds.items():
             assert outcome in outcomes[cls][add], (cls, add, outcomes[cls])
-    if name in ("olmo2", "olmo3", "flex_olmo"):  # only the last block's MLP add is read by a norm: the final one
+    if name in (
+        "olmo2",
+        "olmo3",
+        "flex_olmo",
+        "chameleon_swin",
+    ):  # only the last block's MLP add is read by a norm: the final one
         assert [a.norm for a in report.fused_adds] == ["model.norm"]
     elif name in ("clip", "mllama"):  # the last add: no final norm above (CLIP), a layer not fused next
         assert report.fused_adds == report.adds[:-1]

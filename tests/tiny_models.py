@@ -13,6 +13,9 @@ import addnorm
 VOCAB, SEQ, WIDTH = 64, 8, 32
 
 
+_VQ = dict(embed_dim=WIDTH, num_embeddings=16, base_channels=WIDTH, channel_multiplier=[1, 1], num_res_blocks=1)
+_VQ |= dict(latent_channels=WIDTH, resolution=16, attn_resolutions=[])
+_IMAGE_TOKEN = dict(vocabulary_map={"<image>": VOCAB - 1})  # (Chameleon's: never in the prompts here)
 # Llama-shaped decoders: name -> (config class, model class, config arguments beyond the common ones)
 DECODERS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -92,6 +95,14 @@ DECODERS = {
     "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
     "apertus1p5": ("Apertus1p5TextConfig", "Apertus1p5TextForCausalLM", {}),
     "vaultgemma": ("VaultGemmaConfig", "VaultGemmaForCausalLM", {}),
+    **{  # (its image tokenizer a VQ-VAE, tiny too)
+        name: (
+            "ChameleonConfig",
+            "ChameleonForConditionalGeneration",
+            dict(vq_config=_VQ, swin_norm=swin) | _IMAGE_TOKEN,
+        )
+        for name, swin in [("chameleon", False), ("chameleon_swin", True)]
+    },
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=0)),
     "gemma4_ple": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(hidden_size_per_layer_input=8)),  # per-layer inputs
     "gemma4_moe": (

@@ -243,6 +243,7 @@ def block_forward(self, hidden_states, *args, **kwargs):
     if family.post_norm:
         return _post_norm_forward(self, family, hidden_states, *args, **kwargs)
     named, spread = _arguments(self, hidden_states, args, kwargs)
+    extras_asked = family.extras_if is None or bool(named.get(family.extras_if))
     if (
         any(named.get(name) is not None for name in family.fallback)
         or (family.clamp16 and hidden_states.dtype == torch.float16)
@@ -264,6 +265,8 @@ def block_forward(self, hidden_states, *args, **kwargs):
         s, extras = _sequential_forward(self, family, steps, hidden_states, named, calls, nxt)
     if not family.extras:
         return s
+    if not extras_asked:
+        return (s,)
     return (s, *extras, *(None,) * (family.padded - len(extras)))
 
 

@@ -59,6 +59,9 @@ class Family:
     fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
     extras: bool = False  # the block returns (stream, *the attention's other outputs)
     padded: int = 0  # with extras, at least this many, None for those missing (Bamba's Mamba layers)
+    # with extras, only when this block argument is true (Chameleon's ``output_attentions``): else
+    # the block returns ``(stream,)``
+    extras_if: str | None = None
     kwargs: bool = True  # the block passes its ``**kwargs`` on to the attention
     # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX: mlp + attn + s);
     # "chain" the same in the stream's order (Cohere: s + attn + mlp); "sum" adds their sum with
@@ -100,6 +103,8 @@ def _each(steps: tuple[Step, ...], **changes) -> tuple[Step, ...]:
 
 
 _GRANITE = _each(_PRE, multiplier="residual_multiplier")  # s + out * m
+# OLMo 2's layout under Llama's norm names: each norm on its sublayer's output, before the add
+_NORM_AFTER_OUTPUT = (Step("self_attn", post="input_layernorm"), Step("mlp", post="post_attention_layernorm"))
 _SANDWICH = (
     Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
     Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
@@ -201,11 +206,7 @@ def _kimi(block: nn.Module) -> Family:
 def _molmo2(block: nn.Module) -> Family:
     """Molmo2's text layers: Llama's, or with ``norm_after`` OLMo 2's (each norm on its sublayer's
     output, before the add)."""
-    if not block.norm_after:
-        return Family(_PRE, final="norm")
-    return Family(
-        (Step("self_attn", post="input_layernorm"), Step("mlp", post="post_attention_layernorm")), final="norm"
-    )
+    return Family(_NORM_AFTER_OUTPUT if block.norm_after else _PRE, final="norm")
 
 
 def _gemma4(block: nn.Module) -> Family | None:
@@ -281,6 +282,11 @@ FAMILIES: dict[str, Family] = {
     },
     hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
     hf_path("bamba", "BambaDecoderLayer"): _bamba,
+    # Chameleon's layers: Llama's, or with ``swin_norm`` OLMo 2's (each norm on its sublayer's output)
+    **{
+        hf_path("chameleon", c): Family(steps, final="norm", extras=True, extras_if="output_attentions")
+        for c, steps in [("ChameleonDecoderLayer", _PRE), ("ChameleonSwinDecoderLayer", _NORM_AFTER_OUTPUT)]
+    },
     hf_path("gemma4", "Gemma4TextDecoderLayer"): _gemma4,
     hf_path("gemma4_unified", "Gemma4UnifiedTextDecoderLayer"): Family(_SANDWICH, final="norm", scale="layer_scalar"),
     hf_path("gemma4", "Gemma4VisionEncoderLayer"): Family(_SANDWICH),  # (pooled after its stack: no final norm)
