@@ -442,7 +442,7 @@ def test_fused_blocks_generate_with_cache_and_cross_attention():
     )
 
 
-@pytest.mark.parametrize("name", ["t5gemma", "gemma4_ple", "bamba"])
+@pytest.mark.parametrize("name", ["t5gemma", "gemma4_ple", "bamba", "chameleon"])
 def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
     """Cached greedy generation from a left-padded batch: T5Gemma's decoder (its self-attention
     given the self-attention part of the cache, its cross-attention the whole), Gemma 4 with
