@@ -70,6 +70,8 @@ def _subclass(cls: type, kind: str) -> type:
             body = {
                 "forward": block_forward,
                 "_addnorm_signature": inspect.signature(cls.forward),
+                # the stream's name: the first argument after self
+                "_addnorm_stream": list(inspect.signature(cls.forward).parameters)[1],
                 "_addnorm_renamed": renamed_arguments(cls.forward),
             }
         body |= {"__module__": __name__, "__reduce_ex__": _reduce_ex, "_addnorm_made_from": (cls, kind)}

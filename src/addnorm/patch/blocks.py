@@ -51,18 +51,21 @@ def renamed_arguments(forward) -> frozenset[str]:
     return frozenset(names)
 
 
-def _arguments(self, hidden_states, args, kwargs) -> tuple[dict, dict]:
-    """The arguments of the original block forward after ``hidden_states``, by name, with its
-    defaults filled in and its ``**kwargs`` spread (passed on as the original does, whichever
-    name its cache argument has); and those ``**kwargs`` alone."""
-    bound = type(self)._addnorm_signature.bind(self, hidden_states, *args, **kwargs)
+def _arguments(self, args, kwargs) -> tuple[Tensor, dict, dict]:
+    """The stream (the original block forward's first argument, whatever its name: Llama 4's
+    vision layers take ``hidden_state``), the arguments after it by name, with its defaults filled
+    in and its ``**kwargs`` spread (passed on as the original does, whichever name its cache
+    argument has); and those ``**kwargs`` alone."""
+    cls = type(self)
+    bound = cls._addnorm_signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
     named = dict(bound.arguments)
-    del named["self"], named["hidden_states"]
+    del named["self"]
+    stream = named.pop(cls._addnorm_stream)
     spread = named.pop("kwargs", {})  # (popped either way: the sublayer gets no argument 'kwargs')
     if not self.__dict__[FAMILY].kwargs:
         spread = {}
-    return named | spread, spread
+    return stream, named | spread, spread
 
 
 def attribute(block: nn.Module, path: str):
@@ -235,21 +238,21 @@ def _call_first(block: nn.Module, family: Family, step: Step, h: Tensor, named: 
     return (result[0], tuple(result[1:])) if isinstance(result, tuple) else (result, ())
 
 
-def block_forward(self, hidden_states, *args, **kwargs):
+def block_forward(self, *args, **kwargs):
     """The forward of every block of ``FAMILIES``: the original's steps with each add fused."""
     family = self.__dict__[FAMILY]
     if kwargs and not type(self)._addnorm_renamed.isdisjoint(kwargs):  # (renamed_arguments)
-        return self.__dict__[ORIGINAL].forward(self, hidden_states, *args, **kwargs)
+        return self.__dict__[ORIGINAL].forward(self, *args, **kwargs)
     if family.post_norm:
-        return _post_norm_forward(self, family, hidden_states, *args, **kwargs)
-    named, spread = _arguments(self, hidden_states, args, kwargs)
+        return _post_norm_forward(self, family, *args, **kwargs)
+    hidden_states, named, spread = _arguments(self, args, kwargs)
     extras_asked = family.extras_if is None or bool(named.get(family.extras_if))
     if (
         any(named.get(name) is not None for name in family.fallback)
         or (family.clamp16 and hidden_states.dtype == torch.float16)
         or not _owners_intact(self)
     ):
-        return self.__dict__[ORIGINAL].forward(self, hidden_states, *args, **kwargs)
+        return self.__dict__[ORIGINAL].forward(self, *args, **kwargs)
     steps = tuple(st for st in family.steps if st.needs is None or named.get(st.needs) is not None)
     calls = [
         {new: named.get(old) for old, new in st.call} | (spread if st.kwargs else {}) if st.call else {} for st in steps

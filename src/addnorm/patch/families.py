@@ -282,10 +282,15 @@ FAMILIES: dict[str, Family] = {
     },
     hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
     hf_path("bamba", "BambaDecoderLayer"): _bamba,
-    # Chameleon's layers: Llama's, or with ``swin_norm`` OLMo 2's (each norm on its sublayer's output)
+    # Chameleon's layers: Llama's, or with ``swin_norm`` OLMo 2's (each norm on its sublayer's output);
+    # Llama 4's vision encoder: Llama's steps, its stream named ``hidden_state``
     **{
-        hf_path("chameleon", c): Family(steps, final="norm", extras=True, extras_if="output_attentions")
-        for c, steps in [("ChameleonDecoderLayer", _PRE), ("ChameleonSwinDecoderLayer", _NORM_AFTER_OUTPUT)]
+        hf_path(m, c): Family(steps, final=final, extras=True, extras_if="output_attentions", drop=drop)
+        for m, c, steps, final, drop in [
+            ("chameleon", "ChameleonDecoderLayer", _PRE, "norm", ()),
+            ("chameleon", "ChameleonSwinDecoderLayer", _NORM_AFTER_OUTPUT, "norm", ()),
+            ("llama4", "Llama4VisionEncoderLayer", _PRE, "layernorm_post", ("output_attentions",)),
+        ]
     },
     hf_path("gemma4", "Gemma4TextDecoderLayer"): _gemma4,
     hf_path("gemma4_unified", "Gemma4UnifiedTextDecoderLayer"): Family(_SANDWICH, final="norm", scale="layer_scalar"),
