@@ -127,6 +127,7 @@ COVERAGE = {
     ),
     "kimi_linear": (6, {"KimiLinearDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "bamba": (5, {"BambaDecoderLayer": {"mamba": "fused", "self_attn": "fused", "feed_forward": "fused"}}),
+    "falcon_h1": (5, {"FalconH1DecoderLayer": {"mamba+self_attn": "fused", "feed_forward": "fused"}}),
     "afmoe": (13, {"AfmoeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # sandwich, q and k norms
     "granitemoeshared": (
         5,
@@ -333,6 +334,7 @@ LABELS = {
     "jamba": "Jamba (Mamba and attention layers, MoE)",
     "kimi_linear": "Kimi Linear (linear and full attention, MoE)",
     "bamba": "Bamba (Mamba-2 and attention layers)",
+    "falcon_h1": "Falcon-H1 (Mamba-2 and attention side by side)",
     "afmoe": "AFMoE (sandwich norms, MoE)",
     "lfm2": "LFM2 (convolution and attention layers)",
     "lfm2_moe": "LFM2-MoE",
@@ -1282,7 +1284,8 @@ def test_gemma4_moe_layers_run_their_own_forward():
 def _headless(name: str):
     """A tiny encoder without a head (model, its inputs, the adds not fused): the vision encoders
     of Gemma 4 (sandwich norms, pooled after its last layer), DINOv3 (layer scale, drop path,
-    RoPE) or Pixtral (Llama's steps, read by a projector after its last layer), or Qwen3-ASR's
+    RoPE), Pixtral (Llama's steps, read by a projector after its last layer) or Llama 4 (Llama's
+    steps, each layer's stream passed as ``hidden_state=``), or Qwen3-ASR's
     audio encoder (Whisper's steps on the packed rows of all clips, cut in windows)."""
     import transformers as tf
 
@@ -1310,6 +1313,12 @@ def _headless(name: str):
         inputs = dict(input_features=torch.randn(2, 16, 400, generator=g), input_features_mask=mask)
         return modeling_qwen3_asr.Qwen3ASREncoder(config), inputs, []
     pixels = torch.randn(2, 3, 8, 8, generator=g)
+    if name == "llama4":  # (the pixel shuffle's MLP reads 4x the width)
+        config = tf.Llama4VisionConfig(
+            **heads | dict(intermediate_size=4 * WIDTH), image_size=8, patch_size=2, vision_output_dim=WIDTH,
+            projector_input_dim=WIDTH, projector_output_dim=WIDTH, pixel_shuffle_ratio=0.5,
+        )  # fmt: skip
+        return tf.models.llama4.modeling_llama4.Llama4VisionModel(config), dict(pixel_values=pixels), []
     if name.startswith("dinov3"):
         config = tf.DINOv3ViTConfig(
             **heads, image_size=8, patch_size=4, num_register_tokens=1, layerscale_value=0.5,
@@ -1321,7 +1330,7 @@ def _headless(name: str):
     return tf.PixtralVisionModel(config), inputs, [("transformer.layers.1", "feed_forward")]
 
 
-@pytest.mark.parametrize("name", ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr"])
+@pytest.mark.parametrize("name", ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4"])
 def test_encoders_without_a_head_fuse_their_adds(name):
     """Vision and audio encoders in training mode: the adds fused where a norm reads them (not an encoder's
     last, where a pooler or projector does); features and every gradient the bits of the encoder

@@ -180,6 +180,12 @@ DECODERS = {
         dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8)
         | dict(mamba_chunk_size=4),
     ),
+    "falcon_h1": (  # its mixer's multipliers away from 1
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(mamba_d_ssm=WIDTH, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8)
+        | dict(mamba_chunk_size=4, attention_in_multiplier=0.7, ssm_out_multiplier=1.3, attention_out_multiplier=0.6),
+    ),
 }
 SMALL = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
 _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

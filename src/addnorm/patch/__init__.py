@@ -28,8 +28,9 @@ from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
 from .blocks import FAMILY, NEXT, ORIGINAL, OWNERS, attribute, block_forward, owners, renamed_arguments
-from .families import FAMILIES, Family, entry_norms, family_of, final_names, modules
+from .families import FAMILIES, entry_norms, family_of, final_names
 from .hf_norms import HF_NORMS
+from .layout import Family, modules
 from .norms import (
     FLASH_ATTN_MODULES,
     HF_STYLES,

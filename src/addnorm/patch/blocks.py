@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..ops import Sublayer
-from .families import Family, Step, modules
+from .layout import Family, Step, modules
 from .norms import PARAMETERS, add_norm_forward, fusable, hand_off
 
 ORIGINAL = "_addnorm_original_class"
@@ -297,7 +297,10 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
         if i == 0:
             if step.adds:  # the sublayer adds the stream itself: its result is the new stream
                 named[step.adds] = s
-            out, extras = _call_first(self, family, step, h, named)
+            if family.mixer:
+                out, extras = family.mixer(self, h, named)
+            else:
+                out, extras = _call_first(self, family, step, h, named)
             if step.adds:
                 s = out
                 h = _norm(self, steps[1].norm)(s)

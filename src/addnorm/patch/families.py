@@ -7,87 +7,12 @@ short per-family table of docs/integrations.md, section 3); :mod:`.blocks` runs 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from torch import nn
 
 from .copies import ALONE, COPIES, FINALS
 from .hf_norms import hf_path, pairs
-
-
-@dataclass(frozen=True)
-class Step:
-    """One sublayer and its add: ``s = s + branch(post(sublayer(norm(s))))``."""
-
-    # a module, or several applied in turn ("fc1 activation_fn fc2": OPT's MLP), a float attribute
-    # among them a dropout probability (Whisper's "activation_dropout"); "a+b": the sum of two
-    # modules on the same input, in that order (Granite 4's experts and shared MLP); "*name": the
-    # output so far times the block argument ``name``, which ``call`` passes (Gemma 4's per-layer input)
-    sublayer: str
-    norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
-    post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
-    dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
-    layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
-    multiplier: str | None = None  # a float attribute of the block scaling the output (Granite)
-    drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
-    first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
-    flat: bool = False  # the sublayer returns the rows flat, (tokens, hidden) (Llama 4's MoE)
-    # after the first step: block argument -> sublayer keyword, passed with the block's **kwargs
-    # (Whisper's cross-attention: encoder_hidden_states -> key_value_states)
-    call: tuple[tuple[str, str], ...] = ()
-    needs: str | None = None  # a block argument without which the step is skipped (cross-attention)
-    kwargs: bool = True  # with ``call``: the block's **kwargs go to the sublayer too (not Moonshine's)
-    # the sublayer adds the stream itself, given as this keyword, and returns the new stream
-    # (BLOOM's attention: ``residual``): that add stays inside it, the next norm reads its result
-    adds: str | None = None
-
-
-def modules(sublayer: str) -> list[str]:
-    """The attribute paths a :attr:`Step.sublayer` names, in order (not its ``*`` block arguments)."""
-    return [path for word in sublayer.split() if word[0] != "*" for path in word.split("+")]
-
-
-@dataclass(frozen=True)
-class Family:
-    """How to run a block class: its steps, the final norm of the stack it sits in (an attribute
-    of the nearest ancestor that has it), and how its first sublayer is called."""
-
-    steps: tuple[Step, ...]
-    final: str | tuple[str, ...] | None = None  # the stack's final norm (the first name its holder has)
-    rename: tuple[tuple[str, str], ...] = ()  # block argument -> attention argument
-    drop: tuple[str, ...] = ()  # block arguments the attention does not take
-    fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
-    extras: bool = False  # the block returns (stream, *the attention's other outputs)
-    padded: int = 0  # with extras, at least this many, None for those missing (Bamba's Mamba layers)
-    # with extras, only when this block argument is true (Chameleon's ``output_attentions``): else
-    # the block returns ``(stream,)``
-    extras_if: str | None = None
-    kwargs: bool = True  # the block passes its ``**kwargs`` on to the attention
-    # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX: mlp + attn + s);
-    # "chain" the same in the stream's order (Cohere: s + attn + mlp); "sum" adds their sum with
-    # one dropout (Falcon); the steps' norms may be one module
-    parallel: str | None = None
-    post_norm: bool = False  # (BERT) the block is ``norm(dropout(sublayer(h)) + input_tensor)``
-    norm_after: bool = False  # (BART) each step's norm reads the stream after its add: s = norm(s + out)
-    # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
-    # in float32 where the block's ``residual_in_fp32`` is set
-    cast: bool = False
-    # the model changes the stream after each block (merged or added tokens: MiniCPM's vision
-    # tower, EoMT): its last add hands nothing on
-    alone: bool = False
-    clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
-    # the attribute of the block's ``cache`` its first sublayer takes (T5Gemma's decoder: the
-    # self-attention's part of an EncoderDecoderCache, whose whole the cross-attention takes)
-    self_cache: str | None = None
-    # a tensor attribute of the block the stream is multiplied by, in place, after the last add
-    # (Gemma 4's ``layer_scalar``): that add then hands nothing on
-    scale: str | None = None
-
-    def __post_init__(self):
-        if any(step.adds for step in self.steps[1:]) or (
-            self.steps[0].adds and (len(self.steps) < 2 or self.steps[1].norm is None or self.parallel)
-        ):
-            raise ValueError("Step.adds: only a sequential block's first step, followed by a step with a norm")
+from .layout import Family, Step
 
 
 def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
@@ -227,6 +152,20 @@ def _gemma4(block: nn.Module) -> Family | None:
     return Family(steps, final="norm", drop=("per_layer_input",), scale="layer_scalar")
 
 
+_MAMBA_SKIPS = ("attention_mask", "mamba_attention_mask", "position_ids", "use_cache", "position_embeddings")
+
+
+def _falcon_h1_mixer(block: nn.Module, h, named: dict) -> tuple:
+    """Falcon-H1's first sublayer, as its layer computes it: Mamba-2 (with its own mask) and
+    attention (on ``h`` times ``attention_in_multiplier``) side by side, their outputs scaled by
+    ``ssm_out_multiplier`` and ``attn_out_multiplier`` and summed."""
+    mamba_args = {k: v for k, v in named.items() if k not in _MAMBA_SKIPS}
+    mamba = block.mamba(hidden_states=h, attention_mask=named["mamba_attention_mask"], **mamba_args)
+    attention_args = {k: v for k, v in named.items() if k != "mamba_attention_mask"}
+    attention, _ = block.self_attn(hidden_states=h * block.attention_in_multiplier, **attention_args)
+    return mamba * block.ssm_out_multiplier + attention * block.attn_out_multiplier, ()
+
+
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
@@ -282,6 +221,12 @@ FAMILIES: dict[str, Family] = {
     },
     hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
     hf_path("bamba", "BambaDecoderLayer"): _bamba,
+    hf_path("falcon_h1", "FalconH1DecoderLayer"): Family(
+        (Step("mamba+self_attn", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm")),
+        final="final_layernorm",
+        extras=True,
+        mixer=_falcon_h1_mixer,
+    ),
     # Chameleon's layers: Llama's, or with ``swin_norm`` OLMo 2's (each norm on its sublayer's output);
     # Llama 4's vision encoder: Llama's steps, its stream named ``hidden_state``
     **{

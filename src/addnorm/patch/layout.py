@@ -1,0 +1,89 @@
+"""The vocabulary of a fused block: a :class:`Family` of :class:`Step` (sublayer, the norm before
+it, dropout, ...) says how :mod:`.blocks` runs a block class with each add fused; :mod:`.families`
+maps the Hugging Face block classes to theirs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class Step:
+    """One sublayer and its add: ``s = s + branch(post(sublayer(norm(s))))``."""
+
+    # a module, or several applied in turn ("fc1 activation_fn fc2": OPT's MLP), a float attribute
+    # among them a dropout probability (Whisper's "activation_dropout"); "a+b": the sum of two
+    # modules on the same input, in that order (Granite 4's experts and shared MLP); "*name": the
+    # output so far times the block argument ``name``, which ``call`` passes (Gemma 4's per-layer input)
+    sublayer: str
+    norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
+    post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
+    dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
+    layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
+    multiplier: str | None = None  # a float attribute of the block scaling the output (Granite)
+    drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
+    first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
+    flat: bool = False  # the sublayer returns the rows flat, (tokens, hidden) (Llama 4's MoE)
+    # after the first step: block argument -> sublayer keyword, passed with the block's **kwargs
+    # (Whisper's cross-attention: encoder_hidden_states -> key_value_states)
+    call: tuple[tuple[str, str], ...] = ()
+    needs: str | None = None  # a block argument without which the step is skipped (cross-attention)
+    kwargs: bool = True  # with ``call``: the block's **kwargs go to the sublayer too (not Moonshine's)
+    # the sublayer adds the stream itself, given as this keyword, and returns the new stream
+    # (BLOOM's attention: ``residual``): that add stays inside it, the next norm reads its result
+    adds: str | None = None
+
+
+def modules(sublayer: str) -> list[str]:
+    """The attribute paths a :attr:`Step.sublayer` names, in order (not its ``*`` block arguments)."""
+    return [path for word in sublayer.split() if word[0] != "*" for path in word.split("+")]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to run a block class: its steps, the final norm of the stack it sits in (an attribute
+    of the nearest ancestor that has it), and how its first sublayer is called."""
+
+    steps: tuple[Step, ...]
+    final: str | tuple[str, ...] | None = None  # the stack's final norm (the first name its holder has)
+    rename: tuple[tuple[str, str], ...] = ()  # block argument -> attention argument
+    drop: tuple[str, ...] = ()  # block arguments the attention does not take
+    fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
+    extras: bool = False  # the block returns (stream, *the attention's other outputs)
+    padded: int = 0  # with extras, at least this many, None for those missing (Bamba's Mamba layers)
+    # with extras, only when this block argument is true (Chameleon's ``output_attentions``): else
+    # the block returns ``(stream,)``
+    extras_if: str | None = None
+    kwargs: bool = True  # the block passes its ``**kwargs`` on to the attention
+    # parallel blocks: "x1" adds both outputs, each with its dropout (GPT-NeoX: mlp + attn + s);
+    # "chain" the same in the stream's order (Cohere: s + attn + mlp); "sum" adds their sum with
+    # one dropout (Falcon); the steps' norms may be one module
+    parallel: str | None = None
+    post_norm: bool = False  # (BERT) the block is ``norm(dropout(sublayer(h)) + input_tensor)``
+    norm_after: bool = False  # (BART) each step's norm reads the stream after its add: s = norm(s + out)
+    # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
+    # in float32 where the block's ``residual_in_fp32`` is set
+    cast: bool = False
+    # the model changes the stream after each block (merged or added tokens: MiniCPM's vision
+    # tower, EoMT): its last add hands nothing on
+    alone: bool = False
+    clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
+    # the attribute of the block's ``cache`` its first sublayer takes (T5Gemma's decoder: the
+    # self-attention's part of an EncoderDecoderCache, whose whole the cross-attention takes)
+    self_cache: str | None = None
+    # a tensor attribute of the block the stream is multiplied by, in place, after the last add
+    # (Gemma 4's ``layer_scalar``): that add then hands nothing on
+    scale: str | None = None
+    # the first step's sublayer when it is more than a module's call: ``mixer(block, h, named)``
+    # gives its output and extras from the first norm's output ``h`` and the block's arguments
+    # (Falcon-H1's Mamba and attention side by side, each scaled)
+    mixer: Callable[[nn.Module, Tensor, dict], tuple[Tensor, tuple]] | None = None
+
+    def __post_init__(self):
+        if any(step.adds for step in self.steps[1:]) or (
+            self.steps[0].adds and (len(self.steps) < 2 or self.steps[1].norm is None or self.parallel)
+        ):
+            raise ValueError("Step.adds: only a sequential block's first step, followed by a step with a norm")
