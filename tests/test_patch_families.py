@@ -128,6 +128,7 @@ COVERAGE = {
     "kimi_linear": (6, {"KimiLinearDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "bamba": (5, {"BambaDecoderLayer": {"mamba": "fused", "self_attn": "fused", "feed_forward": "fused"}}),
     "falcon_h1": (5, {"FalconH1DecoderLayer": {"mamba+self_attn": "fused", "feed_forward": "fused"}}),
+    "minimax": (6, {"MiniMaxDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "afmoe": (13, {"AfmoeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # sandwich, q and k norms
     "granitemoeshared": (
         5,
@@ -244,7 +245,7 @@ SKIPPED = {  # gated; without a weight
 ROUNDED = ("gemma4_ple",)
 # MoE experts (torch._grouped_mm) have no float64 oracle
 MOE = ("qwen3_next", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe")
-MOE += ("lfm2_moe", "granitemoeshared", "granitemoehybrid", "jamba", "kimi_linear", "afmoe", "flex_olmo")
+MOE += ("lfm2_moe", "granitemoeshared", "granitemoehybrid", "jamba", "kimi_linear", "afmoe", "flex_olmo", "minimax")
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
 DROPOUT = [
@@ -335,6 +336,7 @@ LABELS = {
     "kimi_linear": "Kimi Linear (linear and full attention, MoE)",
     "bamba": "Bamba (Mamba-2 and attention layers)",
     "falcon_h1": "Falcon-H1 (Mamba-2 and attention side by side)",
+    "minimax": "MiniMax (lightning and full attention, scaled residuals, MoE)",
     "afmoe": "AFMoE (sandwich norms, MoE)",
     "lfm2": "LFM2 (convolution and attention layers)",
     "lfm2_moe": "LFM2-MoE",

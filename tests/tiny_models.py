@@ -180,6 +180,13 @@ DECODERS = {
         dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8)
         | dict(mamba_chunk_size=4),
     ),
+    "minimax": (  # lightning and full attention, the residuals and outputs scaled away from 1
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        dict(num_local_experts=2, num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"])
+        | dict(block_size=4, full_attn_alpha_factor=1.7, full_attn_beta_factor=0.8, linear_attn_alpha_factor=1.3)
+        | dict(linear_attn_beta_factor=0.9, mlp_alpha_factor=1.6, mlp_beta_factor=0.7),
+    ),
     "falcon_h1": (  # its mixer's multipliers away from 1
         "FalconH1Config",
         "FalconH1ForCausalLM",

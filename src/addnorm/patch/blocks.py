@@ -292,6 +292,8 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
         s = s.to(torch.float32) if self.residual_in_fp32 else s
     else:
         h = s if first is None else first(s)
+    if family.normed_residual:
+        s = h
     extras = ()
     for i, step in enumerate(steps):
         if i == 0:
@@ -311,10 +313,13 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
             out = out.view(s.shape) if step.flat else out
         if step.post is not None:
             out = getattr(self, step.post)(out)
+        if step.residual_scale:
+            s = s * getattr(self, step.residual_scale)
         if family.norm_after:
             h = s = _add_then_norm(self, step, out, s)
         elif i + 1 < len(steps):
             h, s = _add(self, step, out, s, _norm(self, steps[i + 1].norm))
+            s = h if family.normed_residual else s
         elif nxt and not family.scale and fusable(nxt[0], out) and _reads_the_stream(family, nxt[0], s, out):
             # (the next norm is called by the model: its hooks run there)
             y, s = add_norm_forward(nxt[0], out, s, sublayer=_sublayer(self, step, out))

@@ -221,6 +221,15 @@ FAMILIES: dict[str, Family] = {
     },
     hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
     hf_path("bamba", "BambaDecoderLayer"): _bamba,
+    # MiniMax's layers: each norm's output is the residual, scaled by alpha, the sublayer's by beta
+    hf_path("minimax", "MiniMaxDecoderLayer"): Family(
+        (
+            Step("self_attn", "input_layernorm", multiplier="attn_beta_factor", residual_scale="attn_alpha_factor"),
+            Step("mlp", "post_attention_layernorm", multiplier="mlp_beta_factor", residual_scale="mlp_alpha_factor"),
+        ),
+        final="norm",
+        normed_residual=True,
+    ),
     hf_path("falcon_h1", "FalconH1DecoderLayer"): Family(
         (Step("mamba+self_attn", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm")),
         final="final_layernorm",

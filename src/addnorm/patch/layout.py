@@ -24,6 +24,7 @@ class Step:
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
     layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
     multiplier: str | None = None  # a float attribute of the block scaling the output (Granite)
+    residual_scale: str | None = None  # a float attribute of the block scaling the stream before the add (MiniMax)
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
     first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
     flat: bool = False  # the sublayer returns the rows flat, (tokens, hidden) (Llama 4's MoE)
@@ -77,6 +78,8 @@ class Family:
     # a tensor attribute of the block the stream is multiplied by, in place, after the last add
     # (Gemma 4's ``layer_scalar``): that add then hands nothing on
     scale: str | None = None
+    # (MiniMax) each step's residual is its norm's output, not the stream the norm read
+    normed_residual: bool = False
     # the first step's sublayer when it is more than a module's call: ``mixer(block, h, named)``
     # gives its output and extras from the first norm's output ``h`` and the block's arguments
     # (Falcon-H1's Mamba and attention side by side, each scaled)
