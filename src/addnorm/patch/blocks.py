@@ -202,10 +202,13 @@ def _add(block: nn.Module, step: Step, out: Tensor, s: Tensor, norm: nn.Module |
     return (s, s) if norm is None else (norm(s), s)
 
 
-def _run(block: nn.Module, step: Step, h: Tensor, call: dict) -> Tensor:
-    """The step's sublayer (its modules in turn, a float among them a dropout) on ``h``; ``call``:
-    the keyword arguments of a sublayer that takes the block's (:attr:`Step.call`), those named
-    ``*name`` in it multiplying ``h`` there rather than passed on."""
+def _run(block: nn.Module, step: Step, h: Tensor, call: dict, s: Tensor | None = None) -> Tensor:
+    """The step's sublayer (its modules in turn, a float among them a dropout; or its ``run``, given
+    the stream ``s`` too) on ``h``; ``call``: the keyword arguments of a sublayer that takes the
+    block's (:attr:`Step.call`), those named ``*name`` in it multiplying ``h`` there rather than
+    passed on."""
+    if step.run:
+        return step.run(block, h, s, call)
     words = step.sublayer.split()
     factors = {word[1:]: call[word[1:]] for word in words if word[0] == "*"}
     if factors:
@@ -229,12 +232,14 @@ def _run(block: nn.Module, step: Step, h: Tensor, call: dict) -> Tensor:
     return h
 
 
-def _call_first(block: nn.Module, family: Family, step: Step, h: Tensor, named: dict) -> tuple[Tensor, tuple]:
+def _call_first(
+    block: nn.Module, family: Family, step: Step, h: Tensor, s: Tensor, named: dict
+) -> tuple[Tensor, tuple]:
     for old, new in family.rename:
         named[new] = named.pop(old)
     if family.self_cache and named.get("cache") is not None:
         named["cache"] = getattr(named["cache"], family.self_cache)
-    result = getattr(block, step.sublayer)(h, **named)
+    result = step.run(block, h, s, named) if step.run else getattr(block, step.sublayer)(h, **named)
     return (result[0], tuple(result[1:])) if isinstance(result, tuple) else (result, ())
 
 
@@ -299,16 +304,13 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
         if i == 0:
             if step.adds:  # the sublayer adds the stream itself: its result is the new stream
                 named[step.adds] = s
-            if family.mixer:
-                out, extras = family.mixer(self, h, named)
-            else:
-                out, extras = _call_first(self, family, step, h, named)
+            out, extras = _call_first(self, family, step, h, s, named)
             if step.adds:
                 s = out
                 h = _norm(self, steps[1].norm)(s)
                 continue
         else:
-            out = _run(self, step, h, calls[i])
+            out = _run(self, step, h, calls[i], s)
             out = out[0] if step.first else out
             out = out.view(s.shape) if step.flat else out
         if step.post is not None:
@@ -338,7 +340,7 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
     attn, mlp = family.steps[:2]
     h_attn = getattr(self, attn.norm)(s)
     h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
-    out_attn, extras = _call_first(self, family, attn, h_attn, named)
+    out_attn, extras = _call_first(self, family, attn, h_attn, s, named)
     out_mlp = _run(self, mlp, h_mlp, {})
     p, p_attn = _dropout_p(self, mlp), _dropout_p(self, attn)
     if family.parallel == "sum" or (family.parallel == "x1" and not p and not p_attn):

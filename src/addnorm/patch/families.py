@@ -134,13 +134,23 @@ def _molmo2(block: nn.Module) -> Family:
     return Family(_NORM_AFTER_OUTPUT if block.norm_after else _PRE, final="norm")
 
 
-def _gemma4(block: nn.Module) -> Family | None:
-    """Gemma 4's text layers: Gemma 3's sandwich norms; then, with per-layer inputs (E2B, E4B), a
-    gated projection of the per-layer input, which reads the stream itself; then the stream times a
-    learned scalar. The MoE layout, whose experts read the stream beside the MLP, runs as it is."""
-    if block.enable_moe_block:
-        return None
+def _gemma4_experts(block: nn.Module, h, s, call: dict):
+    """Gemma 4's MoE step (:attr:`Step.run`), as its layer computes it: the MLP on the pre-norm's
+    output ``h`` beside the experts, routed from the stream ``s`` and run on their own pre-norm
+    of it; each output normed, then summed."""
+    flat = s.reshape(-1, s.shape[-1])
+    _, weights, index = block.router(flat)
+    experts = block.experts(block.pre_feedforward_layernorm_2(flat), index, weights).reshape(s.shape)
+    return block.post_feedforward_layernorm_1(block.mlp(h)) + block.post_feedforward_layernorm_2(experts)
+
+
+def _gemma4(block: nn.Module) -> Family:
+    """Gemma 4's text layers: Gemma 3's sandwich norms, the MLP beside routed experts in the MoE
+    layout; then, with per-layer inputs (E2B, E4B), a gated projection of the per-layer input,
+    which reads the stream itself; then the stream times a learned scalar."""
     steps = _SANDWICH
+    if block.enable_moe_block:
+        steps = (steps[0], dataclasses.replace(steps[1], sublayer="mlp+experts", run=_gemma4_experts))
     if block.hidden_size_per_layer_input:
         gated = Step(
             "per_layer_input_gate act_fn *per_layer_input per_layer_projection",
@@ -155,15 +165,15 @@ def _gemma4(block: nn.Module) -> Family | None:
 _MAMBA_SKIPS = ("attention_mask", "mamba_attention_mask", "position_ids", "use_cache", "position_embeddings")
 
 
-def _falcon_h1_mixer(block: nn.Module, h, named: dict) -> tuple:
-    """Falcon-H1's first sublayer, as its layer computes it: Mamba-2 (with its own mask) and
-    attention (on ``h`` times ``attention_in_multiplier``) side by side, their outputs scaled by
-    ``ssm_out_multiplier`` and ``attn_out_multiplier`` and summed."""
+def _falcon_h1(block: nn.Module, h, s, named: dict):
+    """Falcon-H1's first sublayer (:attr:`Step.run`), as its layer computes it: Mamba-2 (with its
+    own mask) and attention (on ``h`` times ``attention_in_multiplier``) side by side, their
+    outputs scaled by ``ssm_out_multiplier`` and ``attn_out_multiplier`` and summed."""
     mamba_args = {k: v for k, v in named.items() if k not in _MAMBA_SKIPS}
     mamba = block.mamba(hidden_states=h, attention_mask=named["mamba_attention_mask"], **mamba_args)
     attention_args = {k: v for k, v in named.items() if k != "mamba_attention_mask"}
     attention, _ = block.self_attn(hidden_states=h * block.attention_in_multiplier, **attention_args)
-    return mamba * block.ssm_out_multiplier + attention * block.attn_out_multiplier, ()
+    return mamba * block.ssm_out_multiplier + attention * block.attn_out_multiplier
 
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
@@ -231,10 +241,9 @@ FAMILIES: dict[str, Family] = {
         normed_residual=True,
     ),
     hf_path("falcon_h1", "FalconH1DecoderLayer"): Family(
-        (Step("mamba+self_attn", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm")),
+        (Step("mamba+self_attn", "input_layernorm", run=_falcon_h1), Step("feed_forward", "pre_ff_layernorm")),
         final="final_layernorm",
         extras=True,
-        mixer=_falcon_h1_mixer,
     ),
     # Chameleon's layers: Llama's, or with ``swin_norm`` OLMo 2's (each norm on its sublayer's output);
     # Llama 4's vision encoder: Llama's steps, its stream named ``hidden_state``

@@ -36,6 +36,11 @@ class Step:
     # the sublayer adds the stream itself, given as this keyword, and returns the new stream
     # (BLOOM's attention: ``residual``): that add stays inside it, the next norm reads its result
     adds: str | None = None
+    # the sublayer when it is more than modules called in turn: ``run(block, h, s, named)`` of the
+    # norm's output ``h``, the stream ``s`` it adds to and the arguments a first step's sublayer
+    # takes (``call``'s after it), returning what a sublayer would (Falcon-H1's Mamba and
+    # attention side by side, each scaled; Gemma 4's MLP beside its experts routed from ``s``)
+    run: Callable[[nn.Module, Tensor, Tensor, dict], Tensor | tuple] | None = None
 
 
 def modules(sublayer: str) -> list[str]:
@@ -80,10 +85,6 @@ class Family:
     scale: str | None = None
     # (MiniMax) each step's residual is its norm's output, not the stream the norm read
     normed_residual: bool = False
-    # the first step's sublayer when it is more than a module's call: ``mixer(block, h, named)``
-    # gives its output and extras from the first norm's output ``h`` and the block's arguments
-    # (Falcon-H1's Mamba and attention side by side, each scaled)
-    mixer: Callable[[nn.Module, Tensor, dict], tuple[Tensor, tuple]] | None = None
 
     def __post_init__(self):
         if any(step.adds for step in self.steps[1:]) or (
