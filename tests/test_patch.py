@@ -341,6 +341,76 @@ class ScaledNorm(nn.LayerNorm):
         return 2 * super().forward(x)
 
 
+def test_known_norms_left_out_by_norm_types_keep_their_blocks_as_they_are():
+    """A norm addnorm knows but ``norm_types`` leaves out is reported as such, not as unknown;
+    blocks none of whose adds can then be fused keep their own forward."""
+    model = hf_model("llama")
+    report = addnorm.patch(model, norm_types=[nn.LayerNorm], fuse_residual=True)
+    assert report.replaced == [] and report.fused == [] and report.skipped
+    assert {why for _, _, why in report.skipped} == {"a norm addnorm knows, left out by norm_types"}
+    assert report.adds and not report.fused_adds
+    assert all(type(layer).__name__ == "LlamaDecoderLayer" for layer in model.model.layers)
+
+
+def test_a_second_patch_reports_what_the_first_did_and_an_empty_model_warns():
+    model = hf_model("gpt2")
+    first = addnorm.patch(model, fuse_residual=True)
+    again = addnorm.patch(model, fuse_residual=True)
+    assert not again.replaced and not again.adds
+    assert len(again.already) == len(first.replaced) + len(first.fused)
+    assert f"{len(again.already)} module(s) patched by an earlier call" in str(again)
+    with pytest.warns(UserWarning, match="no norm found in the Sequential"):
+        addnorm.patch(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_a_layer_list_patched_itself_fuses_each_layer_s_last_add_into_the_next():
+    """patch() on a ModuleList (the layers of a model, no final norm above them): each layer's last
+    add runs in the next layer's first norm, the last layer's stays plain; T5's block list, whose
+    items hold lists of their own, too."""
+    model = hf_model("llama")
+    layers = model.model.layers
+    report = addnorm.patch(layers, fuse_residual=True)
+    assert [(a.block, a.add, a.norm) for a in report.adds if a.add == "mlp"] == [
+        ("0", "mlp", "1.input_layernorm"),
+        ("1", "mlp", None),
+    ]
+    t5 = hf_model("t5")
+    original = copy.deepcopy(t5)
+    report = addnorm.patch(t5.encoder.block, fuse_residual=True)
+    assert ("0.layer.1", "DenseReluDense", "1.layer.0.layer_norm") in [(a.block, a.add, a.norm) for a in report.adds]
+    assert_same_step(original, t5, hf_inputs("t5"))
+
+
+def test_a_channels_first_layer_norm_is_refused_whatever_norm_types_says():
+    """ConvNeXt's LayerNorm with ``data_format="channels_first"`` normalizes the channel dim of an
+    image: no style computes that, so asking for style "layer" leaves it alone and says why."""
+    from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+
+    model = nn.Sequential(ConvNextLayerNorm(8, data_format="channels_first"), ConvNextLayerNorm(8))
+    report = addnorm.patch(model, norm_types={ConvNextLayerNorm: "layer"})
+    assert [n for n, _, _ in report.replaced] == ["1"]
+    assert report.skipped == [
+        ("0", "ConvNextLayerNorm", "data_format='channels_first' normalizes another dim than the last")
+    ]
+    x = torch.randn(2, 8, 8, 8)
+    assert torch.equal(model[0](x), ConvNextLayerNorm(8, data_format="channels_first")(x))
+
+
+def test_layers_named_after_their_norms_are_not_reported_as_norms():
+    """wav2vec 2.0's stable-layer-norm layout has an encoder, layers and conv layers named
+    "...LayerNorm...": only its norms are reported, each once."""
+    import transformers as tf
+
+    config = tf.Wav2Vec2Config(
+        hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=16, num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4, do_stable_layer_norm=True, feat_extract_norm="layer",
+    )  # fmt: skip
+    report = addnorm.patch(tf.Wav2Vec2ForCTC(config), fuse_residual=True)
+    assert not [s for s in report.skipped if "norm_types" in s[2]]
+    assert len({name for name, _, _ in report.skipped}) == len(report.skipped)
+
+
 def test_subclasses_of_torch_norms_are_reported_as_skipped():
     model = nn.Sequential(nn.LayerNorm(8), ScaledNorm(8), nn.Linear(8, 8))
     report = addnorm.patch(model)

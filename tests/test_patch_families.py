@@ -237,8 +237,6 @@ SKIPPED = {  # gated; without a weight
     "bamba": {"BambaRMSNormGated"},
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "mllama": {"MllamaCrossAttentionDecoderLayer"},
-    "wav2vec2": {"Wav2Vec2NoLayerNormConvLayer"},
-    "hubert": {"HubertNoLayerNormConvLayer"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the

@@ -19,6 +19,7 @@ lists every add of those blocks, fused or not and why (:mod:`.report`).
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -96,10 +97,12 @@ def _new_patched(original: type, kind: str) -> nn.Module:
 # --------------------------------------------------------------------------- norms
 
 
+_KNOWN: dict[type | str, str] = {nn.LayerNorm: "layer", nn.RMSNorm: "rms", **HF_NORMS}  # (norm_types=None)
+
+
 def _resolve_norm_types(norm_types) -> dict[type | str, str]:
-    known: dict[type | str, str] = {nn.LayerNorm: "layer", nn.RMSNorm: "rms", **HF_NORMS}
     if norm_types is None:
-        return known
+        return _KNOWN
     if isinstance(norm_types, Mapping):
         for cls, style in norm_types.items():
             if not isinstance(cls, type) or not issubclass(cls, nn.Module):
@@ -113,7 +116,7 @@ def _resolve_norm_types(norm_types) -> dict[type | str, str]:
         )
     chosen = {}
     for cls in norm_types:
-        style = known.get(cls, known.get(_path(cls))) if isinstance(cls, type) else None
+        style = _KNOWN.get(cls, _KNOWN.get(_path(cls))) if isinstance(cls, type) else None
         if style is None:
             raise ValueError(
                 f"norm_types: {cls!r} is not a norm addnorm knows; pass a mapping "
@@ -125,9 +128,12 @@ def _resolve_norm_types(norm_types) -> dict[type | str, str]:
 
 def _looks_like_norm(m: nn.Module) -> bool:
     """A norm :func:`patch` was not asked to replace: a subclass of torch's (with a forward of
-    its own, so not replaced by default), or a class named like one."""
+    its own, so not replaced by default), or a class named like one that holds no module with
+    parameters (not a layer named after its norms: wav2vec 2.0's ``EncoderLayerStableLayerNorm``)."""
     name = type(m).__name__
-    return isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or "LayerNorm" in name or "RMSNorm" in name
+    if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+        return True
+    return ("LayerNorm" in name or "RMSNorm" in name) and not any(True for c in m.children() for _ in c.parameters())
 
 
 def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
@@ -167,6 +173,8 @@ def _patch_norm(m: nn.Module, style: str, backend: str) -> str | None:
     else:
         if style in ("layer", "rms") and not isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
             return f"style {style!r} needs the attributes of torch.nn.LayerNorm / RMSNorm"
+        if getattr(m, "data_format", "channels_last") != "channels_last":  # (ConvNeXt's)
+            return f"data_format={m.data_format!r} normalizes another dim than the last"
         new = _subclass(cls, style)
     m.__class__ = new
     m.backend = backend
@@ -269,6 +277,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
             continue
         blocks.append((name, m, family))
     stacks: dict[str, list] = {}
+    by_name = {b[0]: b for b in blocks}
     for name, m, family in blocks:
         stacks.setdefault(_stack(model, name, family)[0], []).append((name, m, family))
     for _stack_name, members in stacks.items():
@@ -279,9 +288,11 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
             elif family.scale:
                 following = f"the layer scales the stream after its last add ({family.scale})"
             elif not (family.post_norm or family.norm_after):  # (those hand nothing on)
-                following = _runs_next(model, name, following)
+                following = _runs_next(model, name, following, by_name)
             _wire(model, report, following, name, m, family)
     for name, m, family in blocks:
+        if not any(a.fused for a in report.adds if a.block == name):  # (its own forward computes the same)
+            continue
         original = type(m)
         m.__class__ = _subclass(original, "block")
         m.__dict__[ORIGINAL] = original
@@ -298,11 +309,12 @@ def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
     # (a class of the table whose family runs not this configuration: BLOOM with the residual
     # taken after the norm)
     unfused = "this configuration of the block is not fused: its norms are replaced, its adds stay plain"
+    listed = {a.block for a in report.adds}  # (blocks none of whose adds is fused: report.adds says why)
     for list_name, layers in model.named_modules():
         if not isinstance(layers, nn.ModuleList):
             continue
         for i, layer in enumerate(layers):
-            if layer is None:  # (a ModuleList may hold None: Informer's conv_layers)
+            if layer is None or f"{list_name}.{i}" in listed:  # (a ModuleList may hold None: Informer's conv_layers)
                 continue
             inside = list(layer.modules())
             if any(norm_style(m) for m in inside) and not any(
@@ -312,13 +324,17 @@ def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
                 report.skipped.append((f"{list_name}.{i}", type(layer).__name__, unfused if known else unknown))
 
 
-def _runs_next(model: nn.Module, name: str, following):
+def _runs_next(model: nn.Module, name: str, following, blocks: dict):
     """``following`` (the next block of the stack, or None for the stack's end) if that is what
-    runs right after block ``name``; else why the block hands nothing on: a layer addnorm does not
-    fuse runs in between (a hybrid model's other kind), or the block is no item of a layer list."""
+    runs right after block ``name``; at a stack's end, the block of ``blocks`` that runs next (T5's
+    block list patched without its final norm: each item's layers a stack of their own); else why
+    the block hands nothing on: a layer addnorm does not fuse runs in between (a hybrid model's
+    other kind), or the block is no item of a layer list."""
     nxt = _next_layer(model, name)
     if (following[0] if following is not None else None) == nxt:
         return following
+    if following is None and nxt in blocks:
+        return blocks[nxt]
     if nxt is None:
         return "the block is no item of a layer list: which layer runs next is unknown"
     layer = model.get_submodule(nxt.rpartition(".")[0])[int(nxt.rpartition(".")[2])]
@@ -333,7 +349,7 @@ def _next_layer(model: nn.Module, name: str) -> str | None:
     if not index.isdigit():
         return None
     if int(index) + 1 < len(model.get_submodule(parent)):
-        return f"{parent}.{int(index) + 1}"
+        return f"{parent}.{int(index) + 1}" if parent else str(int(index) + 1)  # (a list patched itself)
     owner, _, attr = parent.rpartition(".")
     outer = _next_layer(model, owner) if owner else None
     if outer is None:
@@ -454,12 +470,16 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
                 if m.backend != backend:
                     m.backend = backend
                     report.replaced.append((name, m.__dict__[ORIGINAL].__name__, norm_style(m)))
+                    continue
+            report.already.append(name)
             continue
         style = types.get(cls, types.get(_path(cls)))
         if style is None and norm_types is None:
             style = flash_attn_style(m)
         if style is None:
-            if norm_style(m) is None and _looks_like_norm(m):
+            if norm_types is not None and (cls in _KNOWN or _path(cls) in _KNOWN or flash_attn_style(m)):
+                report.skipped.append((name, cls.__name__, "a norm addnorm knows, left out by norm_types"))
+            elif norm_style(m) is None and _looks_like_norm(m):
                 report.skipped.append((name, cls.__name__, "unknown norm class; see norm_types"))
             continue
         why = _patch_norm(m, style, backend)
@@ -470,6 +490,8 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
             report.skipped.append((name, cls.__name__, why))
     if fuse_residual:
         _fuse_blocks(model, report)
+    if not (report.replaced or report.already or report.skipped):
+        warnings.warn(f"addnorm.patch: no norm found in the {type(model).__name__}", stacklevel=2)
     return report
 
 

@@ -25,13 +25,16 @@ class Add:
 @dataclass
 class PatchReport:
     """What :func:`patch` did: ``replaced`` (module name, original class, style), ``fused`` (blocks
-    whose forward now runs their adds inside the norms), ``adds`` (every add of those blocks, fused
-    or not and why) and ``skipped`` (name, class, why: norms and blocks left alone)."""
+    whose forward now runs their adds inside the norms), ``adds`` (every add of the blocks of
+    ``FAMILIES``, fused or not and why: a block none of whose adds is fused keeps its own forward),
+    ``skipped`` (name, class, why: norms and blocks left alone) and ``already`` (the modules an
+    earlier call patched, left as they are)."""
 
     replaced: list[tuple[str, str, str]] = field(default_factory=list)
     fused: list[str] = field(default_factory=list)
     adds: list[Add] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    already: list[str] = field(default_factory=list)
 
     @property
     def fused_adds(self) -> list[Add]:
@@ -56,4 +59,6 @@ class PatchReport:
                     what = "fused" if outcome == "fused" else f"not fused: {outcome}"
                     lines.append(f"  {cls} {add} add x{n}: {what}")
         lines += [f"  skipped {name or '<model>'} ({cls}): {why}" for name, cls, why in self.skipped]
+        if self.already:
+            lines.append(f"  {len(self.already)} module(s) patched by an earlier call, left as they are")
         return "\n".join(lines)
