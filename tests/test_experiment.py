@@ -412,6 +412,24 @@ def test_dropout_reaches_every_add_and_norm(tmp_path):
     assert "residual dropout 0.1" in (out / "report.md").read_text()
 
 
+def test_a_finished_run_is_replaced_only_with_force(tmp_path, capsys):
+    """A folder holding a finished run is refused before training; with --force the new run
+    replaces it, and a replaced run's files the new one does not write (a depth sweep's
+    depth.png after a plain run) are removed, so the folder never mixes two runs."""
+    out = tmp_path / "run"
+    argv = ["train", "--sweep", "depth", "--depths", "1", "--arms", "pre", "--epochs", "1", "--seeds", "1"]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    before = (out / "results.json").read_bytes()
+    capsys.readouterr()
+    assert cli.main(["train", "--quick", "--arms", "pre", "--seeds", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a finished run (results.json)" in err and "--force" in err and err.count("\n") == 1
+    assert (out / "results.json").read_bytes() == before
+    assert cli.main(["train", "--quick", "--arms", "pre", "--seeds", "1", "--force", "--out", str(out)]) == 0
+    assert (out / "results.json").read_bytes() != before
+    assert (out / "curves.png").is_file() and not (out / "depth.png").exists()
+
+
 def test_depth_sweep_end_to_end(tmp_path):
     out = tmp_path / "sweep"
     argv = ["train", "--sweep", "depth", "--depths", "2,1", "--arms", "post,pre", "--epochs", "1"]

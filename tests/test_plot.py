@@ -34,6 +34,12 @@ def test_hist_data_is_the_seeds_setup():
     assert torch.allclose(normed, torch.nn.functional.layer_norm(encoded, (256,)), atol=1e-5)
 
 
+def test_plot_hist_refuses_a_seed_torch_cannot_take(tmp_path, capsys):
+    assert cli.main(["plot", "hist", "--seed", str(2**64), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seed must be an integer from -2**63 to 2**64 - 1" in err
+
+
 def test_plot_hist_writes_png(tmp_path, capsys):
     assert cli.main(["plot", "hist", "--points", "2", "--d-model", "64", "--out", str(tmp_path)]) == 0
     assert_png(tmp_path / "hist.png")

@@ -142,6 +142,12 @@ def _silence_stdout() -> None:
         pass
 
 
+def check_seed(seed: int, flag: str) -> None:
+    """``seed`` within what ``torch.manual_seed`` takes (a 64-bit integer, signed or not)."""
+    if not -(2**63) <= seed < 2**64:
+        raise UsageError(f"{flag} must be an integer from -2**63 to 2**64 - 1, got {seed}")
+
+
 def is_number(text: str) -> bool:
     """Whether ``text`` parses as a float (an option value that is a number, not a path)."""
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .bench.rows import DEFAULT_RESULTS, PASSES, read_rows, run_key
-from .cli import UsageError, output_dir, output_file
+from .cli import UsageError, check_seed, output_dir, output_file
 
 MAX_D_MODEL = 65536
 
@@ -221,6 +221,7 @@ def run(args) -> int:
     if args.what == "hist":
         if not (1 <= args.points <= 8 and 2 <= args.d_model <= MAX_D_MODEL and args.d_model % 2 == 0):
             raise UsageError(f"plot hist needs 1 to 8 --points and an even --d-model from 2 to {MAX_D_MODEL}")
+        check_seed(args.seed, "--seed")
         plot_hist(png_path(args.out, "hist.png"), args.points, args.d_model, args.seed)
     elif args.what == "bench":
         plot_bench(png_path(args.out, "bench.png"), args.results, args.op, args.dtype, args.pass_, args.commit)

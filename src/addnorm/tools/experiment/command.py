@@ -112,6 +112,11 @@ def run(args) -> int:
         else "train writes results.json, curves.png, grad_norms.png and report.md"
     )
     out_dir = output_dir(args.out, "--out", writes)
+    if (out_dir / "results.json").exists() and not args.force:  # (a finished run: never lost unasked)
+        raise UsageError(
+            f"--out: {args.out!r} holds a finished run (results.json); give another folder, "
+            "or --force to replace that run"
+        )
     jobs = jobs_of(cfg, depths)
     workers = min(args.jobs or default_workers(), len(jobs))
     console = Console()
@@ -163,12 +168,18 @@ def run(args) -> int:
         written = write_outputs(results, out_dir)
     except OSError as err:  # the folder was checked at the start; keep the results if it went away since
         raise CommandError(f"--out: cannot write into {args.out!r} ({err}); {_rescue(results)}") from None
+    for stale in (out_dir / name for name in _OUTPUTS):  # (a replaced run's files this one does not write)
+        if stale not in written and stale.exists():
+            stale.unlink()
     console.print(f"wrote {', '.join(str(p) for p in written)} ({results.seconds:.0f} s)")
     if stopped:
         raise Interrupted(
             f"interrupted: {stopped.finished} of {stopped.planned} runs had finished; {out_dir} holds those"
         )
     return 0
+
+
+_OUTPUTS = ("results.json", "report.md", "curves.png", "grad_norms.png", "depth.png")  # what a run may write
 
 
 def _rescue(results: Results) -> str:
@@ -226,6 +237,9 @@ def register(sub) -> None:
     p.add_argument("--data", metavar="FILE", help="your own sequences: .npy or .csv of shape [n, 4, 2]")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the model is tiny)")
     p.add_argument("--out", default="addnorm-train", metavar="DIR", help="output folder (default ./addnorm-train)")
+    p.add_argument(
+        "--force", action="store_true", help="replace the finished run the --out folder holds (refused without it)"
+    )
     p.add_argument(
         "--quick",
         action="store_true",

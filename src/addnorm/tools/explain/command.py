@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from ..cli import UsageError
 from . import show
 from .compute import compare_batchnorm, steps
@@ -45,6 +49,12 @@ def run(args) -> int:
         dropout=args.dropout,
         seed=args.seed,
     )
+    if eps == 0 and not torch.isfinite(r["rstd"]).all():  # (a constant row: what eps is there for)
+        rows = [i for i, v in enumerate(r["rstd"].reshape(-1).tolist()) if not math.isfinite(v)]
+        raise UsageError(
+            f"--eps 0: row(s) {rows} are constant (all zero, for RMSNorm), so the variance + eps is 0 "
+            "and x̂ would divide by zero; that is what eps prevents: give --eps > 0"
+        )
     cmp = compare_batchnorm(r["x"], eps) if args.compare else None
     if args.json:
         doc = {

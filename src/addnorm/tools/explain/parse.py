@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ... import reference
-from ..cli import UsageError, is_number
+from ..cli import UsageError, check_seed, is_number
 from ..info import WORKED_INPUT
 
 MATRIX_HELP = 'a matrix literal like "[[0.2,0.1,0.3],[0.5,0.1,0.1]]" or a .npy, .pt or .csv file'
@@ -215,13 +215,16 @@ def read_inputs(args) -> Inputs:
     rms = args.norm == "rms"
     if rms and args.beta is not None:
         raise UsageError("--beta: RMSNorm has no bias (β); drop --beta or use --norm layer")
-    if args.compare and (rms or args.residual is not None or args.backward):
-        raise UsageError("--compare batchnorm compares plain LayerNorm; drop --norm rms, --residual and --backward")
-    if args.compare and x.numel() // math.prod(normalized_shape) < 2:
-        raise UsageError(
-            "--compare batchnorm needs at least 2 rows: BatchNorm normalizes each feature over the "
-            "rows of the batch, and a single row leaves it nothing to normalize over"
-        )
+    if args.compare:
+        given = ["--norm rms"] * rms + ["--residual"] * (args.residual is not None) + ["--backward"] * args.backward
+        if given:
+            raise UsageError(f"--compare batchnorm compares plain LayerNorm; drop {' and '.join(given)}")
+        if x.numel() // math.prod(normalized_shape) < 2:
+            raise UsageError(
+                "--compare batchnorm needs at least 2 rows: BatchNorm normalizes each feature over the "
+                f"rows of the batch; an input of shape {list(x.shape)} normalized over its trailing "
+                f"{list(normalized_shape)} is a single row"
+            )
     if args.dropout and args.residual is None:
         raise UsageError("--dropout drops the sublayer output x before it is added to --residual: add --residual")
     if not 0 <= args.dropout < 1:
@@ -234,6 +237,9 @@ def read_inputs(args) -> Inputs:
         eps = torch.finfo(reference.stats_dtype(x.dtype)).eps if rms else 1e-5
     if not math.isfinite(eps) or eps < 0:
         raise UsageError(f"--eps must be a non-negative number, got {eps}")
+    if args.compare and eps == 0:
+        raise UsageError("--eps 0 with --compare batchnorm: torch's batch_norm needs eps > 0")
+    check_seed(args.seed, "--seed")
     gamma = parse_param(args.gamma, normalized_shape, "--gamma", 1.0)
     beta = None if rms else parse_param(args.beta, normalized_shape, "--beta", 0.0)
     residual = grad = None
