@@ -485,6 +485,31 @@ def test_train_on_user_data(tmp_path):
     assert "the corner of [-1, 1]² nearest to it" in report
 
 
+def test_data_far_from_noisy_corners_are_flagged_and_plotted_whole(tmp_path, capsys):
+    """Data whose targets are no noisy corners (every value 0.1: each target 0.9 from its nearest
+    corner) have a noise floor models end far below: the terminal and report.md say the floor
+    means little there, and the curves' axis reaches down to every point drawn."""
+    from addnorm.tools.experiment import plots
+
+    np.savetxt(tmp_path / "flat.csv", np.full((40, 8), 0.1), delimiter=",")
+    out = tmp_path / "run"
+    argv = ["train", "--quick", "--arms", "pre", "--seeds", "1", "--data", str(tmp_path / "flat.csv")]
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["floor"] == pytest.approx(0.81)
+    final = doc["arms"]["pre"]["runs"][0]["test_mse"][-1]
+    assert final < doc["floor"]
+    assert "the models end below the noise floor" in capsys.readouterr().out
+    assert "**Note:** the models end below the noise floor" in (out / "report.md").read_text()
+    results = Results.from_json(doc)
+    assert plots._bottom(results) <= min(v for v in doc["arms"]["pre"]["runs"][0]["test_mse"]) / 2
+    points, _ = square_sequences(40, 5)  # noisy corners: no note, the axis from half the floor
+    np.save(tmp_path / "mine.npy", points)
+    argv[-1] = str(tmp_path / "mine.npy")
+    assert cli.main([*argv, "--out", str(tmp_path / "corners")]) == 0
+    assert "Note" not in (tmp_path / "corners" / "report.md").read_text()
+
+
 def test_missing_matplotlib_is_a_clear_usage_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert cli.main(["train", "--quick", "--out", str(tmp_path)]) == 2

@@ -11,7 +11,7 @@ from ..cli import CommandError, Interrupted, UsageError, check_threads, output_d
 from .config import ARMS, DEFAULT_ARMS, Config
 from .data import load_data, noise_floor
 from .plots import pyplot
-from .report import VERDICTS, readings, rich_table, smaller_than_default, three_digits, write_outputs
+from .report import VERDICTS, below_floor, readings, rich_table, smaller_than_default, three_digits, write_outputs
 from .schema import Results
 from .training import Job, jobs_of, run_experiment
 
@@ -160,6 +160,8 @@ def run(args) -> int:
             f"(smaller than the default {Config.depth}+{Config.depth} layers, "
             f"{Config.epochs} epochs: the verdicts below say little)"
         )
+    if below_floor(results):
+        console.print(f"[yellow]note[/]: {below_floor(results)}")
     colours = dict(zip(VERDICTS, ("green", "yellow", "red"), strict=True))
     for prediction, held, _ in readings(results):
         console.print(f"[{colours[held]}]{held.lower()}[/]: {prediction}")

@@ -39,6 +39,19 @@ def plot_results(results_json_path: str | pathlib.Path, out_dir: str | pathlib.P
     return [_plot_curves(results, out, plt), _plot_grad_norms(results, out, plt)]
 
 
+def _bottom(results: Results) -> float:
+    """The log axis' lower end: half the floor, or lower when a test MSE is (data other than noisy
+    corners, ``--data``), so that no point is cut off."""
+    values = [
+        v
+        for arm in results.all_arms()
+        for run in arm.runs
+        for v in run.test_mse
+        if v is not None and math.isfinite(v) and v > 0
+    ]
+    return min([results.floor, *values]) / 2
+
+
 def _plot_curves(results: Results, out: pathlib.Path, plt) -> pathlib.Path:
     """``curves.png``: test MSE per epoch, per arm (median, band min-max over seeds)."""
     floor = results.floor
@@ -60,7 +73,7 @@ def _plot_curves(results: Results, out: pathlib.Path, plt) -> pathlib.Path:
     ax.axhline(WITHIN * floor, color="gray", lw=0.8, ls="--")
     ax.text(1, WITHIN * floor * 1.1, f"{WITHIN:g}x floor", va="bottom", fontsize=9, color="gray")
     ax.set_yscale("log")
-    ax.set_ylim(floor / 2, CLIP * 1.5)
+    ax.set_ylim(_bottom(results), CLIP * 1.5)
     ax.set_xlabel("epoch")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_ylabel("test MSE (autoregressive, log scale)")
@@ -126,7 +139,7 @@ def plot_sweep(results: Results, out: pathlib.Path) -> pathlib.Path:
         color="gray",
     )
     ax.set_yscale("log")
-    ax.set_ylim(floor / 2, CLIP * 1.5)
+    ax.set_ylim(_bottom(results), CLIP * 1.5)
     ax.set_xticks(results.sweep.depth)
     ax.set_xlabel("encoder layers = decoder layers")
     ax.set_ylabel("final test MSE (log scale)")

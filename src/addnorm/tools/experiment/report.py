@@ -237,6 +237,24 @@ def smaller_than_default(cfg: Config) -> bool:
     return cfg.depth < Config.depth or cfg.epochs < Config.epochs
 
 
+def below_floor(results: Results) -> str:
+    """A warning where an arm's median final test MSE is below the noise floor, which no model
+    reaches on noisy square corners: the data (``--data``) are not those, and the floor and the
+    verdicts read against it say little; else ""."""
+    finals = [np.median([_final(r) for r in arm.runs]) for arm in results.all_arms()]
+    if not any(f < results.floor for f in finals):
+        return ""
+    return (
+        f"the models end below the noise floor ({min(finals):.4g} < {results.floor:.4g}): these data are not "
+        "noisy corners of [-1, 1]², so the floor and the verdicts read against it say little"
+    )
+
+
+def _final(run) -> float:
+    v = run.test_mse[-1]
+    return v if v is not None and math.isfinite(v) else math.inf
+
+
 def _floor_text(data: str | None) -> str:
     """What the noise floor is, for the generated sequences or for ``--data``."""
     if data is None:
@@ -283,6 +301,8 @@ def report_markdown(results: Results) -> str:
         f"final test MSE is above {FAIL_RATIO:g}x the floor or not finite.",
         "",
     ]
+    if below_floor(results):
+        lines += [f"**Note:** {below_floor(results)}.", ""]
     if sweep:
         header, rows = sweep_rows(results)
         lines += [
