@@ -72,6 +72,17 @@ def test_torch_compile_keeps_its_backward_rows(capsys):
     assert functorch_config.donated_buffer == before  # (off for the run alone)
 
 
+def test_a_run_that_measured_nothing_fails(capsys):
+    """Only implementations that cannot run here (not installed): an error, not a table of nothing."""
+    argv = ["bench", "--op", "add_layer_norm", "--shapes", "4x64", "--impl", "liger", "--rounds", "3"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.splitlines()[-1]
+        == "addnorm bench: error: no implementation of --impl liger could run here: nothing measured"
+    )
+
+
 def test_an_impl_failing_on_its_first_call_is_reported_not_fatal(monkeypatch):
     real = bench.make_impl
 

@@ -412,6 +412,11 @@ def test_dropout_reaches_every_add_and_norm(tmp_path):
     assert "residual dropout 0.1" in (out / "report.md").read_text()
 
 
+def test_arms_all_runs_every_arm():
+    args = cli.build_parser().parse_args(["train", "--arms", "all"])
+    assert command.config_from_args(args)[0].arms == list(ARMS)
+
+
 def test_a_finished_run_is_replaced_only_with_force(tmp_path, capsys):
     """A folder holding a finished run is refused before training; with --force the new run
     replaces it, and a replaced run's files the new one does not write (a depth sweep's

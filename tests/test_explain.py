@@ -270,7 +270,11 @@ ERRORS = [
         "an input of shape [2, 2] normalized over its trailing [2, 2] is a single row",
     ),
     (["--residual", "[[1,2,3],[4,5,6]]", "--dropout", "0.5", "--seed", str(2**64)], "--seed must be an integer"),
-    (["--seed", str(-(2**63) - 1)], "--seed must be an integer from -2**63 to 2**64 - 1"),
+    (
+        ["--residual", "[[1,2,3],[4,5,6]]", "--dropout", "0.5", "--seed", str(-(2**63) - 1)],
+        "--seed must be an integer from -2**63 to 2**64 - 1",
+    ),
+    (["--seed", "3"], "--seed is the seed of --dropout's mask: add --dropout"),
     (["--input", "[[0,0],[1,2]]", "--eps", "0"], "--eps 0: row(s) [0] are constant"),
     (["--input", "[[0,0],[1,2]]", "--eps", "0", "--norm", "rms"], "--eps 0: row(s) [0] are constant"),
     (["--gamma", "1,2"], "--gamma needs 1 or 3 values"),
@@ -300,7 +304,16 @@ def test_errors_are_one_line_exit_2(capsys, args, message):
 def test_unreadable_file(capsys, tmp_path):
     (tmp_path / "x.csv").write_text("0.2,0.1,0.3\n0.5,0.1\n")
     torch.save({"x": 1}, tmp_path / "d.pt")
-    for name, message in [("x.csv", "cannot read"), ("d.pt", "holds a dict, expected one tensor")]:
+    (tmp_path / "text.npy").write_text("hello")
+    (tmp_path / "empty.csv").write_text("")
+    torch.save(torch.empty(2, 3, device="meta"), tmp_path / "meta.pt")
+    for name, message in [
+        ("x.csv", "cannot read"),
+        ("d.pt", "holds a dict, expected one tensor"),
+        ("text.npy", "not a .npy file of numbers (Python objects in .npy files are never loaded)"),
+        ("empty.csv", "--input is empty"),
+        ("meta.pt", "holds a tensor on the meta device, which has no values"),
+    ]:
         assert cli.main(["explain", "--input", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1

@@ -34,6 +34,13 @@ def test_hist_data_is_the_seeds_setup():
     assert torch.allclose(normed, torch.nn.functional.layer_norm(encoded, (256,)), atol=1e-5)
 
 
+def test_a_library_warning_is_one_line_of_the_command_s(tmp_path, capsys):
+    """LayerNorm over 2 features warns; through the CLI as one line, not Python's file and line."""
+    assert cli.main(["plot", "hist", "--points", "1", "--d-model", "2", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("addnorm plot: warning: normalizing over 2 feature(s)") and err.count("\n") == 1
+
+
 def test_plot_hist_refuses_a_seed_torch_cannot_take(tmp_path, capsys):
     assert cli.main(["plot", "hist", "--seed", str(2**64), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -130,7 +137,7 @@ def test_bench_errors(tmp_path, capsys):
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(bench_rows()[0]) + "\n")
     assert cli.main(["plot", "bench", "--results", str(good), "--dtype", "bfloat16"]) == 2
-    assert "match" in error_line(capsys)
+    assert "match --dtype bfloat16; the file holds ops ['layer_norm'], dtypes ['float32']" in error_line(capsys)
 
 
 def test_train_errors(tmp_path, capsys, monkeypatch):

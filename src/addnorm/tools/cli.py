@@ -20,6 +20,7 @@ import re
 import sys
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 
 # Modules that define register(subparsers), in the order `addnorm --help` lists them.
@@ -110,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         prog = f"addnorm {args.command}"
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # one line each, as the errors: not Python's file and source line
+            warnings.showwarning = lambda message, *_: print(f"{prog}: warning: {message}", file=sys.stderr)
+            return int(args.func(args) or 0)
     except CommandError as err:
         return _fail(err.prog or prog, str(err), err.status)
     except BrokenPipeError:  # the reader went away (`addnorm explain --json | head`): stop quietly
@@ -140,6 +143,23 @@ def _silence_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):  # stdout is not a real file (captured in tests)
         pass
+
+
+def read_numbers(path: Path, *, skiprows: int = 0):
+    """The numpy array of a ``.npy`` file or of a ``.csv`` file of numbers (2-D); ValueError with a
+    reason a user can act on (not numpy's advice to load pickles, never followed here)."""
+    import numpy as np
+
+    if path.suffix.lower() == ".npy":
+        try:
+            return np.load(path, allow_pickle=False)
+        except ValueError as err:
+            if "allow_pickle" in str(err):
+                raise ValueError("not a .npy file of numbers (Python objects in .npy files are never loaded)") from None
+            raise
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("input contained no data": reported as empty by the caller)
+        return np.loadtxt(path, delimiter=",", ndmin=2, skiprows=skiprows, dtype="float64")
 
 
 def check_seed(seed: int, flag: str) -> None:

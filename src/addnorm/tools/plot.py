@@ -109,11 +109,12 @@ def plot_bench(
         and (commit is None or r["commit"].startswith(commit))
     ]
     if not keep:
+        asked = [f"--{k} {v}" for k, v in (("op", op), ("dtype", dtype), ("pass", passes), ("commit", commit)) if v]
         ops, dtypes = sorted({r["op"] for r in rows}), sorted({r["dtype"] for r in rows})
         commits = sorted({r["commit"] for r in rows})
         raise UsageError(
-            f"--results: no rows in {str(source)!r} match (ops {ops}, dtypes {dtypes}, "
-            f"commits {', '.join(commits[:12])}{', ...' if len(commits) > 12 else ''})"
+            f"no rows in {str(source)!r} match {' '.join(asked) or 'the filters'}; the file holds ops {ops}, "
+            f"dtypes {dtypes}, commits {', '.join(commits[:12])}{', ...' if len(commits) > 12 else ''}"
         )
     latest = max(run_key(r) for r in keep)
     runs = len({run_key(r) for r in keep})

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ..cli import Interrupted, UsageError, check_threads, output_file
+from ..cli import CommandError, Interrupted, UsageError, check_threads, output_file
 from .impls import DROPOUT_P, DTYPES, EPS, OTHER_IMPLS, all_impls, make_impl, out_variant, runner, traffic
 from .measure import Copy, bytes_moved, copy_bandwidth, kernel_copy_bandwidth, kernel_seconds, measure, quantile, sync
 from .rows import (
@@ -266,6 +266,8 @@ def run(args) -> int:
             draw_bench(results, plot_path, "this run")
     if stopped:
         raise Interrupted(stopped + ("; their rows are shown above" if results else ""))
+    if configs and not results:  # (every --impl asked for skipped: nothing was measured)
+        raise CommandError(f"no implementation of --impl {','.join(impls)} could run here: nothing measured")
     return 0
 
 

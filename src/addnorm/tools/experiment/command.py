@@ -35,6 +35,8 @@ def config_from_args(args) -> tuple[Config, list[int] | None]:
     """The run's :class:`Config`, and the depths of a depth sweep (None without ``--sweep``)."""
     default_arms = SWEEP_ARMS if args.sweep else DEFAULT_ARMS
     arms = [a.strip() for a in args.arms.split(",")] if args.arms else list(default_arms)
+    if arms == ["all"]:
+        arms = list(ARMS)
     unknown = [a for a in arms if a not in ARMS]  # (an empty item too: 'pre,,post')
     if unknown:
         raise UsageError(f"--arms: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
@@ -131,7 +133,7 @@ def run(args) -> int:
         TextColumn("{task.description:<22}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("test MSE {task.fields[mse]}"),
+        TextColumn("last test MSE {task.fields[mse]}"),
         TimeElapsedColumn(),
     )
     epochs_done: dict[Job, int] = {}
@@ -208,7 +210,7 @@ def register(sub) -> None:
     p.add_argument(
         "--arms",
         help=f"comma-separated arms to run (default: {','.join(DEFAULT_ARMS)}; with --sweep depth: "
-        f"{','.join(SWEEP_ARMS)}); all: {', '.join(ARMS)}",
+        f"{','.join(SWEEP_ARMS)}); 'all' runs every one: {', '.join(ARMS)}",
     )
     p.add_argument("--seeds", type=int, help=f"number of seeds per arm (seeds 0..N-1; default {len(Config().seeds)})")
     p.add_argument("--epochs", type=int, help=f"training epochs (default {Config.epochs})")
@@ -235,7 +237,7 @@ def register(sub) -> None:
         type=int,
         help="training processes run side by side (default: one per CPU); the results do not depend on it",
     )
-    p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="LayerNorm or RMSNorm")
+    p.add_argument("--norm", choices=["layer", "rms"], default="layer", help="LayerNorm or RMSNorm (default layer)")
     p.add_argument("--data", metavar="FILE", help="your own sequences: .npy or .csv of shape [n, 4, 2]")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the model is tiny)")
     p.add_argument("--out", default="addnorm-train", metavar="DIR", help="output folder (default ./addnorm-train)")

@@ -15,7 +15,7 @@ import pathlib
 import numpy as np
 import torch
 
-from ..cli import is_number
+from ..cli import is_number, read_numbers
 from .config import Config
 
 CORNERS = np.array([[-1.0, -1.0], [-1.0, 1.0], [1.0, 1.0], [1.0, -1.0]])  # clockwise
@@ -58,11 +58,11 @@ def load_sequences(path: str | pathlib.Path) -> np.ndarray:
     suffix = path.suffix.lower()
     try:
         if suffix == ".npy":
-            data = np.load(path, allow_pickle=False)
+            data = read_numbers(path)
         elif suffix == ".csv":
             with path.open() as f:
                 header = not is_number(f.readline().split(",")[0])
-            data = np.loadtxt(path, delimiter=",", ndmin=2, skiprows=int(header))
+            data = read_numbers(path, skiprows=int(header))
             if data.shape[1:] == (8,):
                 data = data.reshape(-1, 4, 2)
         else:

@@ -47,7 +47,7 @@ def run(args) -> int:
         grad=inp.grad,
         backward=args.backward,
         dropout=args.dropout,
-        seed=args.seed,
+        seed=0 if args.seed is None else args.seed,
     )
     if eps == 0 and not torch.isfinite(r["rstd"]).all():  # (a constant row: what eps is there for)
         rows = [i for i, v in enumerate(r["rstd"].reshape(-1).tolist()) if not math.isfinite(v)]
@@ -118,7 +118,7 @@ def register(sub) -> None:
         default=0.0,
         help="with --residual: residual dropout of x before the add, as the original Transformer (P_drop 0.1)",
     )
-    p.add_argument("--seed", metavar="S", type=int, default=0, help="the generator seed of --dropout's mask")
+    p.add_argument("--seed", metavar="S", type=int, help="the generator seed of --dropout's mask (default 0)")
     p.add_argument("--backward", action="store_true", help="the hand-derived backward beside autograd's")
     p.add_argument("--grad", metavar="MATRIX|FILE", help="upstream gradient for --backward (default: ones)")
     p.add_argument("--compare", choices=["batchnorm"], help="put BatchNorm beside LayerNorm")

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ... import reference
-from ..cli import UsageError, check_seed, is_number
+from ..cli import UsageError, check_seed, is_number, read_numbers
 from ..info import WORKED_INPUT
 
 MATRIX_HELP = 'a matrix literal like "[[0.2,0.1,0.3],[0.5,0.1,0.1]]" or a .npy, .pt or .csv file'
@@ -129,14 +129,8 @@ def _load_file(path: Path, what: str) -> Tensor:
         raise UsageError(f"{what}: file {str(path)!r} not found")
     suffix = path.suffix.lower()
     try:
-        if suffix == ".npy":
-            import numpy as np
-
-            return torch.from_numpy(np.load(path, allow_pickle=False))
-        if suffix == ".csv":
-            import numpy as np
-
-            return torch.from_numpy(np.loadtxt(path, delimiter=",", ndmin=2, dtype="float64"))
+        if suffix in (".npy", ".csv"):
+            return torch.from_numpy(read_numbers(path))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "sparse/nested tensors are in beta": rejected below anyway
             t = torch.load(path, weights_only=True, map_location="cpu")
@@ -144,6 +138,8 @@ def _load_file(path: Path, what: str) -> Tensor:
         raise UsageError(f"{what}: cannot read {str(path)!r}: {str(err).splitlines()[0]}") from None
     if not isinstance(t, Tensor):
         raise UsageError(f"{what}: {str(path)!r} holds a {type(t).__name__}, expected one tensor")
+    if t.is_meta:
+        raise UsageError(f"{what}: {str(path)!r} holds a tensor on the meta device, which has no values")
     if t.is_nested or t.layout != torch.strided:
         kind = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
         hint = "" if t.is_nested else " (save t.to_dense())"
@@ -239,7 +235,10 @@ def read_inputs(args) -> Inputs:
         raise UsageError(f"--eps must be a non-negative number, got {eps}")
     if args.compare and eps == 0:
         raise UsageError("--eps 0 with --compare batchnorm: torch's batch_norm needs eps > 0")
-    check_seed(args.seed, "--seed")
+    if args.seed is not None:
+        if not args.dropout:
+            raise UsageError("--seed is the seed of --dropout's mask: add --dropout")
+        check_seed(args.seed, "--seed")
     gamma = parse_param(args.gamma, normalized_shape, "--gamma", 1.0)
     beta = None if rms else parse_param(args.beta, normalized_shape, "--beta", 0.0)
     residual = grad = None
