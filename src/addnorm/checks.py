@@ -119,7 +119,20 @@ def check_residual_dtype(residual_dtype: object) -> torch.dtype | None:
     return check_dtype("residual_dtype", residual_dtype)
 
 
-def check_inputs(
+_tracing_state = torch._C._get_tracing_state
+
+
+def check_inputs(*args) -> tuple[tuple[int, ...], float]:
+    """:func:`_check_inputs`; under ``torch.jit.trace`` without its warnings that sizes of the
+    example inputs are compared (the checks are no part of the trace)."""
+    if _tracing_state() is None:
+        return _check_inputs(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return _check_inputs(*args)
+
+
+def _check_inputs(
     x: object,
     residual: object,
     normalized_shape: int | Sequence[int],
