@@ -122,14 +122,14 @@ def check_residual_dtype(residual_dtype: object) -> torch.dtype | None:
 _tracing_state = torch._C._get_tracing_state
 
 
-def check_inputs(*args) -> tuple[tuple[int, ...], float]:
+def check_inputs(*args, **kwargs) -> tuple[tuple[int, ...], float]:
     """:func:`_check_inputs`; under ``torch.jit.trace`` without its warnings that sizes of the
     example inputs are compared (the checks are no part of the trace)."""
     if _tracing_state() is None:
-        return _check_inputs(*args)
+        return _check_inputs(*args, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        return _check_inputs(*args)
+        return _check_inputs(*args, **kwargs)
 
 
 def _check_inputs(
