@@ -122,17 +122,7 @@ def check_residual_dtype(residual_dtype: object) -> torch.dtype | None:
 _tracing_state = torch._C._get_tracing_state
 
 
-def check_inputs(*args, **kwargs) -> tuple[tuple[int, ...], float]:
-    """:func:`_check_inputs`; under ``torch.jit.trace`` without its warnings that sizes of the
-    example inputs are compared (the checks are no part of the trace)."""
-    if _tracing_state() is None:
-        return _check_inputs(*args, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        return _check_inputs(*args, **kwargs)
-
-
-def _check_inputs(
+def check_inputs(
     x: object,
     residual: object,
     normalized_shape: int | Sequence[int],
@@ -141,10 +131,16 @@ def _check_inputs(
     eps: object,
     residual_dtype: object,
     rms: bool = False,
+    _quiet: bool = False,
 ) -> tuple[tuple[int, ...], float]:
     """Validate the arguments of a public op; returns ``(normalized_shape, eps)`` (module
     docstring: the common case first). Rows too narrow to normalize (LayerNorm over 2 features
-    or fewer, RMSNorm over 1) are warned of."""
+    or fewer, RMSNorm over 1) are warned of. Under ``torch.jit.trace`` without its warnings that
+    sizes of the example inputs are compared (the checks are no part of the trace)."""
+    if not _quiet and _tracing_state() is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return check_inputs(x, residual, normalized_shape, weight, bias, eps, residual_dtype, rms, True)
     if not (type(x) in PLAIN and x.dtype in _SUPPORTED and x.layout is _STRIDED):
         x = check_float_tensor("x", x)
     n = normalized_shape
