@@ -162,8 +162,9 @@ def run(args) -> int:
             f"(smaller than the default {Config.depth}+{Config.depth} layers, "
             f"{Config.epochs} epochs: the verdicts below say little)"
         )
-    if below_floor(results):
-        console.print(f"[yellow]note[/]: {below_floor(results)}")
+    note = below_floor(results)
+    if note:
+        console.print(f"[yellow]note[/]: {note}")
     colours = dict(zip(VERDICTS, ("green", "yellow", "red"), strict=True))
     for prediction, held, _ in readings(results):
         console.print(f"[{colours[held]}]{held.lower()}[/]: {prediction}")

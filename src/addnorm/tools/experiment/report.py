@@ -301,8 +301,9 @@ def report_markdown(results: Results) -> str:
         f"final test MSE is above {FAIL_RATIO:g}x the floor or not finite.",
         "",
     ]
-    if below_floor(results):
-        lines += [f"**Note:** {below_floor(results)}.", ""]
+    note = below_floor(results)
+    if note:
+        lines += [f"**Note:** {note}.", ""]
     if sweep:
         header, rows = sweep_rows(results)
         lines += [
