@@ -516,12 +516,15 @@ def test_fused_blocks_generate_with_cache_and_cross_attention():
     )
 
 
-@pytest.mark.parametrize("name", ["t5gemma", "gemma4_ple", "gemma4_moe", "bamba", "chameleon", "falcon_h1", "minimax"])
+@pytest.mark.parametrize(
+    "name", ["t5gemma", "gemma4_ple", "gemma4_moe", "bamba", "chameleon", "falcon_h1", "minimax", "glm_moe_dsa"]
+)
 def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
     """Cached greedy generation from a left-padded batch: T5Gemma's decoder (its self-attention
     given the self-attention part of the cache, its cross-attention the whole), Gemma 4 with
     per-layer inputs and in its MoE layout, Bamba's Mamba and attention layers, Falcon-H1's
-    side by side, MiniMax's lightning attention."""
+    side by side, MiniMax's lightning attention, GLM-5's sparse attention (a layer reusing the top-k
+    indices the layer before it returns)."""
     model = hf_model(name).eval()
     fused = copy.deepcopy(model)
     assert addnorm.patch(fused, fuse_residual=True).fused_adds

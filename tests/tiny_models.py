@@ -16,6 +16,11 @@ VOCAB, SEQ, WIDTH = 64, 8, 32
 _VQ = dict(embed_dim=WIDTH, num_embeddings=16, base_channels=WIDTH, channel_multiplier=[1, 1], num_res_blocks=1)
 _VQ |= dict(latent_channels=WIDTH, resolution=16, attn_resolutions=[])
 _IMAGE_TOKEN = dict(vocabulary_map={"<image>": VOCAB - 1})  # (Chameleon's: never in the prompts here)
+# DeepSeek-V3's multi-head latent attention with a sparse attention's indexer (GLM-5, Mistral Large 4):
+# top-k of 4 of the 8 positions, the second layer reusing the first layer's choice
+_DSA = dict(num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8)
+_DSA |= dict(v_head_dim=8, n_group=1, topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=2)
+_DSA |= dict(indexer_types=["full", "shared"])
 # Llama-shaped decoders: name -> (config class, model class, config arguments beyond the common ones)
 DECODERS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -57,6 +62,12 @@ DECODERS = {
         dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1, moe_intermediate_size=WIDTH)
         | dict(num_key_value_heads=4, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8)
         | dict(v_head_dim=8, n_group=1, topk_group=1),
+    ),
+    "glm_moe_dsa": (  # GLM-5: DeepSeek-V3's layer with a sparse attention's indexer; the second
+        # layer reuses the first one's top-k indices, which the first layer returns
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        _DSA | dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1, moe_intermediate_size=WIDTH),
     ),
     "glm4_moe": (
         "Glm4MoeConfig",
@@ -207,6 +218,18 @@ _SEQ2SEQ = dict(
 ) | dict(encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH)
 # other layouts: name -> (config class, model class, config arguments)
 OTHERS = {
+    "mistral_large4": (  # its text model (MoE, sparse attention) and a Pixtral vision tower
+        "MistralLarge4Config",
+        "MistralLarge4ForConditionalGeneration",
+        dict(
+            text_config=SMALL
+            | _DSA
+            | dict(head_dim=WIDTH // 4, vocab_size=VOCAB, max_position_embeddings=SEQ, pad_token_id=0, **_IDS)
+            | dict(n_routed_experts=2, num_experts_per_tok=1, first_k_dense_replace=1, moe_intermediate_size=WIDTH),
+            vision_config=_VISION | dict(num_hidden_layers=1, head_dim=WIDTH // 4),
+            image_token_index=VOCAB - 1,
+        ),
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
@@ -431,6 +454,11 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         ids = torch.randint(0, VOCAB - 1, (2, SEQ), generator=g)
         image, ids[:, 1] = torch.randn(2, 3, 8, 8, generator=g).to(dtype), VOCAB - 1
         return dict(input_ids=ids, pixel_values=image, labels=torch.randint(0, VOCAB - 1, (2, SEQ), generator=g))
+    if name == "mistral_large4":  # one image per prompt (4 patches merged into one token, VOCAB - 1) second
+        ids = torch.randint(0, VOCAB - 1, (2, SEQ), generator=g)
+        ids[:, 1] = VOCAB - 1
+        image = torch.randn(2, 3, 8, 8, generator=g).to(dtype)
+        return dict(input_ids=ids, pixel_values=image, image_sizes=torch.tensor([[8, 8]] * 2), labels=ids)
     if name == "whisper":  # log-mel features: 8 bins, two frames per encoder position
         return dict(input_features=torch.randn(2, 8, 2 * SEQ, generator=g).to(dtype), labels=ids[:, :5])
     return dict(input_ids=ids, labels=ids)

@@ -240,7 +240,7 @@ def _call_first(
     if family.self_cache and named.get("cache") is not None:
         named["cache"] = getattr(named["cache"], family.self_cache)
     result = step.run(block, h, s, named) if step.run else getattr(block, step.sublayer)(h, **named)
-    return (result[0], tuple(result[1:])) if isinstance(result, tuple) else (result, ())
+    return (result[0], tuple(result[family.extras_from :])) if isinstance(result, tuple) else (result, ())
 
 
 def block_forward(self, *args, **kwargs):

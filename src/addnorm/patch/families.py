@@ -416,6 +416,12 @@ FAMILIES: dict[str, Family] = {
         )
         for m, c in [("moonshine", "Moonshine"), ("moonshine_streaming", "MoonshineStreaming")]
     },
+    # GLM-5 and Mistral Large 4: Llama's layer, returning its attention's top-k token indices (the
+    # attention's third output) for the next layer's sparse attention
+    **{
+        hf_path(m, c): Family(_PRE, final="norm", extras=True, extras_from=2)
+        for m, c in [("glm_moe_dsa", "GlmMoeDsaDecoderLayer"), ("mistral_large4", "MistralLarge4TextDecoderLayer")]
+    },
     # Nemotron: Llama's layer, its attention called without the block's **kwargs
     "transformers.models.nemotron.modeling_nemotron.NemotronDecoderLayer": Family(_PRE, final="norm", kwargs=False),
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(

@@ -59,6 +59,9 @@ class Family:
     drop: tuple[str, ...] = ()  # block arguments the attention does not take
     fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
     extras: bool = False  # the block returns (stream, *the attention's other outputs)
+    # with extras, the attention's outputs from this index on (GLM-5's and Mistral Large 4's
+    # top-k indices: 2, past the attention weights the block drops)
+    extras_from: int = 1
     padded: int = 0  # with extras, at least this many, None for those missing (Bamba's Mamba layers)
     # with extras, only when this block argument is true (Chameleon's ``output_attentions``): else
     # the block returns ``(stream,)``
