@@ -516,15 +516,34 @@ def test_fused_blocks_generate_with_cache_and_cross_attention():
     )
 
 
+@pytest.mark.parametrize("name", ["falcon_h1", "nemotron_h", "bamba", "glm_moe_dsa"])
+def test_fused_layers_give_the_model_s_logits_for_a_padded_batch(name):
+    """A left-padded batch: each layer's mask reaches the mixer that reads it (the blocks whose
+    first sublayer is a function of their own, :attr:`addnorm.patch.layout.Step.run`, pass it on)."""
+    model = hf_model(name).eval()
+    fused = copy.deepcopy(model)
+    assert addnorm.patch(fused, fuse_residual=True).fused_adds
+    ids = hf_inputs(name)["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        unmasked = model(input_ids=ids).logits
+        got = fused(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(want[0], unmasked[0], atol=1e-4)  # the mask matters to the model
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
-    "name", ["t5gemma", "gemma4_ple", "gemma4_moe", "bamba", "chameleon", "falcon_h1", "minimax", "glm_moe_dsa"]
+    "name",
+    ["t5gemma", "gemma4_ple", "gemma4_moe", "bamba", "chameleon", "falcon_h1", "minimax", "glm_moe_dsa", "nemotron_h"],
 )
 def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
     """Cached greedy generation from a left-padded batch: T5Gemma's decoder (its self-attention
     given the self-attention part of the cache, its cross-attention the whole), Gemma 4 with
     per-layer inputs and in its MoE layout, Bamba's Mamba and attention layers, Falcon-H1's
     side by side, MiniMax's lightning attention, GLM-5's sparse attention (a layer reusing the top-k
-    indices the layer before it returns)."""
+    indices the layer before it returns), Nemotron-H's mixers (each called as its kind is)."""
     model = hf_model(name).eval()
     fused = copy.deepcopy(model)
     assert addnorm.patch(fused, fuse_residual=True).fused_adds

@@ -132,6 +132,7 @@ COVERAGE = {
     "bamba": (5, {"BambaDecoderLayer": {"mamba": "fused", "self_attn": "fused", "feed_forward": "fused"}}),
     "falcon_h1": (5, {"FalconH1DecoderLayer": {"mamba+self_attn": "fused", "feed_forward": "fused"}}),
     "minimax": (6, {"MiniMaxDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
+    "nemotron_h": (5, {"NemotronHBlock": {"mixer": "fused"}}),  # Mamba-2, MoE, attention, MLP
     "afmoe": (13, {"AfmoeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # sandwich, q and k norms
     "granitemoeshared": (
         5,
@@ -243,6 +244,7 @@ SKIPPED = {  # gated; without a weight
     "granitemoehybrid": {"GraniteMoeHybridRMSNormGated"},
     "kimi_linear": {"KimiLinearRMSNormGated"},
     "bamba": {"BambaRMSNormGated"},
+    "nemotron_h": {"NemotronHRMSNormGated"},
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "mllama": {"MllamaCrossAttentionDecoderLayer"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
@@ -269,6 +271,7 @@ MOE += (
     "gemma4_moe",
     "glm_moe_dsa",
     "mistral_large4",
+    "nemotron_h",
 )
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
@@ -364,6 +367,7 @@ LABELS = {
     "bamba": "Bamba (Mamba-2 and attention layers)",
     "falcon_h1": "Falcon-H1 (Mamba-2 and attention side by side)",
     "minimax": "MiniMax (lightning and full attention, scaled residuals, MoE)",
+    "nemotron_h": "Nemotron-H (Mamba-2, attention, MLP or MoE by layer)",
     "afmoe": "AFMoE (sandwich norms, MoE)",
     "lfm2": "LFM2 (convolution and attention layers)",
     "lfm2_moe": "LFM2-MoE",

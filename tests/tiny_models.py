@@ -198,6 +198,14 @@ DECODERS = {
         | dict(block_size=4, full_attn_alpha_factor=1.7, full_attn_beta_factor=0.8, linear_attn_alpha_factor=1.3)
         | dict(linear_attn_beta_factor=0.9, mlp_alpha_factor=1.6, mlp_beta_factor=0.7),
     ),
+    "nemotron_h": (  # each kind of mixer once
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], num_hidden_layers=4)
+        | dict(mamba_num_heads=4, mamba_head_dim=16, n_groups=1, ssm_state_size=8, chunk_size=4)
+        | dict(n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=WIDTH)
+        | dict(moe_shared_expert_intermediate_size=WIDTH),
+    ),
     "falcon_h1": (  # its mixer's multipliers away from 1
         "FalconH1Config",
         "FalconH1ForCausalLM",

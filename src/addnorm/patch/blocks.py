@@ -294,7 +294,7 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
     first = None if family.norm_after else _norm(self, steps[0].norm)
     if family.cast:
         h = first(s.to(first.weight.dtype))
-        s = s.to(torch.float32) if self.residual_in_fp32 else s
+        s = s.to(torch.float32) if getattr(self, "residual_in_fp32", False) else s
     else:
         h = s if first is None else first(s)
     if family.normed_residual:

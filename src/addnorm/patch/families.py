@@ -176,6 +176,16 @@ def _falcon_h1(block: nn.Module, h, s, named: dict):
     return mamba * block.ssm_out_multiplier + attention * block.attn_out_multiplier
 
 
+def _nemotron_h(block: nn.Module, h, s, named: dict):
+    """Nemotron-H's mixer (:attr:`Step.run`), called as its block calls the kind it holds: Mamba-2
+    (without positions), attention (its weights dropped), or an MLP or MoE (``h`` alone)."""
+    if block.block_type == "linear_attention":
+        return block.mixer(h, **{k: v for k, v in named.items() if k not in ("position_ids", "use_cache")})
+    if block.block_type == "full_attention":
+        return block.mixer(hidden_states=h, **named)[0]
+    return block.mixer(h)
+
+
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
@@ -378,6 +388,11 @@ FAMILIES: dict[str, Family] = {
         hf_path(m, f"{c}Block"): Family((Step("mixer", "norm"),), final="norm_f", kwargs=m == "mamba2", cast=True)
         for m, c in [("mamba", "Mamba"), ("mamba2", "Mamba2"), ("falcon_mamba", "FalconMamba")]
     },
+    # Nemotron-H: one mixer per block (Mamba-2, attention, MLP or MoE), its norm reading the stream
+    # cast to the norm's dtype as Mamba's
+    hf_path("nemotron_h", "NemotronHBlock"): Family(
+        (Step("mixer", "norm", run=_nemotron_h),), final="norm_f", cast=True
+    ),
     "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
     "transformers.models.vit.modeling_vit.ViTLayer": Family(_VIT, final="layernorm"),
     **{

@@ -74,7 +74,7 @@ class Family:
     post_norm: bool = False  # (BERT) the block is ``norm(dropout(sublayer(h)) + input_tensor)``
     norm_after: bool = False  # (BART) each step's norm reads the stream after its add: s = norm(s + out)
     # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
-    # in float32 where the block's ``residual_in_fp32`` is set
+    # in float32 where the block has a ``residual_in_fp32`` that is set (Nemotron-H's has none)
     cast: bool = False
     # the model changes the stream after each block (merged or added tokens: MiniCPM's vision
     # tower, EoMT): its last add hands nothing on
