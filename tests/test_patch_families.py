@@ -213,6 +213,7 @@ COVERAGE = {
     "falcon_rw": (5, {"FalconDecoderLayer": {"self_attention": "fused", "mlp": "fused"}}),  # sequential
     "dinov2": (5, {"Dinov2Layer": {"attention": "fused", "mlp": "fused"}}),
     "vit": (5, {"ViTLayer": {"attention": "fused", "mlp": "fused"}}),
+    "beit": (5, {"BeitLayer": {"attention": "fused", "mlp": "fused"}}),
     # CLIP's vision encoder normalizes only its pooled token: its last add has no norm to feed
     "clip": (
         6,
@@ -276,7 +277,21 @@ MOE += (
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
 DROPOUT = [
-    *("bert", "phi3", "phi", "stablelm", "t5", "gpt_neox", "falcon", "falcon_rw", "vit", "opt", "whisper", "bart"),
+    *(
+        "bert",
+        "phi3",
+        "phi",
+        "stablelm",
+        "t5",
+        "gpt_neox",
+        "falcon",
+        "falcon_rw",
+        "vit",
+        "beit",
+        "opt",
+        "whisper",
+        "bart",
+    ),
     "bloom",
     *("emu3", "persimmon"),
 ]
@@ -311,6 +326,7 @@ LABELS = {
     "gpt_bigcode": "GPTBigCode (StarCoder, SantaCoder)",
     "granitemoe": "Granite-MoE (residual multiplier)",
     "vit": "ViT",
+    "beit": "BEiT (a learned scale per channel, relative position bias)",
     "clip": "CLIP (vision encoder)",
     "siglip": "SigLIP (vision encoder)",
     "stablelm": "StableLM (sequential)",
@@ -1309,7 +1325,7 @@ def _headless(name: str):
     """A tiny encoder without a head (model, its inputs, the adds not fused): the vision encoders
     of Gemma 4 (sandwich norms, pooled after its last layer), DINOv3 (layer scale, drop path,
     RoPE), Pixtral (Llama's steps, read by a projector after its last layer) or Llama 4 (Llama's
-    steps, each layer's stream passed as ``hidden_state=``), or Qwen3-ASR's
+    steps, each layer's stream passed as ``hidden_state=``), InternVL (a learned scale per channel), or Qwen3-ASR's
     audio encoder (Whisper's steps on the packed rows of all clips, cut in windows)."""
     import transformers as tf
 
@@ -1343,6 +1359,9 @@ def _headless(name: str):
             projector_input_dim=WIDTH, projector_output_dim=WIDTH, pixel_shuffle_ratio=0.5,
         )  # fmt: skip
         return tf.models.llama4.modeling_llama4.Llama4VisionModel(config), dict(pixel_values=pixels), []
+    if name == "internvl":  # a learned scale per channel on each step; mean-pooled after its last layer
+        config = tf.InternVLVisionConfig(**heads, image_size=8, patch_size=4, layer_scale_init_value=0.5)
+        return tf.InternVLVisionModel(config), dict(pixel_values=pixels), [("encoder.layer.1", "mlp")]
     if name.startswith("dinov3"):
         config = tf.DINOv3ViTConfig(
             **heads, image_size=8, patch_size=4, num_register_tokens=1, layerscale_value=0.5,
@@ -1354,7 +1373,7 @@ def _headless(name: str):
     return tf.PixtralVisionModel(config), inputs, [("transformer.layers.1", "feed_forward")]
 
 
-@pytest.mark.parametrize("name", ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4"])
+@pytest.mark.parametrize("name", ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"])
 def test_encoders_without_a_head_fuse_their_adds(name):
     """Vision and audio encoders in training mode: the adds fused where a norm reads them (not an encoder's
     last, where a pooler or projector does); features and every gradient the bits of the encoder

@@ -252,6 +252,12 @@ OTHERS = {
     ),
     "deberta": ("DebertaConfig", "DebertaForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ)),
     "vit": ("ViTConfig", "ViTForImageClassification", _IMAGE),
+    "beit": (  # a learned scale per channel, relative position bias, its final norm on every token
+        "BeitConfig",
+        "BeitForImageClassification",
+        dict(**_IMAGE, layer_scale_init_value=0.5, use_relative_position_bias=True, use_mean_pooling=False)
+        | dict(drop_path_rate=0.0),
+    ),
     "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(**_IMAGE, layerscale_value=0.5)),
     **{
         name: (
@@ -404,7 +410,7 @@ OTHERS = {
         for name, prefix in [("t5", "T5"), ("mt5", "MT5")]
     },
 }
-IMAGES = ("vit", "dinov2", "clip", "siglip")
+IMAGES = ("vit", "beit", "dinov2", "clip", "siglip")
 SPEECH = ("wav2vec2", "hubert")
 
 

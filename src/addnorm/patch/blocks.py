@@ -136,10 +136,13 @@ def _branch(block: nn.Module, step: Step, out: Tensor) -> Tensor:
 
 def _sublayer(block: nn.Module, step: Step, x: Tensor) -> Sublayer:
     scale = getattr(block, step.layer_scale).lambda1 if step.layer_scale else None
-    if step.multiplier:  # a constant layer scale, in float32 (float64 for float64) as torch multiplies
-        # a tensor by a Python float
+    multiplier = getattr(block, step.multiplier) if step.multiplier else None
+    if isinstance(multiplier, Tensor):  # a learned scale per channel: the layer scale itself
+        scale = multiplier
+    elif multiplier is not None:  # a constant layer scale, in float32 (float64 for float64) as torch
+        # multiplies a tensor by a Python float
         dtype = torch.promote_types(x.dtype, torch.float32)
-        scale = torch.full(x.shape[-1:], float(getattr(block, step.multiplier)), dtype=dtype, device=x.device)
+        scale = torch.full(x.shape[-1:], float(multiplier), dtype=dtype, device=x.device)
     return Sublayer(dropout_p=_dropout_p(block, step), layer_scale=scale, rowscale=_rowscale(block, step, x))
 
 

@@ -48,6 +48,11 @@ _DINO = (  # layer scale and drop path on each step (DINOv2, DINOv3)
     Step("mlp", "norm2", layer_scale="layer_scale2", drop_path="drop_path"),
 )
 _CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
+# ViT's steps, each output scaled by a learned scale per channel (InternVL's vision encoder)
+_LAMBDA = (
+    Step("attention", "layernorm_before", multiplier="lambda_1"),
+    Step("mlp", "layernorm_after", dropout="dropout", multiplier="lambda_2"),
+)
 _VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
 _POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
 _WHISPER_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="dropout")
@@ -174,6 +179,18 @@ def _falcon_h1(block: nn.Module, h, s, named: dict):
     attention_args = {k: v for k, v in named.items() if k != "mamba_attention_mask"}
     attention, _ = block.self_attn(hidden_states=h * block.attention_in_multiplier, **attention_args)
     return mamba * block.ssm_out_multiplier + attention * block.attn_out_multiplier
+
+
+def _beit_attention(block: nn.Module, h, s, named: dict):
+    """BEiT's attention (:attr:`Step.run`), its mask plus the layer's relative position bias when
+    it has one, as its layer computes it."""
+    mask = named.pop("attention_mask")
+    resolution, interpolate = named.pop("resolution"), named.pop("interpolate_pos_encoding")
+    if block.relative_position_bias is not None:
+        window = (resolution[0] // block.patch_size, resolution[1] // block.patch_size)
+        bias = block.relative_position_bias(window, interpolate, dim_size=s.shape[1])
+        mask = bias + mask if mask is not None else bias
+    return block.attention(h, attention_mask=mask, **named)[0]
 
 
 def _nemotron_h(block: nn.Module, h, s, named: dict):
@@ -498,6 +515,16 @@ FAMILIES: dict[str, Family] = {
     ),
     "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: _falcon(block.config),
     "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(_DINO, final="layernorm"),
+    hf_path("internvl", "InternVLVisionLayer"): Family(_LAMBDA, final="layernorm"),
+    # BEiT: dropout, the scale per channel and drop path on each step, its attention given the
+    # layer's relative position bias
+    hf_path("beit", "BeitLayer"): Family(
+        tuple(
+            dataclasses.replace(step, dropout="dropout", drop_path="drop_path")
+            for step in (dataclasses.replace(_LAMBDA[0], run=_beit_attention), _LAMBDA[1])
+        ),
+        final="layernorm",
+    ),
     hf_path("dinov3_vit", "DINOv3ViTLayer"): Family(_DINO, final="norm"),  # (its attention takes RoPE)
     # Pixtral's vision encoder: Llama's steps, no norm after its stack (the projector reads it)
     hf_path("pixtral", "PixtralAttentionLayer"): Family(

@@ -23,7 +23,9 @@ class Step:
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
     layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
-    multiplier: str | None = None  # a float attribute of the block scaling the output (Granite)
+    # an attribute of the block scaling the output: a float (Granite), or a tensor of one scale per
+    # channel (BEiT's and InternVL's ``lambda_1``)
+    multiplier: str | None = None
     residual_scale: str | None = None  # a float attribute of the block scaling the stream before the add (MiniMax)
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
     first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
