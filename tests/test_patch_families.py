@@ -17,7 +17,7 @@ import torch
 
 import addnorm
 from addnorm.patch.hf_norms import pairs
-from tiny_models import SEQ, SPEECH, WIDTH, assert_same_step, hf_inputs, hf_model, round_trip, step
+from tiny_models import SEQ, SPEECH, VOCAB, WIDTH, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 pytest.importorskip("transformers")
 norms_module = sys.modules["addnorm.patch.norms"]
@@ -1359,6 +1359,21 @@ def _headless(name: str):
             projector_input_dim=WIDTH, projector_output_dim=WIDTH, pixel_shuffle_ratio=0.5,
         )  # fmt: skip
         return tf.models.llama4.modeling_llama4.Llama4VisionModel(config), dict(pixel_values=pixels), []
+    vit = dict(heads, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, image_size=8, patch_size=4)
+    if name == "videomae":  # ViT's layer as first written (its MLP's output module adds the stream)
+        config = tf.VideoMAEConfig(**vit, num_frames=2, tubelet_size=2, use_mean_pooling=False)
+        return tf.VideoMAEModel(config), dict(pixel_values=torch.randn(2, 2, 3, 8, 8, generator=g)), []
+    if name == "yolos":
+        config = tf.YolosConfig(**vit | dict(image_size=[8, 8]), num_detection_tokens=2)
+        return tf.YolosModel(config), dict(pixel_values=pixels), []
+    if name == "dpt":
+        return tf.DPTModel(tf.DPTConfig(**vit, backbone_out_indices=[0, 1])), dict(pixel_values=pixels), []
+    if name == "flava":
+        return tf.FlavaImageModel(tf.FlavaImageConfig(**vit)), dict(pixel_values=pixels), []
+    if name == "vilt":  # text and image patches in one stream
+        config = tf.ViltConfig(**vit, vocab_size=VOCAB, max_position_embeddings=SEQ)
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        return tf.ViltModel(config), dict(input_ids=ids, pixel_values=pixels), []
     if name == "internvl":  # a learned scale per channel on each step; mean-pooled after its last layer
         config = tf.InternVLVisionConfig(**heads, image_size=8, patch_size=4, layer_scale_init_value=0.5)
         return tf.InternVLVisionModel(config), dict(pixel_values=pixels), [("encoder.layer.1", "mlp")]
@@ -1373,7 +1388,11 @@ def _headless(name: str):
     return tf.PixtralVisionModel(config), inputs, [("transformer.layers.1", "feed_forward")]
 
 
-@pytest.mark.parametrize("name", ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"])
+_ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
+_ENCODERS += ["videomae", "yolos", "dpt", "flava", "vilt"]
+
+
+@pytest.mark.parametrize("name", _ENCODERS)
 def test_encoders_without_a_head_fuse_their_adds(name):
     """Vision and audio encoders in training mode: the adds fused where a norm reads them (not an encoder's
     last, where a pooler or projector does); features and every gradient the bits of the encoder
@@ -1398,6 +1417,12 @@ def test_encoders_without_a_head_fuse_their_adds(name):
         features.square().sum().backward()
         outputs.append((features, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (want, want_grads), (got, got_grads), (theirs, their_grads) = outputs
+    if name in ("flava", "vilt"):  # layers that return their attention's weights when asked
+        with torch.no_grad():
+            asked = [
+                (torch.manual_seed(2), m(**inputs, output_attentions=True).attentions)[1] for m in (norms_only, fused)
+            ]
+        assert len(asked[0]) == 2 and all(torch.equal(a, b) for a, b in zip(*asked))
     assert want_grads.keys() == got_grads.keys() == their_grads.keys()
     if name != "dinov3_drop_path":
         assert torch.equal(got, want) and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)

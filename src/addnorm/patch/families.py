@@ -48,6 +48,12 @@ _DINO = (  # layer scale and drop path on each step (DINOv2, DINOv3)
     Step("mlp", "norm2", layer_scale="layer_scale2", drop_path="drop_path"),
 )
 _CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
+# ViT's layer as first written: the MLP's second half (``output``) adds the stream itself; its dense
+# layer and dropout run here instead (VideoMAE, YOLOS, DPT, ViLT, FLAVA)
+_VIT_OUTPUT = (
+    Step("attention", "layernorm_before"),
+    Step("intermediate output.dense", "layernorm_after", dropout="output.dropout"),
+)
 # ViT's steps, each output scaled by a learned scale per channel (InternVL's vision encoder)
 _LAMBDA = (
     Step("attention", "layernorm_before", multiplier="lambda_1"),
@@ -516,6 +522,15 @@ FAMILIES: dict[str, Family] = {
     "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: _falcon(block.config),
     "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(_DINO, final="layernorm"),
     hf_path("internvl", "InternVLVisionLayer"): Family(_LAMBDA, final="layernorm"),
+    **{
+        hf_path(m, c): Family(_VIT_OUTPUT, final="layernorm")
+        for m, c in [("videomae", "VideoMAELayer"), ("yolos", "YolosLayer"), ("dpt", "DPTViTLayer")]
+    },
+    # (returning the attention's weights too, when asked)
+    **{
+        hf_path(m, c): Family(_VIT_OUTPUT, final="layernorm", extras=True)
+        for m, c in [("vilt", "ViltLayer"), ("flava", "FlavaLayer")]
+    },
     # BEiT: dropout, the scale per channel and drop path on each step, its attention given the
     # layer's relative position bias
     hf_path("beit", "BeitLayer"): Family(
