@@ -536,7 +536,18 @@ def test_fused_layers_give_the_model_s_logits_for_a_padded_batch(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["t5gemma", "gemma4_ple", "gemma4_moe", "bamba", "chameleon", "falcon_h1", "minimax", "glm_moe_dsa", "nemotron_h"],
+    [
+        "t5gemma",
+        "gemma4_ple",
+        "gemma4_moe",
+        "bamba",
+        "chameleon",
+        "falcon_h1",
+        "minimax",
+        "glm_moe_dsa",
+        "nemotron_h",
+        "recurrent_gemma",
+    ],
 )
 def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
     """Cached greedy generation from a left-padded batch: T5Gemma's decoder (its self-attention

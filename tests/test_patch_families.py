@@ -133,6 +133,7 @@ COVERAGE = {
     "falcon_h1": (5, {"FalconH1DecoderLayer": {"mamba+self_attn": "fused", "feed_forward": "fused"}}),
     "minimax": (6, {"MiniMaxDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "nemotron_h": (5, {"NemotronHBlock": {"mixer": "fused"}}),  # Mamba-2, MoE, attention, MLP
+    "recurrent_gemma": (5, {"RecurrentGemmaDecoderLayer": {"temporal_block": "fused", "mlp_block": "fused"}}),
     "afmoe": (13, {"AfmoeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # sandwich, q and k norms
     "granitemoeshared": (
         5,
@@ -384,6 +385,7 @@ LABELS = {
     "falcon_h1": "Falcon-H1 (Mamba-2 and attention side by side)",
     "minimax": "MiniMax (lightning and full attention, scaled residuals, MoE)",
     "nemotron_h": "Nemotron-H (Mamba-2, attention, MLP or MoE by layer)",
+    "recurrent_gemma": "RecurrentGemma (Griffin: recurrent or local attention by layer)",
     "afmoe": "AFMoE (sandwich norms, MoE)",
     "lfm2": "LFM2 (convolution and attention layers)",
     "lfm2_moe": "LFM2-MoE",

@@ -198,6 +198,11 @@ DECODERS = {
         | dict(block_size=4, full_attn_alpha_factor=1.7, full_attn_beta_factor=0.8, linear_attn_alpha_factor=1.3)
         | dict(linear_attn_beta_factor=0.9, mlp_alpha_factor=1.6, mlp_beta_factor=0.7),
     ),
+    "recurrent_gemma": (  # a recurrent layer, then a local attention one
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        dict(block_types=["recurrent", "attention"], lru_width=WIDTH, attention_window_size=4, conv1d_width=2),
+    ),
     "nemotron_h": (  # each kind of mixer once
         "NemotronHConfig",
         "NemotronHForCausalLM",

@@ -411,6 +411,10 @@ FAMILIES: dict[str, Family] = {
         hf_path(m, f"{c}Block"): Family((Step("mixer", "norm"),), final="norm_f", kwargs=m == "mamba2", cast=True)
         for m, c in [("mamba", "Mamba"), ("mamba2", "Mamba2"), ("falcon_mamba", "FalconMamba")]
     },
+    # RecurrentGemma (Griffin): a recurrent or attention block, then the MLP, in Llama's steps
+    hf_path("recurrent_gemma", "RecurrentGemmaDecoderLayer"): Family(
+        (Step("temporal_block", "temporal_pre_norm"), Step("mlp_block", "channel_pre_norm")), final="final_norm"
+    ),
     # Nemotron-H: one mixer per block (Mamba-2, attention, MLP or MoE), its norm reading the stream
     # cast to the norm's dtype as Mamba's
     hf_path("nemotron_h", "NemotronHBlock"): Family(
