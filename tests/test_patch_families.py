@@ -134,6 +134,18 @@ COVERAGE = {
     "minimax": (6, {"MiniMaxDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "nemotron_h": (5, {"NemotronHBlock": {"mixer": "fused"}}),  # Mamba-2, MoE, attention, MLP
     "recurrent_gemma": (5, {"RecurrentGemmaDecoderLayer": {"temporal_block": "fused", "mlp_block": "fused"}}),
+    **{name: (9, {"DogeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}) for name in ("doge", "doge_moe")},
+    "moshi": (5, {"MoshiDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
+    "olmo_hybrid": (  # linear attention (pre-norm), then OLMo 2's attention layer (norms after)
+        7,
+        {
+            "OlmoHybridLinearAttentionDecoderLayer": {
+                "linear_attn": "fused",
+                "mlp": "the next block's self_attn takes the stream itself",
+            },
+            "OlmoHybridAttentionDecoderLayer": {"self_attn": "no norm reads the sum: mlp takes the stream itself"},
+        },
+    ),
     "afmoe": (13, {"AfmoeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # sandwich, q and k norms
     "granitemoeshared": (
         5,
@@ -247,6 +259,7 @@ SKIPPED = {  # gated; without a weight
     "kimi_linear": {"KimiLinearRMSNormGated"},
     "bamba": {"BambaRMSNormGated"},
     "nemotron_h": {"NemotronHRMSNormGated"},
+    "olmo_hybrid": {"OlmoHybridRMSNormGated"},
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "mllama": {"MllamaCrossAttentionDecoderLayer"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
@@ -274,6 +287,7 @@ MOE += (
     "glm_moe_dsa",
     "mistral_large4",
     "nemotron_h",
+    "doge_moe",
 )
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either
 BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm")]
@@ -386,6 +400,10 @@ LABELS = {
     "minimax": "MiniMax (lightning and full attention, scaled residuals, MoE)",
     "nemotron_h": "Nemotron-H (Mamba-2, attention, MLP or MoE by layer)",
     "recurrent_gemma": "RecurrentGemma (Griffin: recurrent or local attention by layer)",
+    "doge": "Doge (the stream scaled per channel before each add)",
+    "doge_moe": "Doge (`is_moe=True`)",
+    "moshi": "Moshi (text decoder; its depth decoder's MLP per codebook)",
+    "olmo_hybrid": "OLMo-Hybrid (linear attention, then OLMo 2's attention layer)",
     "afmoe": "AFMoE (sandwich norms, MoE)",
     "lfm2": "LFM2 (convolution and attention layers)",
     "lfm2_moe": "LFM2-MoE",
@@ -435,6 +453,11 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
         assert report.fused_adds == report.adds[:-1]
     elif name.startswith("gemma4"):  # the attention's add alone: a norm reads it
         assert report.fused_adds == [a for a in report.adds if a.add == "self_attn"]
+    elif name == "olmo_hybrid":  # the linear layer's first add; the last add, read by the final norm
+        assert [(a.cls, a.add) for a in report.fused_adds] == [
+            ("OlmoHybridLinearAttentionDecoderLayer", "linear_attn"),
+            ("OlmoHybridAttentionDecoderLayer", "mlp"),
+        ]
     elif name == "mistral_large4":  # the vision tower's last add: no norm above (a projector reads it)
         assert report.fused_adds == [
             a for a in report.adds if a.cls != "PixtralAttentionLayer" or a.add != "feed_forward"
@@ -1129,6 +1152,44 @@ def test_a_final_norm_named_otherwise_than_the_original_s_takes_the_last_add(kin
         torch.testing.assert_close(
             fused_grads[name], grad, rtol=1e-5, atol=1e-6 * scale + 1e-9, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+def test_moshi_s_depth_decoder_gives_each_codebook_its_own_mlp():
+    """Moshi's depth decoder runs one MLP weight set per codebook (``use_flexible_linear``): the
+    fused layers pass the codebook index on to it. Logits and gradients: the bits of the decoder
+    with its norms alone replaced, and close to the unpatched one's (its norms round otherwise,
+    and this random decoder amplifies that: logits in the thousands)."""
+    from transformers.models.moshi import modeling_moshi
+
+    original = hf_model("moshi").model  # (for the config alone)
+    torch.manual_seed(0)
+    decoder = modeling_moshi.MoshiDepthDecoder(original.config.depth_decoder_config).train()
+    assert all(layer.use_flexible_linear for layer in decoder.layers)
+    with torch.no_grad():
+        for p in decoder.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    norms_only, fused = copy.deepcopy(decoder), copy.deepcopy(decoder)
+    addnorm.patch(norms_only)
+    report = addnorm.patch(fused, fuse_residual=True)
+    assert len(report.fused_adds) == 3  # (no final norm reads the last add)
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(input_ids=torch.randint(0, 16, (2, 2), generator=g), last_hidden_state=torch.randn(2, 1, WIDTH))
+    (want, want_grads), (got, got_grads), (theirs, their_grads) = (
+        step(m, inputs | dict(labels=inputs["input_ids"])) for m in (norms_only, fused, decoder)
+    )
+    assert torch.equal(got, want) and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+    torch.testing.assert_close(got, theirs, rtol=1e-5, atol=1e-5 * theirs.abs().max().item())
+    for n, grad in their_grads.items():
+        torch.testing.assert_close(got_grads[n], grad, rtol=1e-4, atol=1e-4 * max(1.0, grad.abs().max().item()))
+    # a cached step: the second codebook's token alone, through the second codebook's weights
+    ids, last = inputs["input_ids"], inputs["last_hidden_state"]
+    second = []
+    for model in (norms_only, fused):
+        with torch.no_grad():
+            cache = model.eval()(input_ids=ids[:, :1], last_hidden_state=last, use_cache=True).cache
+            second.append(model(input_ids=ids[:, 1:], last_hidden_state=last, cache=cache, use_cache=True).logits)
+    assert second[0].shape[1] == 1 and torch.equal(second[1], second[0])
 
 
 def test_moonshine_s_decoders_call_their_cross_attention_without_the_block_s_kwargs():

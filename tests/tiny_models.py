@@ -198,6 +198,17 @@ DECODERS = {
         | dict(block_size=4, full_attn_alpha_factor=1.7, full_attn_beta_factor=0.8, linear_attn_alpha_factor=1.3)
         | dict(linear_attn_beta_factor=0.9, mlp_alpha_factor=1.6, mlp_beta_factor=0.7),
     ),
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        dict(layer_types=["linear_attention", "full_attention"]),
+    ),
+    "doge": ("DogeConfig", "DogeForCausalLM", dict(hidden_dropout=0.0)),  # the stream scaled per channel
+    "doge_moe": (
+        "DogeConfig",
+        "DogeForCausalLM",
+        dict(hidden_dropout=0.0, is_moe=True, num_experts=4, num_experts_per_tok=2),
+    ),
     "recurrent_gemma": (  # a recurrent layer, then a local attention one
         "RecurrentGemmaConfig",
         "RecurrentGemmaForCausalLM",
@@ -230,7 +241,22 @@ _SEQ2SEQ = dict(
     vocab_size=VOCAB, d_model=WIDTH, encoder_layers=2, decoder_layers=2, pad_token_id=0, dropout=0.0, **_IDS
 ) | dict(encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH)
 # other layouts: name -> (config class, model class, config arguments)
+_MOSHI = dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8)
+_MOSHI |= dict(ffn_dim=2 * WIDTH, max_position_embeddings=SEQ, sliding_window=SEQ, audio_vocab_size=16, num_codebooks=2)
+_MIMI = dict(hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=8)
+_MIMI |= dict(intermediate_size=2 * WIDTH, codebook_dim=8, codebook_size=16, num_quantizers=2, num_filters=4)
+_MIMI |= dict(upsampling_ratios=[2], sliding_window=SEQ)
 OTHERS = {
+    "moshi": (  # its text decoder (the depth decoder: test_patch_families.py)
+        "MoshiConfig",
+        "MoshiForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            **_MOSHI,
+            depth_decoder_config=dict(_MOSHI, vocab_size=VOCAB, input_size=WIDTH),
+            audio_encoder_config=_MIMI,
+        ),
+    ),
     "mistral_large4": (  # its text model (MoE, sparse attention) and a Pixtral vision tower
         "MistralLarge4Config",
         "MistralLarge4ForConditionalGeneration",

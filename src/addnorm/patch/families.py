@@ -411,6 +411,41 @@ FAMILIES: dict[str, Family] = {
         hf_path(m, f"{c}Block"): Family((Step("mixer", "norm"),), final="norm_f", kwargs=m == "mamba2", cast=True)
         for m, c in [("mamba", "Mamba"), ("mamba2", "Mamba2"), ("falcon_mamba", "FalconMamba")]
     },
+    # Moshi and Kyutai's speech-to-text: Llama's layer; the depth decoder's MLP takes the codebook
+    # index (its weights one set per codebook)
+    **{
+        hf_path(m, f"{c}DecoderLayer"): lambda block: Family(
+            (
+                _PRE[0],
+                Step("mlp", "post_attention_layernorm", call=(("codebook_idx", "layer_idx"),), kwargs=False)
+                if block.use_flexible_linear
+                else _PRE[1],
+            ),
+            final="norm",
+        )
+        for m, c in [("moshi", "Moshi"), ("kyutai_speech_to_text", "KyutaiSpeechToText")]
+    },
+    # OLMo-Hybrid's linear attention layers (pre-norm; its attention layers: OLMo 2's)
+    hf_path("olmo_hybrid", "OlmoHybridLinearAttentionDecoderLayer"): Family(
+        (Step("linear_attn", "input_layernorm"), _PRE[1]),
+        final="norm",
+        drop=("position_ids", "use_cache", "position_embeddings", "output_attentions"),
+    ),
+    # Doge: the stream scaled per channel by a learned residual weight before each add, dropout on
+    # each output; its MoE returns (output, router logits)
+    hf_path("doge", "DogeDecoderLayer"): lambda block: Family(
+        (
+            Step("self_attn", "input_layernorm", dropout="hidden_dropout", residual_scale="input_residual"),
+            Step(
+                "mlp",
+                "post_attention_layernorm",
+                dropout="hidden_dropout",
+                residual_scale="post_attention_residual",
+                first=block.config.is_moe,
+            ),
+        ),
+        final="norm",
+    ),
     # RecurrentGemma (Griffin): a recurrent or attention block, then the MLP, in Llama's steps
     hf_path("recurrent_gemma", "RecurrentGemmaDecoderLayer"): Family(
         (Step("temporal_block", "temporal_pre_norm"), Step("mlp_block", "channel_pre_norm")), final="final_norm"

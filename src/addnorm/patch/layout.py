@@ -26,7 +26,8 @@ class Step:
     # an attribute of the block scaling the output: a float (Granite), or a tensor of one scale per
     # channel (BEiT's and InternVL's ``lambda_1``)
     multiplier: str | None = None
-    residual_scale: str | None = None  # a float attribute of the block scaling the stream before the add (MiniMax)
+    # an attribute of the block scaling the stream before the add: a float (MiniMax) or a tensor (Doge)
+    residual_scale: str | None = None
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
     first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
     flat: bool = False  # the sublayer returns the rows flat, (tokens, hidden) (Llama 4's MoE)
