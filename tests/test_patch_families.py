@@ -136,6 +136,7 @@ COVERAGE = {
     "recurrent_gemma": (5, {"RecurrentGemmaDecoderLayer": {"temporal_block": "fused", "mlp_block": "fused"}}),
     **{name: (9, {"DogeDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}) for name in ("doge", "doge_moe")},
     "moshi": (5, {"MoshiDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
+    "kyutai_stt": (9, {"KyutaiSpeechToTextDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # 4 in its codec
     "olmo_hybrid": (  # linear attention (pre-norm), then OLMo 2's attention layer (norms after)
         7,
         {
@@ -260,6 +261,7 @@ SKIPPED = {  # gated; without a weight
     "bamba": {"BambaRMSNormGated"},
     "nemotron_h": {"NemotronHRMSNormGated"},
     "olmo_hybrid": {"OlmoHybridRMSNormGated"},
+    "kyutai_stt": {"MimiTransformerLayer"},  # (its codec's: a layout patch() does not fuse)
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "mllama": {"MllamaCrossAttentionDecoderLayer"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
@@ -403,6 +405,7 @@ LABELS = {
     "doge": "Doge (the stream scaled per channel before each add)",
     "doge_moe": "Doge (`is_moe=True`)",
     "moshi": "Moshi (text decoder; its depth decoder's MLP per codebook)",
+    "kyutai_stt": "Kyutai speech-to-text",
     "olmo_hybrid": "OLMo-Hybrid (linear attention, then OLMo 2's attention layer)",
     "afmoe": "AFMoE (sandwich norms, MoE)",
     "lfm2": "LFM2 (convolution and attention layers)",

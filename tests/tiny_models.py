@@ -245,8 +245,14 @@ _MOSHI = dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, num
 _MOSHI |= dict(ffn_dim=2 * WIDTH, max_position_embeddings=SEQ, sliding_window=SEQ, audio_vocab_size=16, num_codebooks=2)
 _MIMI = dict(hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, head_dim=8)
 _MIMI |= dict(intermediate_size=2 * WIDTH, codebook_dim=8, codebook_size=16, num_quantizers=2, num_filters=4)
-_MIMI |= dict(upsampling_ratios=[2], sliding_window=SEQ)
+_MIMI |= dict(upsampling_ratios=[2], upsample_groups=WIDTH, sliding_window=SEQ)
 OTHERS = {
+    "kyutai_stt": (  # text and audio tokens summed into one stream; the codec's Mimi layers left plain
+        "KyutaiSpeechToTextConfig",
+        "KyutaiSpeechToTextForConditionalGeneration",
+        dict(_MOSHI, codebook_vocab_size=16, vocab_size=VOCAB, codec_config=_MIMI, **_IDS)
+        | dict(audio_bos_token_id=15, audio_pad_token_id=VOCAB + 32, pad_token_id=0),
+    ),
     "moshi": (  # its text decoder (the depth decoder: test_patch_families.py)
         "MoshiConfig",
         "MoshiForCausalLM",
@@ -499,6 +505,9 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         ids = torch.randint(0, VOCAB - 1, (2, SEQ), generator=g)
         image, ids[:, 1] = torch.randn(2, 3, 8, 8, generator=g).to(dtype), VOCAB - 1
         return dict(input_ids=ids, pixel_values=image, labels=torch.randint(0, VOCAB - 1, (2, SEQ), generator=g))
+    if name == "kyutai_stt":  # a text token and two codebooks' audio tokens per position
+        ids = torch.randint(0, 16, (2, SEQ, 3), generator=g)
+        return dict(input_ids=ids, labels=ids[..., 0])
     if name == "mistral_large4":  # one image per prompt (4 patches merged into one token, VOCAB - 1) second
         ids = torch.randint(0, VOCAB - 1, (2, SEQ), generator=g)
         ids[:, 1] = VOCAB - 1
