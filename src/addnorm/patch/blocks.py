@@ -134,8 +134,13 @@ def _branch(block: nn.Module, step: Step, out: Tensor) -> Tensor:
     return out
 
 
+def _layer_scale(module: nn.Module) -> Tensor:
+    """The scale per channel of a layer scale module: DINOv2's ``lambda1``, Mimi's ``scale``."""
+    return module.lambda1 if hasattr(module, "lambda1") else module.scale
+
+
 def _sublayer(block: nn.Module, step: Step, x: Tensor) -> Sublayer:
-    scale = getattr(block, step.layer_scale).lambda1 if step.layer_scale else None
+    scale = _layer_scale(getattr(block, step.layer_scale)) if step.layer_scale else None
     multiplier = getattr(block, step.multiplier) if step.multiplier else None
     if isinstance(multiplier, Tensor):  # a learned scale per channel: the layer scale itself
         scale = multiplier

@@ -581,6 +581,14 @@ FAMILIES: dict[str, Family] = {
     ),
     hf_path("dinov3_vit", "DINOv3ViTLayer"): Family(_DINO, final="norm"),  # (its attention takes RoPE)
     # Pixtral's vision encoder: Llama's steps, no norm after its stack (the projector reads it)
+    # Mimi's transformers (the codec of Moshi and Kyutai's speech-to-text): Llama's steps, each output
+    # through a layer scale module; no norm after the stack
+    hf_path("mimi", "MimiTransformerLayer"): Family(
+        (
+            Step("self_attn", "input_layernorm", layer_scale="self_attn_layer_scale"),
+            Step("mlp", "post_attention_layernorm", layer_scale="mlp_layer_scale"),
+        )
+    ),
     hf_path("pixtral", "PixtralAttentionLayer"): Family(
         (Step("attention", "attention_norm"), Step("feed_forward", "ffn_norm"))
     ),

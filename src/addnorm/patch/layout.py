@@ -22,7 +22,7 @@ class Step:
     norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
-    layer_scale: str | None = None  # a module whose ``lambda1`` scales the output
+    layer_scale: str | None = None  # a module whose ``lambda1`` (DINOv2) or ``scale`` (Mimi) scales the output
     # an attribute of the block scaling the output: a float (Granite), or a tensor of one scale per
     # channel (BEiT's and InternVL's ``lambda_1``)
     multiplier: str | None = None
