@@ -214,6 +214,10 @@ COVERAGE = {
     "gpt_bigcode": (5, {"GPTBigCodeBlock": {"attn": "fused", "mlp": "fused"}}),
     "granitemoe": (5, {"GraniteMoeDecoderLayer": {"self_attn": "fused", "block_sparse_moe": "fused"}}),
     "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
+    **{
+        name: (6, {f"{c}Layer": {"self_attn": "fused", "mlp": "fused"}})
+        for name, c in [("gte", "Gte"), ("nomic_bert", "NomicBert"), ("jina_embeddings_v3", "JinaEmbeddingsV3")]
+    },
     "roberta": (6, {"RobertaSelfOutput": {"dense": "fused"}, "RobertaOutput": {"dense": "fused"}}),
     "deberta": (6, {"DebertaSelfOutput": {"dense": "fused"}, "DebertaOutput": {"dense": "fused"}}),  # its own norm
     **{
@@ -316,7 +320,7 @@ DROPOUT = [
         "bart",
     ),
     "bloom",
-    *("emu3", "persimmon"),
+    *("emu3", "persimmon", "gte"),
 ]
 LABELS = {
     "qwen2": "Qwen2",
@@ -368,6 +372,9 @@ LABELS = {
     "mamba2": "Mamba-2",
     "falcon_mamba": "Falcon Mamba",
     "bert": "BERT",
+    "gte": "GTE (post-norm in the layer)",
+    "nomic_bert": "Nomic BERT (post-norm in the layer)",
+    "jina_embeddings_v3": "Jina Embeddings v3 (post-norm in the layer)",
     "roberta": "RoBERTa",
     "deberta": "DeBERTa",
     "t5": "T5 (encoder-decoder)",

@@ -282,6 +282,10 @@ OTHERS = {
         | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     ),
     "bert": ("BertConfig", "BertForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ)),
+    **{  # post-norm embedding models (RoPE, gated MLP), each add then its norm in the layer itself
+        name: (f"{c}Config", f"{c}ForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ))
+        for name, c in [("gte", "Gte"), ("nomic_bert", "NomicBert"), ("jina_embeddings_v3", "JinaEmbeddingsV3")]
+    },
     "roberta": (
         "RobertaConfig",
         "RobertaForMaskedLM",

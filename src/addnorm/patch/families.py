@@ -581,6 +581,21 @@ FAMILIES: dict[str, Family] = {
     ),
     hf_path("dinov3_vit", "DINOv3ViTLayer"): Family(_DINO, final="norm"),  # (its attention takes RoPE)
     # Pixtral's vision encoder: Llama's steps, no norm after its stack (the projector reads it)
+    # GTE, Nomic's BERT and Jina's v3 embeddings: post-norm, each add then its norm (as BART's)
+    **{
+        hf_path(m, c): Family(
+            (
+                Step("self_attn", "post_attention_layernorm", dropout="post_attention_dropout"),
+                Step("mlp", "post_mlp_layernorm", dropout="post_mlp_dropout"),
+            ),
+            norm_after=True,
+        )
+        for m, c in [
+            ("gte", "GteLayer"),
+            ("nomic_bert", "NomicBertLayer"),
+            ("jina_embeddings_v3", "JinaEmbeddingsV3Layer"),
+        ]
+    },
     # Mimi's transformers (the codec of Moshi and Kyutai's speech-to-text): Llama's steps, each output
     # through a layer scale module; no norm after the stack
     hf_path("mimi", "MimiTransformerLayer"): Family(
