@@ -547,6 +547,7 @@ def test_fused_layers_give_the_model_s_logits_for_a_padded_batch(name):
         "glm_moe_dsa",
         "nemotron_h",
         "recurrent_gemma",
+        "mpt",
     ],
 )
 def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):

@@ -259,6 +259,7 @@ COVERAGE = {
             "PixtralAttentionLayer": {"attention": "fused", "feed_forward": "no final norm found above the block"},
         },
     ),
+    "mpt": (5, {"MptBlock": {"attn": "fused", "ffn.up_proj ffn.act ffn.down_proj": "fused"}}),
     "bloom": (6, {"BloomBlock": {"self_attention": "self_attention adds the stream itself", _BLOOM_MLP: "fused"}}),
 }
 FAMILIES = list(COVERAGE)
@@ -320,7 +321,7 @@ DROPOUT = [
         "bart",
     ),
     "bloom",
-    *("emu3", "persimmon", "gte"),
+    *("emu3", "persimmon", "gte", "mpt"),
 ]
 LABELS = {
     "qwen2": "Qwen2",
@@ -371,6 +372,7 @@ LABELS = {
     "mamba": "Mamba",
     "mamba2": "Mamba-2",
     "falcon_mamba": "Falcon Mamba",
+    "mpt": "MPT (its MLP adds the residual itself)",
     "bert": "BERT",
     "gte": "GTE (post-norm in the layer)",
     "nomic_bert": "Nomic BERT (post-norm in the layer)",

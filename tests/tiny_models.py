@@ -281,6 +281,11 @@ OTHERS = {
         dict(n_layer=2, n_embd=WIDTH, n_head=4, vocab_size=VOCAB, n_positions=SEQ, **_IDS)
         | dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     ),
+    "mpt": (  # its MLP module adds the stream itself; norms without a bias
+        "MptConfig",
+        "MptForCausalLM",
+        dict(d_model=WIDTH, n_heads=4, n_layers=2, vocab_size=VOCAB, max_seq_len=SEQ, **_IDS),
+    ),
     "bert": ("BertConfig", "BertForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ)),
     **{  # post-norm embedding models (RoPE, gated MLP), each add then its norm in the layer itself
         name: (f"{c}Config", f"{c}ForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ))

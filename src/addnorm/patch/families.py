@@ -581,6 +581,18 @@ FAMILIES: dict[str, Family] = {
     ),
     hf_path("dinov3_vit", "DINOv3ViTLayer"): Family(_DINO, final="norm"),  # (its attention takes RoPE)
     # Pixtral's vision encoder: Llama's steps, no norm after its stack (the projector reads it)
+    # MPT: its MLP module adds the stream itself; its layers and dropout run here instead (as BLOOM's)
+    hf_path("mpt", "MptBlock"): Family(
+        (
+            Step("attn", "norm_1", dropout="resid_attn_dropout"),
+            Step("ffn.up_proj ffn.act ffn.down_proj", "norm_2", dropout="ffn.hidden_dropout"),
+        ),
+        final="norm_f",
+        rename=(("layer_past", "cache"),),
+        drop=("use_cache", "output_attentions"),
+        kwargs=False,
+        extras=True,
+    ),
     # GTE, Nomic's BERT and Jina's v3 embeddings: post-norm, each add then its norm (as BART's)
     **{
         hf_path(m, c): Family(
