@@ -34,15 +34,16 @@ def addnorm_calls(graphs) -> int:
     return sum(node.target is torch.ops.addnorm.forward.default for gm in graphs for node in gm.graph.nodes)
 
 
-def test_patched_hf_model_compiles_fullgraph_and_matches_eager():
+@pytest.mark.parametrize("name", ["llama", "bloom"])  # (BLOOM's attention given NO_RESIDUAL to add)
+def test_patched_hf_model_compiles_fullgraph_and_matches_eager(name):
     pytest.importorskip("transformers")
     torch._dynamo.reset()
-    model = hf_model("llama")
+    model = hf_model(name)
     report = addnorm.patch(model, fuse_residual=True)
     eager = copy.deepcopy(model)
     graphs = []
     compiled = torch.compile(model, fullgraph=True, backend=recording("aot_eager", graphs))
-    inputs = hf_inputs("llama")
+    inputs = hf_inputs(name)
     loss_c, loss_e = compiled(**inputs).loss, eager(**inputs).loss
     loss_c.backward()
     loss_e.backward()

@@ -379,9 +379,7 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     parallel = family.parallel is not None
     inner = [] if parallel else steps[:-1]
     for step, nxt in zip(inner, steps[1:], strict=False):
-        if step.adds:
-            why = f"{step.sublayer} adds the stream itself"
-        elif nxt.norm is None:
+        if nxt.norm is None:
             why = f"no norm reads the sum: {nxt.sublayer} takes the stream itself"
         else:
             why = _why_not_norm(getattr(m, nxt.norm), f"{name}.{nxt.norm}")

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..ops import Sublayer
-from .layout import Family, Step, modules
+from .layout import NO_RESIDUAL, Family, Step, modules
 from .norms import PARAMETERS, add_norm_forward, fusable, hand_off
 
 ORIGINAL = "_addnorm_original_class"
@@ -215,6 +215,8 @@ def _run(block: nn.Module, step: Step, h: Tensor, call: dict, s: Tensor | None =
     the stream ``s`` too) on ``h``; ``call``: the keyword arguments of a sublayer that takes the
     block's (:attr:`Step.call`), those named ``*name`` in it multiplying ``h`` there rather than
     passed on."""
+    if step.adds:
+        call = call | {step.adds: _no_residual()}
     if step.run:
         return step.run(block, h, s, call)
     words = step.sublayer.split()
@@ -240,11 +242,20 @@ def _run(block: nn.Module, step: Step, h: Tensor, call: dict, s: Tensor | None =
     return h
 
 
+def _no_residual():
+    """What a sublayer that adds a residual itself is given (:attr:`Step.adds`): ``NO_RESIDUAL``,
+    whose sum is the other tensor itself; 0 when torch.compile (or export) traces the block, whose
+    graphs take no Python object in an add (and fuse the add of 0 away)."""
+    return 0 if torch.compiler.is_compiling() else NO_RESIDUAL
+
+
 def _call_first(
     block: nn.Module, family: Family, step: Step, h: Tensor, s: Tensor, named: dict
 ) -> tuple[Tensor, tuple]:
     for old, new in family.rename:
         named[new] = named.pop(old)
+    if step.adds:
+        named[step.adds] = _no_residual()
     if family.self_cache and named.get("cache") is not None:
         named["cache"] = getattr(named["cache"], family.self_cache)
     result = step.run(block, h, s, named) if step.run else getattr(block, step.sublayer)(h, **named)
@@ -310,13 +321,7 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
     extras = ()
     for i, step in enumerate(steps):
         if i == 0:
-            if step.adds:  # the sublayer adds the stream itself: its result is the new stream
-                named[step.adds] = s
             out, extras = _call_first(self, family, step, h, s, named)
-            if step.adds:
-                s = out
-                h = _norm(self, steps[1].norm)(s)
-                continue
         else:
             out = _run(self, step, h, calls[i], s)
             out = out[0] if step.first else out

@@ -504,9 +504,10 @@ FAMILIES: dict[str, Family] = {
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
     ),
-    # BLOOM's attention adds the residual itself; its MLP's add (the dense layers, then dropout and
-    # the add) is fused. Not with the residual taken after the norm, nor with the MLP's sliced
-    # "slow but exact" matmul (other sums than one dense layer's)
+    # BLOOM's attention adds the residual it is given after its own dropout: given NO_RESIDUAL, it
+    # returns its dropped-out output, whose add is fused; its MLP's layers run here, their dropout
+    # and add fused. Not with the residual taken after the norm, nor with the MLP's sliced "slow but
+    # exact" matmul (other sums than one dense layer's)
     "transformers.models.bloom.modeling_bloom.BloomBlock": lambda block: (
         None
         if block.apply_residual_connection_post_layernorm or (block.mlp.pretraining_tp > 1 and block.mlp.slow_but_exact)

@@ -10,6 +10,23 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 
+class _NoResidual:
+    """The residual handed to a sublayer that adds one itself (:attr:`Step.adds`): ``NO_RESIDUAL +
+    t`` is ``t``, the very tensor, so that the sublayer returns its own output and the block's fused
+    op adds the stream."""
+
+    def __add__(self, other):
+        return other
+
+    __radd__ = __add__
+
+    def __repr__(self) -> str:
+        return "NO_RESIDUAL"
+
+
+NO_RESIDUAL = _NoResidual()
+
+
 @dataclass(frozen=True)
 class Step:
     """One sublayer and its add: ``s = s + branch(post(sublayer(norm(s))))``."""
@@ -36,8 +53,8 @@ class Step:
     call: tuple[tuple[str, str], ...] = ()
     needs: str | None = None  # a block argument without which the step is skipped (cross-attention)
     kwargs: bool = True  # with ``call``: the block's **kwargs go to the sublayer too (not Moonshine's)
-    # the sublayer adds the stream itself, given as this keyword, and returns the new stream
-    # (BLOOM's attention: ``residual``): that add stays inside it, the next norm reads its result
+    # the sublayer adds a residual it takes as this keyword (BLOOM's attention: ``residual``): it is
+    # given :data:`NO_RESIDUAL`, and returns its output alone, which is then added as any other
     adds: str | None = None
     # the sublayer when it is more than modules called in turn: ``run(block, h, s, named)`` of the
     # norm's output ``h``, the stream ``s`` it adds to and the arguments a first step's sublayer
@@ -91,9 +108,3 @@ class Family:
     scale: str | None = None
     # (MiniMax) each step's residual is its norm's output, not the stream the norm read
     normed_residual: bool = False
-
-    def __post_init__(self):
-        if any(step.adds for step in self.steps[1:]) or (
-            self.steps[0].adds and (len(self.steps) < 2 or self.steps[1].norm is None or self.parallel)
-        ):
-            raise ValueError("Step.adds: only a sequential block's first step, followed by a step with a norm")
