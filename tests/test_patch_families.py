@@ -1212,6 +1212,36 @@ def test_moshi_s_depth_decoder_gives_each_codebook_its_own_mlp():
     assert second[0].shape[1] == 1 and torch.equal(second[1], second[0])
 
 
+@pytest.mark.parametrize("name", ["kosmos2", "kosmos2_cross", "kosmos2_5"])
+def test_kosmos_text_decoders_fuse_their_adds(name):
+    """Kosmos-2's and Kosmos-2.5's text decoders (Whisper's steps, the MLP a module of its own):
+    every add fused, Kosmos-2's cross-attention too when configured and given the encoder's states;
+    outputs and gradients within float32 rounding of the model's own."""
+    import transformers as tf
+
+    module = tf.models.kosmos2_5.modeling_kosmos2_5 if name == "kosmos2_5" else tf.models.kosmos2.modeling_kosmos2
+    config = (tf.Kosmos2_5TextConfig if name == "kosmos2_5" else tf.Kosmos2TextConfig)(
+        embed_dim=WIDTH, layers=2, ffn_dim=2 * WIDTH, attention_heads=4, vocab_size=VOCAB,
+        max_position_embeddings=SEQ + 4, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        bos_token_id=0, eos_token_id=0, pad_token_id=1,
+        **({"add_cross_attention": True} if name == "kosmos2_cross" else {}),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    cls = module.Kosmos2_5TextForCausalLM if name == "kosmos2_5" else module.Kosmos2TextForCausalLM
+    original = cls(config).train()
+    with torch.no_grad():
+        for p in original.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    inputs = hf_inputs("llama")
+    if name == "kosmos2_cross":
+        inputs["encoder_hidden_states"] = torch.randn(2, 5, WIDTH, generator=torch.Generator().manual_seed(3))
+    assert report.fused_adds == report.adds and len(report.adds) == (6 if name == "kosmos2_cross" else 4)
+    assert_same_step(original, patched, inputs)
+
+
 def test_moonshine_s_decoders_call_their_cross_attention_without_the_block_s_kwargs():
     """Moonshine's decoder layers pass their ``**kwargs`` to the self-attention alone (Whisper's
     pass them to the cross-attention too): so does the fused block (``Step.kwargs``), and the

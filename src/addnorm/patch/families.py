@@ -582,6 +582,28 @@ FAMILIES: dict[str, Family] = {
     ),
     hf_path("dinov3_vit", "DINOv3ViTLayer"): Family(_DINO, final="norm"),  # (its attention takes RoPE)
     # Pixtral's vision encoder: Llama's steps, no norm after its stack (the projector reads it)
+    # Kosmos-2's and Kosmos-2.5's text decoders: Whisper's steps, the MLP a module of its own (``ffn``);
+    # Kosmos-2's cross-attention (when configured and given) takes the encoder's states by name
+    hf_path("kosmos2", "Kosmos2TextBlock"): Family(
+        (
+            _WHISPER_ATTENTION,
+            dataclasses.replace(
+                _WHISPER["decoder"].steps[1],
+                call=(
+                    ("encoder_hidden_states", "encoder_hidden_states"),
+                    ("encoder_attention_mask", "attention_mask"),
+                    ("cache", "cache"),
+                    ("output_attentions", "output_attentions"),
+                ),
+            ),
+            Step("ffn", "final_layer_norm"),
+        ),
+        final="layer_norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask"),
+    ),
+    hf_path("kosmos2_5", "Kosmos2_5TextBlock"): Family(
+        (_WHISPER_ATTENTION, Step("ffn", "final_layer_norm")), final="layer_norm"
+    ),
     # MPT: its MLP module adds the stream itself; its layers and dropout run here instead (as BLOOM's)
     hf_path("mpt", "MptBlock"): Family(
         (
