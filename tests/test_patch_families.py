@@ -1492,6 +1492,20 @@ def _headless(name: str):
         config = tf.MimiConfig(**heads | dict(num_attention_heads=4), num_key_value_heads=4, head_dim=8)
         inputs = dict(hidden_states=torch.randn(2, SEQ, WIDTH, generator=g))
         return modeling_mimi.MimiTransformerModel(config), inputs, [("layers.1", "mlp")]
+    if name == "qianfan_ocr":  # InternVL's layer, with a drop path module per step
+        from transformers.models.qianfan_ocr import configuration_qianfan_ocr, modeling_qianfan_ocr
+
+        config = configuration_qianfan_ocr.QianfanOCRVisionConfig(
+            **heads, image_size=8, patch_size=4, layer_scale_init_value=0.5, use_mean_pooling=False, drop_path_rate=0.0
+        )
+        return modeling_qianfan_ocr.QianfanOCRVisionModel(config), dict(pixel_values=pixels), []
+    if name == "step3p7":  # a learned scale per channel, no norm after the stack
+        from transformers.models.step3p7 import configuration_step3p7, modeling_step3p7
+
+        config = configuration_step3p7.Step3p7VisionConfig(
+            **heads, image_size=8, patch_size=4, layer_scale_init_value=0.5
+        )
+        return modeling_step3p7.Step3p7VisionModel(config), dict(pixel_values=pixels), [("layers.1", "mlp")]
     if name == "internvl":  # a learned scale per channel on each step; mean-pooled after its last layer
         config = tf.InternVLVisionConfig(**heads, image_size=8, patch_size=4, layer_scale_init_value=0.5)
         return tf.InternVLVisionModel(config), dict(pixel_values=pixels), [("encoder.layer.1", "mlp")]
@@ -1507,7 +1521,7 @@ def _headless(name: str):
 
 
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
-_ENCODERS += ["videomae", "yolos", "dpt", "flava", "vilt", "mimi"]
+_ENCODERS += ["videomae", "yolos", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

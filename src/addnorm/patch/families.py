@@ -562,6 +562,18 @@ FAMILIES: dict[str, Family] = {
     "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: _falcon(block.config),
     "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(_DINO, final="layernorm"),
     hf_path("internvl", "InternVLVisionLayer"): Family(_LAMBDA, final="layernorm"),
+    # Qianfan-OCR's vision encoder: InternVL's, with a drop path module per step
+    hf_path("qianfan_ocr", "QianfanOCRVisionLayer"): Family(
+        (
+            dataclasses.replace(_LAMBDA[0], drop_path="drop_path1"),
+            dataclasses.replace(_LAMBDA[1], drop_path="drop_path2"),
+        ),
+        final="layernorm",
+    ),
+    # Step3.7's vision encoder: its attention named as Llama's, no norm after the stack
+    hf_path("step3p7", "Step3p7VisionEncoderLayer"): Family(
+        (dataclasses.replace(_LAMBDA[0], sublayer="self_attn"), dataclasses.replace(_LAMBDA[1], dropout=None))
+    ),
     **{
         hf_path(m, c): Family(_VIT_OUTPUT, final="layernorm")
         for m, c in [("videomae", "VideoMAELayer"), ("yolos", "YolosLayer"), ("dpt", "DPTViTLayer")]
