@@ -173,9 +173,15 @@ def summarize(rounds: list[dict[str, list[dict]]]) -> list[dict]:
     return lines
 
 
+def _side(ln: dict, side: str) -> str:
+    """A side's cell: median ms, fraction of the copy bandwidth, and its ratio to torch eager of
+    the same run ("-" where the run timed no torch eager)."""
+    vs = ln[f"{side}_vs_torch"]
+    return f"{ln[f'{side}_ms']:.3f} · {ln[f'{side}_copy_fraction']:.2f} · " + ("-" if vs != vs else f"{vs:.2f}x")
+
+
 def render(lines: list[dict], fmt: str, labels: tuple[str, str]) -> str:
-    """The summary as a terminal table or a markdown table. Each side's cell: median ms, fraction
-    of the copy bandwidth, ratio to torch eager of its run."""
+    """The summary as a terminal table or a markdown table (each side's cell: :func:`_side`)."""
     head = ["op", "pass", "shape", "dtype", "impl", labels[0], labels[1], "head vs base"]
     body = [
         [
@@ -184,8 +190,8 @@ def render(lines: list[dict], fmt: str, labels: tuple[str, str]) -> str:
             f"{ln['rows']}x{ln['cols']}",
             ln["dtype"],
             ln["impl"],
-            f"{ln['base_ms']:.3f} · {ln['base_copy_fraction']:.2f} · {ln['base_vs_torch']:.2f}x",
-            f"{ln['head_ms']:.3f} · {ln['head_copy_fraction']:.2f} · {ln['head_vs_torch']:.2f}x",
+            _side(ln, "base"),
+            _side(ln, "head"),
             f"{ln['speedup']:.2f}x ({ln['speedup_low']:.2f}-{ln['speedup_high']:.2f})",
         ]
         for ln in lines

@@ -53,6 +53,14 @@ def test_the_ratio_is_the_median_of_each_rounds_ratio():
     assert "| add_layer_norm | fwd | 8x64 | float32 | addnorm |" in text and "2.00x (1.00-4.00)" in text
 
 
+def test_a_run_without_torch_eager_shows_no_ratio_to_it():
+    rounds = [{"base": [row("addnorm", 2.0)], "head": [row("addnorm", 1.0)]}]
+    (line,) = compare_revs.summarize(rounds)
+    text = compare_revs.render([line], "table", ("base", "head"))
+    assert "2.000 · 0.05 · -" in text and "1.000 · 0.10 · -" in text and "nan" not in text
+    assert "2.00x (2.00-2.00)" in text
+
+
 def test_a_configuration_missing_from_a_round_is_left_out():
     rounds = [
         {"base": [row("addnorm", 1.0), row("torch-eager", 1.0)], "head": [row("addnorm", 1.0)]},
