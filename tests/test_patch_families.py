@@ -321,7 +321,7 @@ DROPOUT = [
         "bart",
     ),
     "bloom",
-    *("emu3", "persimmon", "gte", "mpt"),
+    *("emu3", "persimmon", "gte", "mpt", "doge"),
 ]
 LABELS = {
     "qwen2": "Qwen2",
@@ -587,6 +587,8 @@ def test_dropout_runs_fused_and_a_seed_reproduces_it(name, fused_calls):
         torch.manual_seed(3)
         losses.append(step(patched, inputs))
     assert any(p == 0.25 for fused, p in fused_calls if fused)  # the op's own dropout
+    if name in ("doge", "gte", "vit", "bart"):  # a dropout on every add: each fused add takes it
+        assert all(p == 0.25 for fused, p in fused_calls if fused)
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
     patched.eval()
     with torch.no_grad():
@@ -1423,14 +1425,59 @@ def test_a_hooked_or_replaced_module_whose_layers_the_block_runs_is_called():
         torch.testing.assert_close(patched(**inputs).logits, original(**inputs).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_a_sublayer_that_adds_a_residual_is_given_one_that_adds_nothing():
+def test_a_sublayer_that_adds_a_residual_is_given_one_that_adds_nothing(monkeypatch):
     """``Step.adds``: the sublayer's own add (BLOOM's attention: ``dropout(out) + residual``) is
     given ``NO_RESIDUAL``, whose sum with a tensor is that very tensor, on either side; the
-    block's fused op then adds the stream."""
+    block's fused op then adds the stream. A hook on that sublayer (which would see NO_RESIDUAL)
+    makes the block run its own forward."""
     from addnorm.patch.layout import NO_RESIDUAL
 
     t = torch.randn(3)
     assert (NO_RESIDUAL + t) is t and (t + NO_RESIDUAL) is t
+    original, patched, report = fused_copy("bloom")
+    assert {a.add for a in report.fused_adds} == {"self_attention", _BLOOM_MLP}
+    attention = type(patched.transformer.h[0].self_attention)
+    given, forward = [], attention.forward
+    monkeypatch.setattr(
+        attention, "forward", lambda self, *a, **k: given.append(k["residual"]) or forward(self, *a, **k)
+    )
+    inputs = hf_inputs("bloom")
+    patched(**inputs)
+    assert given == [NO_RESIDUAL, NO_RESIDUAL]
+    monkeypatch.undo()
+    for model in (original, patched):  # a hook that halves the new stream the attention returns
+        model.transformer.h[0].self_attention.register_forward_hook(lambda m, a, out: (out[0] * 0.5, *out[1:]))
+    assert_same_step(original, patched, inputs)
+
+
+def test_a_layer_scale_module_hooked_is_called():
+    """The fused op reads a layer scale module's scale (DINOv2's ``lambda1``, Mimi's ``scale``)
+    instead of calling it: with a hook on it the block runs its own forward, which calls it."""
+    original, patched, report = fused_copy("dinov2")
+    assert report.fused_adds
+    for model in (original, patched):
+        model.dinov2.encoder.layer[0].layer_scale1.register_forward_hook(lambda m, a, out: out * 0)
+    assert_same_step(original, patched, hf_inputs("dinov2"))
+
+
+def test_a_step_takes_one_scale_per_channel():
+    """A layer scale module and a multiplier on one step would be two scales; the fused op takes one."""
+    Step = families_module.Step
+    with pytest.raises(ValueError, match="layer_scale and a multiplier"):
+        Step("mlp", "norm", layer_scale="ls", multiplier="lambda_2")
+
+
+def test_kosmos2_without_cross_attention_refuses_the_encoder_s_states():
+    """As the layer itself: a Kosmos-2 text layer built without cross-attention raises when given
+    ``encoder_hidden_states`` (its own forward runs), rather than ignoring them."""
+    import transformers as tf
+
+    config = tf.Kosmos2TextConfig(embed_dim=WIDTH, layers=2, ffn_dim=2 * WIDTH, attention_heads=4, vocab_size=VOCAB)
+    model = tf.models.kosmos2.modeling_kosmos2.Kosmos2TextForCausalLM(config)
+    assert addnorm.patch(model, fuse_residual=True).fused_adds
+    ids = hf_inputs("llama")["input_ids"]
+    with pytest.raises(ValueError, match="cross-attention"):
+        model(input_ids=ids, encoder_hidden_states=torch.randn(2, 5, WIDTH))
 
 
 def _headless(name: str):
@@ -1475,9 +1522,13 @@ def _headless(name: str):
     if name == "videomae":  # ViT's layer as first written (its MLP's output module adds the stream)
         config = tf.VideoMAEConfig(**vit, num_frames=2, tubelet_size=2, use_mean_pooling=False)
         return tf.VideoMAEModel(config), dict(pixel_values=torch.randn(2, 2, 3, 8, 8, generator=g)), []
-    if name == "yolos":
-        config = tf.YolosConfig(**vit | dict(image_size=[8, 8]), num_detection_tokens=2)
-        return tf.YolosModel(config), dict(pixel_values=pixels), []
+    if name.startswith("yolos"):  # by default position embeddings added after each layer but the last
+        mid = name == "yolos"
+        config = tf.YolosConfig(
+            **vit | dict(image_size=[8, 8]), num_detection_tokens=2, use_mid_position_embeddings=mid
+        )
+        unfused = [(f"encoder.layer.{i}", "intermediate output.dense") for i in range(2)] if mid else []
+        return tf.YolosModel(config), dict(pixel_values=pixels), unfused
     if name == "dpt":
         return tf.DPTModel(tf.DPTConfig(**vit, backbone_out_indices=[0, 1])), dict(pixel_values=pixels), []
     if name == "flava":
@@ -1521,7 +1572,7 @@ def _headless(name: str):
 
 
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
-_ENCODERS += ["videomae", "yolos", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
+_ENCODERS += ["videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

@@ -490,8 +490,8 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropo
         if isinstance(getattr(m, "hidden_dropout", None), float):  # (BLOOM's attention and MLP)
             m.hidden_dropout = dropout
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
+        for n, p in model.named_parameters():  # (and BEiT's relative position biases, zeros at init)
+            if p.dim() == 1 or n.endswith("relative_position_bias_table"):
                 p.add_(torch.randn_like(p) * 0.3)
         for m in model.modules():  # (Gemma 4's scale of each layer's output: a buffer, ones at init)
             if isinstance(getattr(m, "layer_scalar", None), torch.Tensor):

@@ -284,7 +284,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         for i, (name, m, family) in enumerate(members):
             following = members[i + 1] if i + 1 < len(members) else None
             if family.alone:
-                following = "the model changes the stream after this layer (merged or added tokens)"
+                following = "the model changes the stream after this layer (merges or adds tokens or embeddings)"
             elif family.scale:
                 following = f"the layer scales the stream after its last add ({family.scale})"
             elif not (family.post_norm or family.norm_after):  # (those hand nothing on)

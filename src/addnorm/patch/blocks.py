@@ -78,8 +78,13 @@ def attribute(block: nn.Module, path: str):
 
 def owners(family: Family) -> set[str]:
     """The modules whose layers the fused forward runs one by one instead of calling them (BLOOM's
-    ``mlp`` in ``"mlp.dense_h_to_4h mlp.gelu_impl mlp.dense_4h_to_h"``)."""
-    return {path.split(".")[0] for step in family.steps for path in modules(step.sublayer) if "." in path}
+    ``mlp`` in ``"mlp.dense_h_to_4h mlp.gelu_impl mlp.dense_4h_to_h"``), and those it gives
+    ``NO_RESIDUAL`` (:attr:`Step.adds`: BLOOM's attention), which a hook or another module in
+    their place would see instead of the stream; and the layer scale modules, whose scale the fused
+    op reads instead of calling them."""
+    inside = {path.split(".")[0] for step in family.steps for path in modules(step.sublayer) if "." in path}
+    scales = {step.layer_scale for step in family.steps if step.layer_scale}  # (their scale is read, not called)
+    return inside | scales | {step.sublayer for step in family.steps if step.adds}
 
 
 def _owners_intact(block: nn.Module) -> bool:

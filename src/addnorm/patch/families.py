@@ -576,8 +576,13 @@ FAMILIES: dict[str, Family] = {
     ),
     **{
         hf_path(m, c): Family(_VIT_OUTPUT, final="layernorm")
-        for m, c in [("videomae", "VideoMAELayer"), ("yolos", "YolosLayer"), ("dpt", "DPTViTLayer")]
+        for m, c in [("videomae", "VideoMAELayer"), ("dpt", "DPTViTLayer")]
     },
+    # (YOLOS's encoder adds position embeddings after each layer but the last, by default: then no
+    # layer hands its last add on)
+    hf_path("yolos", "YolosLayer"): lambda block: Family(
+        _VIT_OUTPUT, final="layernorm", alone=block.attention.attention.config.use_mid_position_embeddings
+    ),
     # (returning the attention's weights too, when asked)
     **{
         hf_path(m, c): Family(_VIT_OUTPUT, final="layernorm", extras=True)
@@ -596,7 +601,9 @@ FAMILIES: dict[str, Family] = {
     # Pixtral's vision encoder: Llama's steps, no norm after its stack (the projector reads it)
     # Kosmos-2's and Kosmos-2.5's text decoders: Whisper's steps, the MLP a module of its own (``ffn``);
     # Kosmos-2's cross-attention (when configured and given) takes the encoder's states by name
-    hf_path("kosmos2", "Kosmos2TextBlock"): Family(
+    # (without a cross-attention, a layer given the encoder's states runs its own forward, which
+    # refuses them)
+    hf_path("kosmos2", "Kosmos2TextBlock"): lambda block: Family(
         (
             _WHISPER_ATTENTION,
             dataclasses.replace(
@@ -612,6 +619,7 @@ FAMILIES: dict[str, Family] = {
         ),
         final="layer_norm",
         drop=("encoder_hidden_states", "encoder_attention_mask"),
+        fallback=() if hasattr(block, "encoder_attn") else ("encoder_hidden_states",),
     ),
     hf_path("kosmos2_5", "Kosmos2_5TextBlock"): Family(
         (_WHISPER_ATTENTION, Step("ffn", "final_layer_norm")), final="layer_norm"

@@ -62,6 +62,10 @@ class Step:
     # attention side by side, each scaled; Gemma 4's MLP beside its experts routed from ``s``)
     run: Callable[[nn.Module, Tensor, Tensor, dict], Tensor | tuple] | None = None
 
+    def __post_init__(self):
+        if self.layer_scale and self.multiplier:  # (the fused op takes one scale per channel)
+            raise ValueError("Step: a layer_scale and a multiplier on one step")
+
 
 def modules(sublayer: str) -> list[str]:
     """The attribute paths a :attr:`Step.sublayer` names, in order (not its ``*`` block arguments)."""
@@ -96,8 +100,8 @@ class Family:
     # (Mamba) the first norm reads the stream cast to its weight's dtype, and the add takes the stream
     # in float32 where the block has a ``residual_in_fp32`` that is set (Nemotron-H's has none)
     cast: bool = False
-    # the model changes the stream after each block (merged or added tokens: MiniCPM's vision
-    # tower, EoMT): its last add hands nothing on
+    # the model changes the stream after each block (merged or added tokens or embeddings: MiniCPM's
+    # vision tower, EoMT, YOLOS's position embeddings): its last add hands nothing on
     alone: bool = False
     clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
     # the attribute of the block's ``cache`` its first sublayer takes (T5Gemma's decoder: the
