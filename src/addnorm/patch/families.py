@@ -13,226 +13,63 @@ from torch import nn
 from .copies import ALONE, COPIES, FINALS
 from .hf_norms import hf_path, pairs
 from .layout import Family, Step
-
-
-def _llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
-    return hf_path(m, f"{c}DecoderLayer"), Family(steps, final="norm")
-
-
-_PRE = (Step("self_attn", "input_layernorm"), Step("mlp", "post_attention_layernorm"))
-
-
-def _each(steps: tuple[Step, ...], **changes) -> tuple[Step, ...]:
-    """``steps`` with ``changes`` made to each."""
-    return tuple(dataclasses.replace(step, **changes) for step in steps)
-
-
-_GRANITE = _each(_PRE, multiplier="residual_multiplier")  # s + out * m
-# OLMo 2's layout under Llama's norm names: each norm on its sublayer's output, before the add
-_NORM_AFTER_OUTPUT = (Step("self_attn", post="input_layernorm"), Step("mlp", post="post_attention_layernorm"))
-_SANDWICH = (
-    Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
-    Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
+from .steps import (
+    BART,
+    CLIP,
+    DINO,
+    GRANITE,
+    LAMBDA,
+    NORM_AFTER_OUTPUT,
+    POST,
+    PRE,
+    SANDWICH,
+    T5_LAYERS,
+    T5GEMMA_ATTENTION,
+    T5GEMMA_MLP,
+    VIT,
+    VIT_OUTPUT,
+    WHISPER,
+    WHISPER_ATTENTION,
+    WHISPER_MLP,
+    bamba,
+    beit_attention,
+    each,
+    falcon,
+    falcon_h1,
+    gemma4,
+    granite_shared,
+    hybrid,
+    kimi,
+    lfm,
+    llama,
+    molmo2,
+    nemotron_h,
 )
-_T5GEMMA_ATTENTION = Step("self_attn", "pre_self_attn_layernorm", post="post_self_attn_layernorm", dropout="dropout")
-_T5GEMMA_MLP = Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm", dropout="dropout")
-_T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"),), extras=True)
-_T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's prefix
-    "LayerSelfAttention": Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
-    "LayerCrossAttention": Family((Step("EncDecAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
-    "LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
-}
-
-_DINO = (  # layer scale and drop path on each step (DINOv2, DINOv3)
-    Step("attention", "norm1", layer_scale="layer_scale1", drop_path="drop_path"),
-    Step("mlp", "norm2", layer_scale="layer_scale2", drop_path="drop_path"),
-)
-_CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
-# ViT's layer as first written: the MLP's second half (``output``) adds the stream itself; its dense
-# layer and dropout run here instead (VideoMAE, YOLOS, DPT, ViLT, FLAVA)
-_VIT_OUTPUT = (
-    Step("attention", "layernorm_before"),
-    Step("intermediate output.dense", "layernorm_after", dropout="output.dropout"),
-)
-# ViT's steps, each output scaled by a learned scale per channel (InternVL's vision encoder)
-_LAMBDA = (
-    Step("attention", "layernorm_before", multiplier="lambda_1"),
-    Step("mlp", "layernorm_after", dropout="dropout", multiplier="lambda_2"),
-)
-_VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
-_POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
-_WHISPER_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="dropout")
-_WHISPER_MLP = Step("fc1 activation_fn activation_dropout fc2", "final_layer_norm", dropout="dropout")
-_WHISPER = {
-    # the encoder clamps a float16 stream after each layer
-    "encoder": Family((_WHISPER_ATTENTION, _WHISPER_MLP), final="layer_norm", clamp16=True),
-    "decoder": Family(
-        (
-            _WHISPER_ATTENTION,
-            Step(
-                "encoder_attn",
-                "encoder_attn_layer_norm",
-                dropout="dropout",
-                first=True,
-                call=(
-                    ("encoder_hidden_states", "key_value_states"),
-                    ("encoder_attention_mask", "attention_mask"),
-                    ("cache", "cache"),
-                ),
-                needs="encoder_hidden_states",
-            ),
-            _WHISPER_MLP,
-        ),
-        final="layer_norm",
-        drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
-    ),
-}
-# post-norm layers with Whisper's steps, each norm after its add (BART)
-_BART = {side: dataclasses.replace(family, norm_after=True, final=None) for side, family in _WHISPER.items()}
-
-
-def _hybrid(block: nn.Module) -> Family:
-    """Qwen3-Next's layers: linear attention (which takes no positions) or full attention, then the MLP."""
-    linear = block.block_type == "linear_attention"
-    mixer = Step("linear_attn" if linear else "self_attn", "input_layernorm")
-    return Family((mixer, _PRE[1]), final="norm", drop=("position_embeddings", "position_ids") if linear else ())
-
-
-def _lfm(block: nn.Module) -> Family:
-    """LFM2's and LFM3's layers: attention or a short convolution (which takes no positions), then
-    the MLP; LFM3's with a norm after each (``post_operator_norm``, ``post_ffn_norm``)."""
-    attention = block.is_attention_layer
-    post = ("post_operator_norm", "post_ffn_norm") if hasattr(block, "post_ffn_norm") else (None, None)
-    steps = (
-        Step("self_attn" if attention else "conv", "operator_norm", post=post[0]),
-        Step("feed_forward", "ffn_norm", post=post[1]),
-    )
-    return Family(steps, final="embedding_norm", drop=() if attention else ("position_embeddings", "position_ids"))
-
-
-def _granite_shared(block: nn.Module) -> Family:
-    """Granite's layers with a shared MLP beside the experts (their outputs summed), Granite 4's
-    with Mamba or attention by layer (Mamba takes no positions); both with a residual multiplier."""
-    mamba = getattr(block, "mamba", None) is not None
-    experts = getattr(block, "has_experts", True) and block.block_sparse_moe is not None
-    mlp = "block_sparse_moe" if block.shared_mlp is None else "block_sparse_moe+shared_mlp" if experts else "shared_mlp"
-    steps = (Step("mamba" if mamba else "self_attn", "input_layernorm"), Step(mlp, "post_attention_layernorm"))
-    return Family(
-        _each(steps, multiplier="residual_multiplier"),
-        final="norm",
-        drop=("use_cache", "position_embeddings") if mamba else (),
-    )
-
-
-def _bamba(block: nn.Module) -> Family:
-    """Bamba's layers: Mamba-2 (called with the cache and mask alone) or attention by layer, each
-    returning the stream and the attention's weights (None from a Mamba layer)."""
-    mamba = block.block_type == "linear_attention"
-    steps = (Step("mamba" if mamba else "self_attn", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm"))
-    drop = ("position_ids", "use_cache", "position_embeddings") if mamba else ()
-    return Family(steps, final="final_layernorm", drop=drop, extras=True, padded=1)
-
-
-def _kimi(block: nn.Module) -> Family:
-    """Kimi Linear's layers: linear attention (which takes no positions) or full attention."""
-    linear = block.block_type == "linear_attention"
-    return Family(_PRE, final="norm", drop=("position_ids", "use_cache") if linear else ())
-
-
-def _molmo2(block: nn.Module) -> Family:
-    """Molmo2's text layers: Llama's, or with ``norm_after`` OLMo 2's (each norm on its sublayer's
-    output, before the add)."""
-    return Family(_NORM_AFTER_OUTPUT if block.norm_after else _PRE, final="norm")
-
-
-def _gemma4_experts(block: nn.Module, h, s, call: dict):
-    """Gemma 4's MoE step (:attr:`Step.run`), as its layer computes it: the MLP on the pre-norm's
-    output ``h`` beside the experts, routed from the stream ``s`` and run on their own pre-norm
-    of it; each output normed, then summed."""
-    flat = s.reshape(-1, s.shape[-1])
-    _, weights, index = block.router(flat)
-    experts = block.experts(block.pre_feedforward_layernorm_2(flat), index, weights).reshape(s.shape)
-    return block.post_feedforward_layernorm_1(block.mlp(h)) + block.post_feedforward_layernorm_2(experts)
-
-
-def _gemma4(block: nn.Module) -> Family:
-    """Gemma 4's text layers: Gemma 3's sandwich norms, the MLP beside routed experts in the MoE
-    layout; then, with per-layer inputs (E2B, E4B), a gated projection of the per-layer input,
-    which reads the stream itself; then the stream times a learned scalar."""
-    steps = _SANDWICH
-    if block.enable_moe_block:
-        steps = (steps[0], dataclasses.replace(steps[1], sublayer="mlp+experts", run=_gemma4_experts))
-    if block.hidden_size_per_layer_input:
-        gated = Step(
-            "per_layer_input_gate act_fn *per_layer_input per_layer_projection",
-            post="post_per_layer_input_norm",
-            call=(("per_layer_input", "per_layer_input"),),
-            kwargs=False,
-        )
-        steps += (gated,)
-    return Family(steps, final="norm", drop=("per_layer_input",), scale="layer_scalar")
-
-
-_MAMBA_SKIPS = ("attention_mask", "mamba_attention_mask", "position_ids", "use_cache", "position_embeddings")
-
-
-def _falcon_h1(block: nn.Module, h, s, named: dict):
-    """Falcon-H1's first sublayer (:attr:`Step.run`), as its layer computes it: Mamba-2 (with its
-    own mask) and attention (on ``h`` times ``attention_in_multiplier``) side by side, their
-    outputs scaled by ``ssm_out_multiplier`` and ``attn_out_multiplier`` and summed."""
-    mamba_args = {k: v for k, v in named.items() if k not in _MAMBA_SKIPS}
-    mamba = block.mamba(hidden_states=h, attention_mask=named["mamba_attention_mask"], **mamba_args)
-    attention_args = {k: v for k, v in named.items() if k != "mamba_attention_mask"}
-    attention, _ = block.self_attn(hidden_states=h * block.attention_in_multiplier, **attention_args)
-    return mamba * block.ssm_out_multiplier + attention * block.attn_out_multiplier
-
-
-def _beit_attention(block: nn.Module, h, s, named: dict):
-    """BEiT's attention (:attr:`Step.run`), its mask plus the layer's relative position bias when
-    it has one, as its layer computes it."""
-    mask = named.pop("attention_mask")
-    resolution, interpolate = named.pop("resolution"), named.pop("interpolate_pos_encoding")
-    if block.relative_position_bias is not None:
-        window = (resolution[0] // block.patch_size, resolution[1] // block.patch_size)
-        bias = block.relative_position_bias(window, interpolate, dim_size=s.shape[1])
-        mask = bias + mask if mask is not None else bias
-    return block.attention(h, attention_mask=mask, **named)[0]
-
-
-def _nemotron_h(block: nn.Module, h, s, named: dict):
-    """Nemotron-H's mixer (:attr:`Step.run`), called as its block calls the kind it holds: Mamba-2
-    (without positions), attention (its weights dropped), or an MLP or MoE (``h`` alone)."""
-    if block.block_type == "linear_attention":
-        return block.mixer(h, **{k: v for k, v in named.items() if k not in ("position_ids", "use_cache")})
-    if block.block_type == "full_attention":
-        return block.mixer(hidden_states=h, **named)[0]
-    return block.mixer(h)
-
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
-    **dict(_llama(m, c, _PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
-    **dict(_llama(m, c, _PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
+    **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
+    **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(
-        _llama(m, c, steps)
+        llama(m, c, steps)
         for m, c, steps in [
-            ("qwen2_moe", "Qwen2Moe", _PRE),
-            ("qwen3_moe", "Qwen3Moe", _PRE),
-            ("granite", "Granite", _GRANITE),
+            ("qwen2_moe", "Qwen2Moe", PRE),
+            ("qwen3_moe", "Qwen3Moe", PRE),
+            ("granite", "Granite", GRANITE),
             (
                 "granitemoe",
                 "GraniteMoe",
-                (_GRANITE[0], Step("block_sparse_moe", "post_attention_layernorm", multiplier="residual_multiplier")),
+                (GRANITE[0], Step("block_sparse_moe", "post_attention_layernorm", multiplier="residual_multiplier")),
             ),
         ]
     ),
-    **dict(_llama(m, c, _SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
+    **dict(llama(m, c, SANDWICH) for m, c in [("gemma2", "Gemma2"), ("gemma3", "Gemma3")]),
     **{
-        hf_path(m, c): Family(_POST, final="norm")
+        hf_path(m, c): Family(POST, final="norm")
         for m, c in [("olmo2", "Olmo2DecoderLayer"), ("flex_olmo", "FlexOlmoDecoderLayer")]
     },
     hf_path("gpt_oss", "GptOssDecoderLayer"): Family(
-        (_PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
+        (PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
     ),
     **{
         hf_path(m, f"{c}DecoderLayer"): Family(
@@ -259,11 +96,11 @@ FAMILIES: dict[str, Family] = {
         drop=("position_ids",),
     ),
     **{
-        hf_path(m, f"{c}DecoderLayer"): _hybrid
+        hf_path(m, f"{c}DecoderLayer"): hybrid
         for m, c in [("qwen3_next", "Qwen3Next"), ("qwen3_5_moe", "Qwen3_5Moe"), ("qwen3_5", "Qwen3_5")]
     },
-    hf_path("kimi_linear", "KimiLinearDecoderLayer"): _kimi,
-    hf_path("bamba", "BambaDecoderLayer"): _bamba,
+    hf_path("kimi_linear", "KimiLinearDecoderLayer"): kimi,
+    hf_path("bamba", "BambaDecoderLayer"): bamba,
     # MiniMax's layers: each norm's output is the residual, scaled by alpha, the sublayer's by beta
     hf_path("minimax", "MiniMaxDecoderLayer"): Family(
         (
@@ -274,7 +111,7 @@ FAMILIES: dict[str, Family] = {
         normed_residual=True,
     ),
     hf_path("falcon_h1", "FalconH1DecoderLayer"): Family(
-        (Step("mamba+self_attn", "input_layernorm", run=_falcon_h1), Step("feed_forward", "pre_ff_layernorm")),
+        (Step("mamba+self_attn", "input_layernorm", run=falcon_h1), Step("feed_forward", "pre_ff_layernorm")),
         final="final_layernorm",
         extras=True,
     ),
@@ -283,14 +120,14 @@ FAMILIES: dict[str, Family] = {
     **{
         hf_path(m, c): Family(steps, final=final, extras=True, extras_if="output_attentions", drop=drop)
         for m, c, steps, final, drop in [
-            ("chameleon", "ChameleonDecoderLayer", _PRE, "norm", ()),
-            ("chameleon", "ChameleonSwinDecoderLayer", _NORM_AFTER_OUTPUT, "norm", ()),
-            ("llama4", "Llama4VisionEncoderLayer", _PRE, "layernorm_post", ("output_attentions",)),
+            ("chameleon", "ChameleonDecoderLayer", PRE, "norm", ()),
+            ("chameleon", "ChameleonSwinDecoderLayer", NORM_AFTER_OUTPUT, "norm", ()),
+            ("llama4", "Llama4VisionEncoderLayer", PRE, "layernorm_post", ("output_attentions",)),
         ]
     },
-    hf_path("gemma4", "Gemma4TextDecoderLayer"): _gemma4,
-    hf_path("gemma4_unified", "Gemma4UnifiedTextDecoderLayer"): Family(_SANDWICH, final="norm", scale="layer_scalar"),
-    hf_path("gemma4", "Gemma4VisionEncoderLayer"): Family(_SANDWICH),  # (pooled after its stack: no final norm)
+    hf_path("gemma4", "Gemma4TextDecoderLayer"): gemma4,
+    hf_path("gemma4_unified", "Gemma4UnifiedTextDecoderLayer"): Family(SANDWICH, final="norm", scale="layer_scalar"),
+    hf_path("gemma4", "Gemma4VisionEncoderLayer"): Family(SANDWICH),  # (pooled after its stack: no final norm)
     # Qwen3-ASR's audio encoder: Whisper's encoder steps, no dropout, the rows of all clips packed;
     # it returns (stream,)
     hf_path("qwen3_asr", "Qwen3ASRAudioEncoderLayer"): Family(
@@ -299,17 +136,17 @@ FAMILIES: dict[str, Family] = {
         clamp16=True,
         extras=True,
     ),
-    hf_path("molmo2", "Molmo2DecoderLayer"): _molmo2,
+    hf_path("molmo2", "Molmo2DecoderLayer"): molmo2,
     # Whisper's encoder layer, its attention given no use_cache (BioGPT)
     hf_path("biogpt", "BioGptDecoderLayer"): Family(
-        (_WHISPER_ATTENTION, _WHISPER_MLP), final="layer_norm", drop=("use_cache",)
+        (WHISPER_ATTENTION, WHISPER_MLP), final="layer_norm", drop=("use_cache",)
     ),
     # post-norm, each norm after its add (BART's layout): wav2vec 2.0's encoder layer
     hf_path("wav2vec2", "Wav2Vec2EncoderLayer"): Family(
         (Step("attention", "layer_norm", dropout="dropout"), Step("feed_forward", "final_layer_norm")), norm_after=True
     ),
     **{
-        hf_path(m, f"{c}{side}Layer"): Family((_T5GEMMA_ATTENTION, _T5GEMMA_MLP), final="norm")
+        hf_path(m, f"{c}{side}Layer"): Family((T5GEMMA_ATTENTION, T5GEMMA_MLP), final="norm")
         for m, c, side in [
             ("t5gemma", "T5Gemma", "Encoder"),
             ("t5gemma2", "T5Gemma2", "Encoder"),
@@ -319,7 +156,7 @@ FAMILIES: dict[str, Family] = {
     # self-attention on the self-attention part of the cache, then cross-attention on the whole of it
     hf_path("t5gemma", "T5GemmaDecoderLayer"): Family(
         (
-            _T5GEMMA_ATTENTION,
+            T5GEMMA_ATTENTION,
             Step(
                 "cross_attn",
                 "pre_cross_attn_layernorm",
@@ -329,7 +166,7 @@ FAMILIES: dict[str, Family] = {
                 call=(("encoder_hidden_states", "encoder_hidden_states"), ("encoder_attention_mask", "attention_mask"))
                 + (("cache", "cache"), ("use_cache", "use_cache")),
             ),
-            _T5GEMMA_MLP,
+            T5GEMMA_MLP,
         ),
         final="norm",
         drop=("encoder_hidden_states", "encoder_attention_mask"),
@@ -339,7 +176,7 @@ FAMILIES: dict[str, Family] = {
         (Step("attn", "attn_norm"), Step("mlp", "mlp_norm")), final="final_norm"
     ),
     hf_path("mllama", "MllamaSelfAttentionDecoderLayer"): Family(
-        _PRE, final="norm", drop=("cross_attention_states", "cross_attention_mask", "full_text_row_masked_out_mask")
+        PRE, final="norm", drop=("cross_attention_states", "cross_attention_mask", "full_text_row_masked_out_mask")
     ),
     # Jamba's Mamba layers call their mixer with the cache and mask alone
     hf_path("jamba", "JambaMambaDecoderLayer"): Family(
@@ -358,9 +195,9 @@ FAMILIES: dict[str, Family] = {
         ),
         final="norm",
     ),
-    **{hf_path(m, f"{c}DecoderLayer"): _lfm for m, c in [("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe"), ("lfm3", "Lfm3")]},
+    **{hf_path(m, f"{c}DecoderLayer"): lfm for m, c in [("lfm2", "Lfm2"), ("lfm2_moe", "Lfm2Moe"), ("lfm3", "Lfm3")]},
     **{
-        hf_path(m, f"{c}DecoderLayer"): _granite_shared
+        hf_path(m, f"{c}DecoderLayer"): granite_shared
         for m, c in [("granitemoeshared", "GraniteMoeShared"), ("granitemoehybrid", "GraniteMoeHybrid")]
     },
     # Llama's layer with its norms named otherwise, or with a residual scale, dropout or sandwich
@@ -374,10 +211,10 @@ FAMILIES: dict[str, Family] = {
             ("jetmoe", "JetMoeDecoderLayer", "self_attention", "input_layernorm", "post_attention_layernorm"),
         ]
     },
-    hf_path("minicpm3", "MiniCPM3DecoderLayer"): Family(_each(_PRE, multiplier="residual_scale"), final="norm"),
-    hf_path("emu3", "Emu3DecoderLayer"): Family(_each(_PRE, dropout="dropout"), final="norm"),
+    hf_path("minicpm3", "MiniCPM3DecoderLayer"): Family(each(PRE, multiplier="residual_scale"), final="norm"),
+    hf_path("emu3", "Emu3DecoderLayer"): Family(each(PRE, dropout="dropout"), final="norm"),
     hf_path("persimmon", "PersimmonDecoderLayer"): Family(
-        (_PRE[0], Step("mlp", "post_attention_layernorm", dropout="dropout")), final="final_layernorm"
+        (PRE[0], Step("mlp", "post_attention_layernorm", dropout="dropout")), final="final_layernorm"
     ),
     hf_path("hyperclovax", "HyperCLOVAXDecoderLayer"): Family(
         (
@@ -416,10 +253,10 @@ FAMILIES: dict[str, Family] = {
     **{
         hf_path(m, f"{c}DecoderLayer"): lambda block: Family(
             (
-                _PRE[0],
+                PRE[0],
                 Step("mlp", "post_attention_layernorm", call=(("codebook_idx", "layer_idx"),), kwargs=False)
                 if block.use_flexible_linear
-                else _PRE[1],
+                else PRE[1],
             ),
             final="norm",
         )
@@ -427,7 +264,7 @@ FAMILIES: dict[str, Family] = {
     },
     # OLMo-Hybrid's linear attention layers (pre-norm; its attention layers: OLMo 2's)
     hf_path("olmo_hybrid", "OlmoHybridLinearAttentionDecoderLayer"): Family(
-        (Step("linear_attn", "input_layernorm"), _PRE[1]),
+        (Step("linear_attn", "input_layernorm"), PRE[1]),
         final="norm",
         drop=("position_ids", "use_cache", "position_embeddings", "output_attentions"),
     ),
@@ -453,18 +290,18 @@ FAMILIES: dict[str, Family] = {
     # Nemotron-H: one mixer per block (Mamba-2, attention, MLP or MoE), its norm reading the stream
     # cast to the norm's dtype as Mamba's
     hf_path("nemotron_h", "NemotronHBlock"): Family(
-        (Step("mixer", "norm", run=_nemotron_h),), final="norm_f", cast=True
+        (Step("mixer", "norm", run=nemotron_h),), final="norm_f", cast=True
     ),
-    "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(_CLIP, final="final_layer_norm"),
-    "transformers.models.vit.modeling_vit.ViTLayer": Family(_VIT, final="layernorm"),
+    "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(CLIP, final="final_layer_norm"),
+    "transformers.models.vit.modeling_vit.ViTLayer": Family(VIT, final="layernorm"),
     **{
         hf_path(m, f"{c}{side.capitalize()}Layer"): layouts[side]
-        for m, c, layouts in [("whisper", "Whisper", _WHISPER), ("bart", "Bart", _BART)]
+        for m, c, layouts in [("whisper", "Whisper", WHISPER), ("bart", "Bart", BART)]
         for side in layouts
     },
     # SigLIP's vision encoder normalizes the whole stream after its last layer (``post_layernorm``)
     "transformers.models.siglip.modeling_siglip.SiglipEncoderLayer": Family(
-        _CLIP, final=("final_layer_norm", "post_layernorm")
+        CLIP, final=("final_layer_norm", "post_layernorm")
     ),
     # Moonshine's decoders: Llama's layer with Whisper's cross-attention between, which the block
     # calls without its **kwargs (and its encoder's positions unused)
@@ -496,11 +333,11 @@ FAMILIES: dict[str, Family] = {
     # GLM-5 and Mistral Large 4: Llama's layer, returning its attention's top-k token indices (the
     # attention's third output) for the next layer's sparse attention
     **{
-        hf_path(m, c): Family(_PRE, final="norm", extras=True, extras_from=2)
+        hf_path(m, c): Family(PRE, final="norm", extras=True, extras_from=2)
         for m, c in [("glm_moe_dsa", "GlmMoeDsaDecoderLayer"), ("mistral_large4", "MistralLarge4TextDecoderLayer")]
     },
     # Nemotron: Llama's layer, its attention called without the block's **kwargs
-    "transformers.models.nemotron.modeling_nemotron.NemotronDecoderLayer": Family(_PRE, final="norm", kwargs=False),
+    "transformers.models.nemotron.modeling_nemotron.NemotronDecoderLayer": Family(PRE, final="norm", kwargs=False),
     "transformers.models.gptj.modeling_gptj.GPTJBlock": Family(
         (Step("attn", "ln_1"), Step("mlp", "ln_1")), final="ln_f", parallel="sum"
     ),
@@ -559,33 +396,33 @@ FAMILIES: dict[str, Family] = {
         final="final_layer_norm",
         parallel="x1" if block.use_parallel_residual else None,
     ),
-    "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: _falcon(block.config),
-    "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(_DINO, final="layernorm"),
-    hf_path("internvl", "InternVLVisionLayer"): Family(_LAMBDA, final="layernorm"),
+    "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: falcon(block.config),
+    "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(DINO, final="layernorm"),
+    hf_path("internvl", "InternVLVisionLayer"): Family(LAMBDA, final="layernorm"),
     # Qianfan-OCR's vision encoder: InternVL's, with a drop path module per step
     hf_path("qianfan_ocr", "QianfanOCRVisionLayer"): Family(
         (
-            dataclasses.replace(_LAMBDA[0], drop_path="drop_path1"),
-            dataclasses.replace(_LAMBDA[1], drop_path="drop_path2"),
+            dataclasses.replace(LAMBDA[0], drop_path="drop_path1"),
+            dataclasses.replace(LAMBDA[1], drop_path="drop_path2"),
         ),
         final="layernorm",
     ),
     # Step3.7's vision encoder: its attention named as Llama's, no norm after the stack
     hf_path("step3p7", "Step3p7VisionEncoderLayer"): Family(
-        (dataclasses.replace(_LAMBDA[0], sublayer="self_attn"), dataclasses.replace(_LAMBDA[1], dropout=None))
+        (dataclasses.replace(LAMBDA[0], sublayer="self_attn"), dataclasses.replace(LAMBDA[1], dropout=None))
     ),
     **{
-        hf_path(m, c): Family(_VIT_OUTPUT, final="layernorm")
+        hf_path(m, c): Family(VIT_OUTPUT, final="layernorm")
         for m, c in [("videomae", "VideoMAELayer"), ("dpt", "DPTViTLayer")]
     },
     # (YOLOS's encoder adds position embeddings after each layer but the last, by default: then no
     # layer hands its last add on)
     hf_path("yolos", "YolosLayer"): lambda block: Family(
-        _VIT_OUTPUT, final="layernorm", alone=block.attention.attention.config.use_mid_position_embeddings
+        VIT_OUTPUT, final="layernorm", alone=block.attention.attention.config.use_mid_position_embeddings
     ),
     # (returning the attention's weights too, when asked)
     **{
-        hf_path(m, c): Family(_VIT_OUTPUT, final="layernorm", extras=True)
+        hf_path(m, c): Family(VIT_OUTPUT, final="layernorm", extras=True)
         for m, c in [("vilt", "ViltLayer"), ("flava", "FlavaLayer")]
     },
     # BEiT: dropout, the scale per channel and drop path on each step, its attention given the
@@ -593,11 +430,11 @@ FAMILIES: dict[str, Family] = {
     hf_path("beit", "BeitLayer"): Family(
         tuple(
             dataclasses.replace(step, dropout="dropout", drop_path="drop_path")
-            for step in (dataclasses.replace(_LAMBDA[0], run=_beit_attention), _LAMBDA[1])
+            for step in (dataclasses.replace(LAMBDA[0], run=beit_attention), LAMBDA[1])
         ),
         final="layernorm",
     ),
-    hf_path("dinov3_vit", "DINOv3ViTLayer"): Family(_DINO, final="norm"),  # (its attention takes RoPE)
+    hf_path("dinov3_vit", "DINOv3ViTLayer"): Family(DINO, final="norm"),  # (its attention takes RoPE)
     # Pixtral's vision encoder: Llama's steps, no norm after its stack (the projector reads it)
     # Kosmos-2's and Kosmos-2.5's text decoders: Whisper's steps, the MLP a module of its own (``ffn``);
     # Kosmos-2's cross-attention (when configured and given) takes the encoder's states by name
@@ -605,9 +442,9 @@ FAMILIES: dict[str, Family] = {
     # refuses them)
     hf_path("kosmos2", "Kosmos2TextBlock"): lambda block: Family(
         (
-            _WHISPER_ATTENTION,
+            WHISPER_ATTENTION,
             dataclasses.replace(
-                _WHISPER["decoder"].steps[1],
+                WHISPER["decoder"].steps[1],
                 call=(
                     ("encoder_hidden_states", "encoder_hidden_states"),
                     ("encoder_attention_mask", "attention_mask"),
@@ -622,7 +459,7 @@ FAMILIES: dict[str, Family] = {
         fallback=() if hasattr(block, "encoder_attn") else ("encoder_hidden_states",),
     ),
     hf_path("kosmos2_5", "Kosmos2_5TextBlock"): Family(
-        (_WHISPER_ATTENTION, Step("ffn", "final_layer_norm")), final="layer_norm"
+        (WHISPER_ATTENTION, Step("ffn", "final_layer_norm")), final="layer_norm"
     ),
     # MPT: its MLP module adds the stream itself; its layers and dropout run here instead (as BLOOM's)
     hf_path("mpt", "MptBlock"): Family(
@@ -665,7 +502,7 @@ FAMILIES: dict[str, Family] = {
     **{
         hf_path(m, f"{c}{layer}"): family
         for m, c in [("t5", "T5"), ("mt5", "MT5")]
-        for layer, family in _T5_LAYERS.items()
+        for layer, family in T5_LAYERS.items()
     },
     "transformers.models.bert.modeling_bert.BertSelfOutput": Family(
         (Step("dense", "LayerNorm", dropout="dropout"),), post_norm=True
@@ -693,24 +530,6 @@ FAMILIES.update({hf_path(m, c): _with(FAMILIES[hf_path(m, c)], alone=True) for m
 FAMILIES.update(
     {hf_path(*cls.split(".")): _with(FAMILIES[hf_path(*cls.split("."))], final=final) for cls, final in FINALS.items()}
 )
-
-
-def _falcon(config) -> Family:
-    """Falcon's three layouts: sequential (Falcon-RW), parallel with one norm (Falcon-7B) or two
-    (the new decoder architecture); its attention takes no ``**kwargs``."""
-    common = dict(final="ln_f", extras=True, kwargs=False)
-    if not (config.parallel_attn or config.new_decoder_architecture):
-        return Family(
-            (
-                Step("self_attention", "input_layernorm", dropout="config.attention_dropout"),
-                Step("mlp", "post_attention_layernorm", dropout="config.hidden_dropout"),
-            ),
-            **common,
-        )
-    two = config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2
-    attn, mlp = ("ln_attn", "ln_mlp") if two else ("input_layernorm", "input_layernorm")
-    steps = (Step("self_attention", attn), Step("mlp", mlp, dropout="config.hidden_dropout"))
-    return Family(steps, parallel="sum", **common)
 
 
 def family_of(block: nn.Module) -> Family | None:

@@ -1,0 +1,226 @@
+"""The pieces ``FAMILIES`` (:mod:`.families`) is written with: the steps several layouts share
+(Llama's pre-norm ``PRE``, sandwich norms, ViT's, Whisper's, ...), the functions that choose a
+block's :class:`Family` from its config (a hybrid model's kind of layer), and the sublayers that are
+more than modules called in turn (:attr:`Step.run`: Falcon-H1's side-by-side mixers, BEiT's
+attention with its position bias, ...)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from .hf_norms import hf_path
+from .layout import Family, Step
+
+
+def llama(m: str, c: str, steps: tuple[Step, ...]) -> tuple[str, Family]:
+    return hf_path(m, f"{c}DecoderLayer"), Family(steps, final="norm")
+
+
+PRE = (Step("self_attn", "input_layernorm"), Step("mlp", "post_attention_layernorm"))
+
+
+def each(steps: tuple[Step, ...], **changes) -> tuple[Step, ...]:
+    """``steps`` with ``changes`` made to each."""
+    return tuple(dataclasses.replace(step, **changes) for step in steps)
+
+
+GRANITE = each(PRE, multiplier="residual_multiplier")  # s + out * m
+# OLMo 2's layout under Llama's norm names: each norm on its sublayer's output, before the add
+NORM_AFTER_OUTPUT = (Step("self_attn", post="input_layernorm"), Step("mlp", post="post_attention_layernorm"))
+SANDWICH = (
+    Step("self_attn", "input_layernorm", post="post_attention_layernorm"),
+    Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm"),
+)
+T5GEMMA_ATTENTION = Step("self_attn", "pre_self_attn_layernorm", post="post_self_attn_layernorm", dropout="dropout")
+T5GEMMA_MLP = Step("mlp", "pre_feedforward_layernorm", post="post_feedforward_layernorm", dropout="dropout")
+_T5_ATTENTION = dict(final="final_layer_norm", rename=(("attention_mask", "mask"),), extras=True)
+T5_LAYERS = {  # T5's and mT5's layer classes, by the name after the model's prefix
+    "LayerSelfAttention": Family((Step("SelfAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+    "LayerCrossAttention": Family((Step("EncDecAttention", "layer_norm", dropout="dropout"),), **_T5_ATTENTION),
+    "LayerFF": Family((Step("DenseReluDense", "layer_norm", dropout="dropout"),), final="final_layer_norm"),
+}
+
+DINO = (  # layer scale and drop path on each step (DINOv2, DINOv3)
+    Step("attention", "norm1", layer_scale="layer_scale1", drop_path="drop_path"),
+    Step("mlp", "norm2", layer_scale="layer_scale2", drop_path="drop_path"),
+)
+CLIP = (Step("self_attn", "layer_norm1"), Step("mlp", "layer_norm2"))
+# ViT's layer as first written: the MLP's second half (``output``) adds the stream itself; its dense
+# layer and dropout run here instead (VideoMAE, YOLOS, DPT, ViLT, FLAVA)
+VIT_OUTPUT = (
+    Step("attention", "layernorm_before"),
+    Step("intermediate output.dense", "layernorm_after", dropout="output.dropout"),
+)
+# ViT's steps, each output scaled by a learned scale per channel (InternVL's vision encoder)
+LAMBDA = (
+    Step("attention", "layernorm_before", multiplier="lambda_1"),
+    Step("mlp", "layernorm_after", dropout="dropout", multiplier="lambda_2"),
+)
+VIT = (Step("attention", "layernorm_before", dropout="dropout"), Step("mlp", "layernorm_after", dropout="dropout"))
+POST = (Step("self_attn", post="post_attention_layernorm"), Step("mlp", post="post_feedforward_layernorm"))
+WHISPER_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="dropout")
+WHISPER_MLP = Step("fc1 activation_fn activation_dropout fc2", "final_layer_norm", dropout="dropout")
+WHISPER = {
+    # the encoder clamps a float16 stream after each layer
+    "encoder": Family((WHISPER_ATTENTION, WHISPER_MLP), final="layer_norm", clamp16=True),
+    "decoder": Family(
+        (
+            WHISPER_ATTENTION,
+            Step(
+                "encoder_attn",
+                "encoder_attn_layer_norm",
+                dropout="dropout",
+                first=True,
+                call=(
+                    ("encoder_hidden_states", "key_value_states"),
+                    ("encoder_attention_mask", "attention_mask"),
+                    ("cache", "cache"),
+                ),
+                needs="encoder_hidden_states",
+            ),
+            WHISPER_MLP,
+        ),
+        final="layer_norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
+    ),
+}
+# post-norm layers with Whisper's steps, each norm after its add (BART)
+BART = {side: dataclasses.replace(family, norm_after=True, final=None) for side, family in WHISPER.items()}
+
+
+def hybrid(block: nn.Module) -> Family:
+    """Qwen3-Next's layers: linear attention (which takes no positions) or full attention, then the MLP."""
+    linear = block.block_type == "linear_attention"
+    mixer = Step("linear_attn" if linear else "self_attn", "input_layernorm")
+    return Family((mixer, PRE[1]), final="norm", drop=("position_embeddings", "position_ids") if linear else ())
+
+
+def lfm(block: nn.Module) -> Family:
+    """LFM2's and LFM3's layers: attention or a short convolution (which takes no positions), then
+    the MLP; LFM3's with a norm after each (``post_operator_norm``, ``post_ffn_norm``)."""
+    attention = block.is_attention_layer
+    post = ("post_operator_norm", "post_ffn_norm") if hasattr(block, "post_ffn_norm") else (None, None)
+    steps = (
+        Step("self_attn" if attention else "conv", "operator_norm", post=post[0]),
+        Step("feed_forward", "ffn_norm", post=post[1]),
+    )
+    return Family(steps, final="embedding_norm", drop=() if attention else ("position_embeddings", "position_ids"))
+
+
+def granite_shared(block: nn.Module) -> Family:
+    """Granite's layers with a shared MLP beside the experts (their outputs summed), Granite 4's
+    with Mamba or attention by layer (Mamba takes no positions); both with a residual multiplier."""
+    mamba = getattr(block, "mamba", None) is not None
+    experts = getattr(block, "has_experts", True) and block.block_sparse_moe is not None
+    mlp = "block_sparse_moe" if block.shared_mlp is None else "block_sparse_moe+shared_mlp" if experts else "shared_mlp"
+    steps = (Step("mamba" if mamba else "self_attn", "input_layernorm"), Step(mlp, "post_attention_layernorm"))
+    return Family(
+        each(steps, multiplier="residual_multiplier"),
+        final="norm",
+        drop=("use_cache", "position_embeddings") if mamba else (),
+    )
+
+
+def bamba(block: nn.Module) -> Family:
+    """Bamba's layers: Mamba-2 (called with the cache and mask alone) or attention by layer, each
+    returning the stream and the attention's weights (None from a Mamba layer)."""
+    mamba = block.block_type == "linear_attention"
+    steps = (Step("mamba" if mamba else "self_attn", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm"))
+    drop = ("position_ids", "use_cache", "position_embeddings") if mamba else ()
+    return Family(steps, final="final_layernorm", drop=drop, extras=True, padded=1)
+
+
+def kimi(block: nn.Module) -> Family:
+    """Kimi Linear's layers: linear attention (which takes no positions) or full attention."""
+    linear = block.block_type == "linear_attention"
+    return Family(PRE, final="norm", drop=("position_ids", "use_cache") if linear else ())
+
+
+def molmo2(block: nn.Module) -> Family:
+    """Molmo2's text layers: Llama's, or with ``norm_after`` OLMo 2's (each norm on its sublayer's
+    output, before the add)."""
+    return Family(NORM_AFTER_OUTPUT if block.norm_after else PRE, final="norm")
+
+
+def _gemma4_experts(block: nn.Module, h, s, call: dict):
+    """Gemma 4's MoE step (:attr:`Step.run`), as its layer computes it: the MLP on the pre-norm's
+    output ``h`` beside the experts, routed from the stream ``s`` and run on their own pre-norm
+    of it; each output normed, then summed."""
+    flat = s.reshape(-1, s.shape[-1])
+    _, weights, index = block.router(flat)
+    experts = block.experts(block.pre_feedforward_layernorm_2(flat), index, weights).reshape(s.shape)
+    return block.post_feedforward_layernorm_1(block.mlp(h)) + block.post_feedforward_layernorm_2(experts)
+
+
+def gemma4(block: nn.Module) -> Family:
+    """Gemma 4's text layers: Gemma 3's sandwich norms, the MLP beside routed experts in the MoE
+    layout; then, with per-layer inputs (E2B, E4B), a gated projection of the per-layer input,
+    which reads the stream itself; then the stream times a learned scalar."""
+    steps = SANDWICH
+    if block.enable_moe_block:
+        steps = (steps[0], dataclasses.replace(steps[1], sublayer="mlp+experts", run=_gemma4_experts))
+    if block.hidden_size_per_layer_input:
+        gated = Step(
+            "per_layer_input_gate act_fn *per_layer_input per_layer_projection",
+            post="post_per_layer_input_norm",
+            call=(("per_layer_input", "per_layer_input"),),
+            kwargs=False,
+        )
+        steps += (gated,)
+    return Family(steps, final="norm", drop=("per_layer_input",), scale="layer_scalar")
+
+
+_MAMBA_SKIPS = ("attention_mask", "mamba_attention_mask", "position_ids", "use_cache", "position_embeddings")
+
+
+def falcon_h1(block: nn.Module, h, s, named: dict):
+    """Falcon-H1's first sublayer (:attr:`Step.run`), as its layer computes it: Mamba-2 (with its
+    own mask) and attention (on ``h`` times ``attention_in_multiplier``) side by side, their
+    outputs scaled by ``ssm_out_multiplier`` and ``attn_out_multiplier`` and summed."""
+    mamba_args = {k: v for k, v in named.items() if k not in _MAMBA_SKIPS}
+    mamba = block.mamba(hidden_states=h, attention_mask=named["mamba_attention_mask"], **mamba_args)
+    attention_args = {k: v for k, v in named.items() if k != "mamba_attention_mask"}
+    attention, _ = block.self_attn(hidden_states=h * block.attention_in_multiplier, **attention_args)
+    return mamba * block.ssm_out_multiplier + attention * block.attn_out_multiplier
+
+
+def beit_attention(block: nn.Module, h, s, named: dict):
+    """BEiT's attention (:attr:`Step.run`), its mask plus the layer's relative position bias when
+    it has one, as its layer computes it."""
+    mask = named.pop("attention_mask")
+    resolution, interpolate = named.pop("resolution"), named.pop("interpolate_pos_encoding")
+    if block.relative_position_bias is not None:
+        window = (resolution[0] // block.patch_size, resolution[1] // block.patch_size)
+        bias = block.relative_position_bias(window, interpolate, dim_size=s.shape[1])
+        mask = bias + mask if mask is not None else bias
+    return block.attention(h, attention_mask=mask, **named)[0]
+
+
+def nemotron_h(block: nn.Module, h, s, named: dict):
+    """Nemotron-H's mixer (:attr:`Step.run`), called as its block calls the kind it holds: Mamba-2
+    (without positions), attention (its weights dropped), or an MLP or MoE (``h`` alone)."""
+    if block.block_type == "linear_attention":
+        return block.mixer(h, **{k: v for k, v in named.items() if k not in ("position_ids", "use_cache")})
+    if block.block_type == "full_attention":
+        return block.mixer(hidden_states=h, **named)[0]
+    return block.mixer(h)
+
+
+def falcon(config) -> Family:
+    """Falcon's three layouts: sequential (Falcon-RW), parallel with one norm (Falcon-7B) or two
+    (the new decoder architecture); its attention takes no ``**kwargs``."""
+    common = dict(final="ln_f", extras=True, kwargs=False)
+    if not (config.parallel_attn or config.new_decoder_architecture):
+        return Family(
+            (
+                Step("self_attention", "input_layernorm", dropout="config.attention_dropout"),
+                Step("mlp", "post_attention_layernorm", dropout="config.hidden_dropout"),
+            ),
+            **common,
+        )
+    two = config.new_decoder_architecture and config.num_ln_in_parallel_attn == 2
+    attn, mlp = ("ln_attn", "ln_mlp") if two else ("input_layernorm", "input_layernorm")
+    steps = (Step("self_attention", attn), Step("mlp", mlp, dropout="config.hidden_dropout"))
+    return Family(steps, parallel="sum", **common)
