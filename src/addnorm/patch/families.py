@@ -36,6 +36,8 @@ from .steps import (
     each,
     falcon,
     falcon_h1,
+    gated_attention,
+    gated_mlp,
     gemma4,
     granite_shared,
     hybrid,
@@ -399,6 +401,16 @@ FAMILIES: dict[str, Family] = {
     "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: falcon(block.config),
     "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(DINO, final="layernorm"),
     hf_path("internvl", "InternVLVisionLayer"): Family(LAMBDA, final="layernorm"),
+    # Llama 3.2 Vision's encoder: Llama's steps with LayerNorm, its local layers' stack followed by
+    # ``layernorm_post``; its global layers scale each output by the tanh of a learned gate first
+    # (each then a sublayer of its own: ``Step.run``), and no norm follows their stack
+    hf_path("mllama", "MllamaVisionEncoderLayer"): lambda block: Family(
+        (
+            (Step("self_attn", "input_layernorm", run=gated_attention) if block.is_gated else PRE[0]),
+            (Step("mlp", "post_attention_layernorm", run=gated_mlp) if block.is_gated else PRE[1]),
+        ),
+        final=None if block.is_gated else "layernorm_post",
+    ),
     # Qianfan-OCR's vision encoder: InternVL's, with a drop path module per step
     hf_path("qianfan_ocr", "QianfanOCRVisionLayer"): Family(
         (

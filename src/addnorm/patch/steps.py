@@ -198,6 +198,17 @@ def beit_attention(block: nn.Module, h, s, named: dict):
     return block.attention(h, attention_mask=mask, **named)[0]
 
 
+def gated_attention(block: nn.Module, h, s, named: dict):
+    """A gated layer's attention (Llama 3.2 Vision's global encoder), its output times the tanh of
+    the layer's ``gate_attn``, as the layer computes it."""
+    return block.gate_attn.tanh() * block.self_attn(h, **named)[0]
+
+
+def gated_mlp(block: nn.Module, h, s, call: dict):
+    """A gated layer's MLP, its output times the tanh of the layer's ``gate_ffn``."""
+    return block.gate_ffn.tanh() * block.mlp(h)
+
+
 def nemotron_h(block: nn.Module, h, s, named: dict):
     """Nemotron-H's mixer (:attr:`Step.run`), called as its block calls the kind it holds: Mamba-2
     (without positions), attention (its weights dropped), or an MLP or MoE (``h`` alone)."""
