@@ -83,7 +83,7 @@ def owners(family: Family) -> set[str]:
     their place would see instead of the stream; and the layer scale modules, whose scale the fused
     op reads instead of calling them."""
     inside = {path.split(".")[0] for step in family.steps for path in modules(step.sublayer) if "." in path}
-    scales = {step.layer_scale for step in family.steps if step.layer_scale}  # (their scale is read, not called)
+    scales = {step.layer_scale for step in family.steps if step.layer_scale}
     return inside | scales | {step.sublayer for step in family.steps if step.adds}
 
 

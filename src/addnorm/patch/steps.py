@@ -189,13 +189,14 @@ def falcon_h1(block: nn.Module, h, s, named: dict):
 def beit_attention(block: nn.Module, h, s, named: dict):
     """BEiT's attention (:attr:`Step.run`), its mask plus the layer's relative position bias when
     it has one, as its layer computes it."""
-    mask = named.pop("attention_mask")
-    resolution, interpolate = named.pop("resolution"), named.pop("interpolate_pos_encoding")
+    mask = named["attention_mask"]
     if block.relative_position_bias is not None:
+        resolution = named["resolution"]
         window = (resolution[0] // block.patch_size, resolution[1] // block.patch_size)
-        bias = block.relative_position_bias(window, interpolate, dim_size=s.shape[1])
+        bias = block.relative_position_bias(window, named["interpolate_pos_encoding"], dim_size=s.shape[1])
         mask = bias + mask if mask is not None else bias
-    return block.attention(h, attention_mask=mask, **named)[0]
+    rest = {k: v for k, v in named.items() if k not in ("attention_mask", "resolution", "interpolate_pos_encoding")}
+    return block.attention(h, attention_mask=mask, **rest)[0]
 
 
 def gated_attention(block: nn.Module, h, s, named: dict):
