@@ -73,6 +73,7 @@ def steps(P) -> list[Step]:
 
 
 PART_NAMES = [s.name for s in steps(None)]
+TRAIN_MODELS = ("gpt2-small", "llama-2048x8")  # gpu_checklist_parts.gpu_setup's models
 
 
 class State:
@@ -184,7 +185,17 @@ def main(argv: list[str] | None = None) -> int:
         "--train-variants",
         metavar="VARIANT,...",
         help="the training part's variants: unpatched, addnorm, liger, each also +compile "
-        "(default unpatched,addnorm,liger)",
+        "(torch.compile) or +graphs (its CUDA graphs) (default unpatched,addnorm,liger)",
+    )
+    p.add_argument(
+        "--train-profile",
+        action="store_true",
+        help="the training part also profiles two steps of each variant: GPU kernel time per step, the norms' share",
+    )
+    p.add_argument(
+        "--train-models",
+        metavar="MODEL,...",
+        help="the training part's models: gpt2-small, llama-2048x8 (default both)",
     )
     p.add_argument(
         "--dtypes", metavar="DTYPE,...", help="the dtypes the parts check and time (default bfloat16,float32)"
@@ -215,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(
                 f"--train-variants: expected {', '.join(sorted(known))}, comma-separated; got {args.train_variants!r}"
             )
+    models = args.train_models.split(",") if args.train_models else None
+    if models and not set(models) <= set(TRAIN_MODELS):
+        p.error(f"--train-models: expected {', '.join(TRAIN_MODELS)}, comma-separated; got {args.train_models!r}")
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before addnorm's Triton kernels are first imported
     else:
@@ -233,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         setup = dataclasses.replace(setup, dtypes=[getattr(torch, name) for name in dtypes])
     if variants:
         setup = dataclasses.replace(setup, train_variants=variants)
+    if args.train_profile:
+        setup = dataclasses.replace(setup, train_profile=True)
+    if models and not args.dry_run:  # the dry run's one tiny model stands for them all
+        setup = dataclasses.replace(setup, models={name: setup.models[name] for name in models})
     device = "cpu-interpreter" if args.dry_run else device_slug(torch.cuda.get_device_name())
     out = args.out or ROOT / "benchmarks" / "results" / f"{datetime.date.today().isoformat()}-{device}"
     try:

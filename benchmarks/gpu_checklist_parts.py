@@ -56,6 +56,7 @@ class Setup:
     steps: int
     parity_shapes: list[tuple[int, int]]  # addnorm.compat.flash_attn against flash-attn itself
     parallel_cases: list[tuple[int, int, float]]  # parallel blocks (rows, cols, dropout_p): one call, two calls, peers
+    train_profile: bool = False  # e2e: also profile two steps of each variant (kernel_profile)
 
 
 def gpu_setup() -> Setup:
@@ -591,6 +592,10 @@ def training_step(setup: Setup) -> Part:
                 peak = torch.cuda.max_memory_allocated() / 2**30 if setup.device == "cuda" else ""
                 row = {"model": name, "variant": variant, "tokens/s": batch * seq * setup.steps / elapsed}
                 rows.append(row | {"peak GiB": peak, "first step s": first_s})
+                if setup.train_profile:
+                    kernels = kernel_profile(step, setup.device, steps=2)
+                    rows[-1] |= {"kernel ms/step": kernels.total_ms, "norm kernels ms/step": kernels.norm_ms}
+                    log.append(f"{name} {variant}: {kernels.describe()}")
                 del model, opt
             except ImportError as err:
                 log.append(f"{name} {variant}: not installed ({err.name or err})")
@@ -602,6 +607,52 @@ def training_step(setup: Setup) -> Part:
                 torch.cuda.empty_cache()
     text = "\n".join(log)
     return Part(rows=rows, table=markdown(rows) + ("\n" + text if text else ""), log=text)
+
+
+# the kernels of a norm, by name: addnorm's own, torch's eager layer_norm, Inductor's generated
+# ones (named after the ops they fuse: "native_layer_norm", or RMSNorm's "rsqrt"), Liger's
+NORM_KERNELS = re.compile(r"_forward_kernel|_backward_kernel|_sum_partials|_coef_kernel|layer_norm|rsqrt|rms_norm")
+
+
+@dataclass
+class KernelProfile:
+    """The GPU kernels of a few profiled steps: the time per step of all of them, of the norms'
+    (:data:`NORM_KERNELS`), and the costliest kernels by name."""
+
+    total_ms: float
+    norm_ms: float
+    top: list[tuple[str, float, int]]  # (name, ms per step, launches per step)
+
+    def describe(self) -> str:
+        lines = [f"kernels {self.total_ms:.2f} ms/step, of which norms {self.norm_ms:.2f}"]
+        lines += [f"  {ms:8.3f} ms {calls:5d}x  {name[:110]}" for name, ms, calls in self.top]
+        return "\n".join(lines)
+
+
+def kernel_profile(step: Callable, device: str, steps: int, top: int = 12) -> KernelProfile:
+    """Runs ``step`` ``steps`` times under torch's profiler and sums its GPU kernels' durations by
+    name (from the trace's ``kernel`` events; none on a CPU)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            by_name.setdefault(e["name"], []).append(e["dur"] / 1000 / steps)
+    total = sum(sum(d) for d in by_name.values())
+    norms = sum(sum(d) for n, d in by_name.items() if NORM_KERNELS.search(n))
+    ranked = sorted(((n, sum(d), len(d) // steps) for n, d in by_name.items()), key=lambda r: -r[1])
+    return KernelProfile(total, norms, ranked[:top])
 
 
 # --------------------------------------------------------------------------- 4. flash-attn's API

@@ -100,7 +100,7 @@ def test_made_on_the_meta_device_then_reset_as_made(make):
     want = make().state_dict()
     with torch.device("meta"):
         model = torch.nn.Sequential(make())
-    model.to_empty(device="cpu")
+    model.to_empty(device=next(iter(want.values())).device)
     for p in model.parameters():
         p.detach().fill_(-7.0)  # what uninitialised memory may hold
     for module in model.modules():

@@ -15,6 +15,7 @@ import addnorm
 from addnorm.patch import HF_NORMS, norm_style
 from addnorm.patch.hf_norms import hf_path, pairs
 from addnorm.patch.norms import MEAN_STYLES
+from conftest import SAME_BITS_AS_TORCH
 from tiny_models import WIDTH, TinyTransformer, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 patch_module = sys.modules["addnorm.patch"]  # addnorm.patch is the function
@@ -94,14 +95,17 @@ def test_every_known_hf_norm_matches_its_class(path):
     assert report.replaced == [("", type(norm).__name__, style)]
     x = torch.randn(5, 7, 48) * 3 + 1
     for weight_dtype, x_dtype in DTYPES:
-        if style == "nemotron" and (weight_dtype, x_dtype) == (torch.bfloat16, torch.float32):
-            continue  # (torch's CPU layer_norm refuses a bf16 weight on a float32 input)
         a, b = norm.to(weight_dtype), ours.to(weight_dtype)
-        want, got = a(x.to(x_dtype)), b(x.to(x_dtype))
+        try:
+            want = a(x.to(x_dtype))
+        except RuntimeError:  # torch's layer_norm refuses some mixes (CPU: a bf16 weight on a float32
+            assert style == "nemotron" and weight_dtype != x_dtype  # input; CUDA: either): nothing to match
+            continue
+        got = b(x.to(x_dtype))
         assert got.dtype == want.dtype, (weight_dtype, x_dtype)
-        if style in MEAN_STYLES:  # torch's mean and variance, summed in another order: where a 16-bit
-            # rounding follows (the output's, or a 16-bit LayerNorm's inside the class), it may flip
-            # by an ulp of that dtype
+        if style in MEAN_STYLES or not SAME_BITS_AS_TORCH:  # torch's mean and variance, summed in
+            # another order: where a 16-bit rounding follows (the output's, or a 16-bit LayerNorm's
+            # inside the class), it may flip by an ulp of that dtype
             ulp = max(torch.finfo(d).eps for d in (weight_dtype, x_dtype))
             tol = {} if ulp < 1e-6 else dict(rtol=2 * ulp, atol=2 * ulp)
             torch.testing.assert_close(got, want, **tol, msg=lambda m, d=(weight_dtype, x_dtype): f"{d}: {m}")
@@ -563,8 +567,19 @@ def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
     mask = torch.ones_like(prompt)
     mask[0, :2] = 0
     kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
-    with torch.no_grad():
-        assert torch.equal(fused.generate(prompt, **kwargs), model.generate(prompt, **kwargs))
+
+    def generate(m):  # the tokens, or the error the model itself raises on this device
+        try:
+            with torch.no_grad():
+                return m.generate(prompt, **kwargs)
+        except RuntimeError as err:
+            return f"{type(err).__name__}: {err}"
+
+    want = generate(
+        model
+    )  # (on a GPU, SDPA refuses MiniMax's padded mask: "(*bias): last dimension must be contiguous")
+    got = generate(fused)
+    assert got == want if isinstance(want, str) else torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name", ["chameleon", "chameleon_swin"])
@@ -584,7 +599,7 @@ def test_a_fused_layer_returns_the_attention_weights_only_when_asked(name):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_a_nemotron_norm_casts_to_the_autocast_dtype_as_its_class_does(monkeypatch):
+def test_a_nemotron_norm_casts_to_the_autocast_dtype_as_its_class_does(monkeypatch, on_cpu):
     """NemotronLayerNorm1P casts its input, ``w + 1`` and bias to the autocast dtype where
     ``torch.is_autocast_enabled()`` (CUDA's autocast) says so, then normalizes with autocast off:
     so does its style, and an add before it is then not fused (the norm reads the rounded stream).

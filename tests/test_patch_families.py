@@ -17,6 +17,7 @@ import torch
 
 import addnorm
 from addnorm.patch.hf_norms import pairs
+from conftest import SAME_BITS_AS_TORCH
 from tiny_models import SEQ, SPEECH, VOCAB, WIDTH, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 pytest.importorskip("transformers")
@@ -793,7 +794,8 @@ def test_autocast_keeps_the_stream_dtype(name):
     stream's dtype, as the norm of the unfused add does: hidden states stay float32."""
     original, patched, _ = fused_copy(name)
     inputs = hf_inputs(name)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    device_type = next(original.parameters()).device.type  # ADDNORM_TEST_DEVICE's
+    with torch.no_grad(), torch.autocast(device_type, dtype=torch.bfloat16):
         want = original(**inputs, output_hidden_states=True).hidden_states
         got = patched(**inputs, output_hidden_states=True).hidden_states
     assert [h.dtype for h in got] == [h.dtype for h in want]
@@ -912,7 +914,12 @@ def test_norms_with_their_own_cast_keep_it_across_dtypes(cls_name, dtypes):
     addnorm.patch(ours, backend="reference")
     x = (torch.randn(5, 48) * 3).to(x_dtype)
     want, got = norm(x), ours(x)
-    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert got.dtype == want.dtype
+    if SAME_BITS_AS_TORCH:
+        assert torch.equal(got, want)
+    else:  # the sum of squares in torch's order or ours: a few float32 roundings, then the output's
+        tol = max(2 * torch.finfo(got.dtype).eps, 8 * torch.finfo(torch.float32).eps)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 # --------------------------------------------------------------------------- the coverage table of the docs
@@ -1169,10 +1176,11 @@ def test_a_final_norm_named_otherwise_than_the_original_s_takes_the_last_add(kin
     (want, grads), (got, fused_grads) = step(original, inputs), step(patched, inputs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert grads.keys() == fused_grads.keys()
+    rtol = 1e-5 if SAME_BITS_AS_TORCH else 1e-4  # (a GPU's sums cancel otherwise: Moonshine's log_k)
     for name, grad in grads.items():  # float32 rounding of sums, relative to each gradient's scale (k_proj.bias: 0)
         scale = grad.abs().max().item()
         torch.testing.assert_close(
-            fused_grads[name], grad, rtol=1e-5, atol=1e-6 * scale + 1e-9, msg=lambda m, n=name: f"{n}: {m}"
+            fused_grads[name], grad, rtol=rtol, atol=1e-6 * scale + 1e-9, msg=lambda m, n=name: f"{n}: {m}"
         )
 
 
@@ -1616,8 +1624,12 @@ def test_encoders_without_a_head_fuse_their_adds(name):
             ]
         assert len(asked[0]) == 2 and all(torch.equal(a, b) for a, b in zip(*asked))
     assert want_grads.keys() == got_grads.keys() == their_grads.keys()
-    if name != "dinov3_drop_path":
+    if name != "dinov3_drop_path" and SAME_BITS_AS_TORCH:
         assert torch.equal(got, want) and all(torch.equal(got_grads[n], want_grads[n]) for n in want_grads)
+    elif name != "dinov3_drop_path":  # (a layer scale's gradient: a sum over rows, in torch's order or ours)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for n, g in want_grads.items():
+            torch.testing.assert_close(got_grads[n], g, rtol=1e-5, atol=1e-6 * max(1.0, g.abs().max().item()))
     torch.testing.assert_close(got, theirs, rtol=1e-5, atol=1e-5)
     if name == "gemma4":  # its norms' pow(ms, -0.5) rounds otherwise than 1 / sqrt (ROUNDED, above)
         return
