@@ -254,10 +254,11 @@ def _add_norm(op: str, x, r, w, b, **kw):
     return addnorm.add_rms_norm(x, r, n, w, prenorm=True, backend="triton", **kw)
 
 
-def _row_results(op, x, r, w, b, dy) -> list[torch.Tensor]:
-    """``y``, ``s`` and the gradients of ``x`` and ``residual``, for a row-wise comparison."""
+def _row_results(op, x, r, w, b, dy, call=None, **kw) -> list[torch.Tensor]:
+    """``y``, ``s`` and the gradients of ``x`` and ``residual``, for a row-wise comparison (through
+    ``call(x, r)`` when given)."""
     leaves = [t.detach().clone().requires_grad_() for t in (x, r)]
-    y, s = _add_norm(op, *leaves, w, b)
+    y, s = _add_norm(op, *leaves, w, b, **kw) if call is None else call(*leaves)
     dx, dr = torch.autograd.grad((y, s), leaves, (dy, dy))
     return [y.detach(), s.detach(), dx, dr]
 
@@ -300,13 +301,25 @@ def dweight_reproducible(setup: Setup) -> Part:
 
 
 def cuda_graphs(setup: Setup) -> Part:
-    """Forward + backward captured in a CUDA graph and replayed gives eager's results (the dry
-    run compares two eager runs: there is no graph capture on CPU)."""
+    """Forward + backward captured in a CUDA graph and replayed gives eager's results: after a
+    warm-up, and with a constant of the kernels (eps) first needed inside the capture; and the
+    forward under ``torch.compile(mode="reduce-overhead")`` (a CUDA graph tree), first called
+    there. The dry run compares two eager runs: there is no graph capture on CPU."""
     m, n = setup.wall_shapes[0]
     x, r, dy = (_randn(setup, m, n, dtype=torch.bfloat16, seed=i) for i in range(3))
     w, b = _randn(setup, n, dtype=torch.bfloat16, seed=3), _randn(setup, n, dtype=torch.bfloat16, seed=4)
     eager = _row_results("add_layer_norm", x, r, w, b, dy)
+    rows = []
     if setup.device == "cuda":
+        for how, eps in (("captured, eps new in the capture", 1e-3), ("torch.compile reduce-overhead", 2e-3)):
+            want = _row_results("add_layer_norm", x, r, w, b, dy, eps=eps)
+            try:
+                got = _graph_results(how, x, r, w, b, dy, eps)
+                rows += [
+                    {"output": k, "how": how, "equal to eager": torch.equal(a, e)} for k, a, e in zip(NAMES, got, want)
+                ]
+            except Exception as err:  # noqa: BLE001 - recorded as a failed row; the other checks go on
+                rows.append({"output": "-", "how": how, "equal to eager": f"{type(err).__name__}: {err}"[:200]})
         static = [t.clone() for t in (x, r, dy)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -324,10 +337,36 @@ def cuda_graphs(setup: Setup) -> Part:
         how = "captured and replayed"
     else:
         outs, how = _row_results("add_layer_norm", x, r, w, b, dy), "eager twice (no CUDA graphs on CPU)"
-    names = ("y", "s", "dx", "dresidual")
-    rows = [{"output": k, "how": how, "equal to eager": torch.equal(a, e)} for k, a, e in zip(names, outs, eager)]
-    ok = all(r["equal to eager"] for r in rows) if setup.device == "cuda" else None
-    return Part(rows=rows, table=markdown(rows), verdicts=[("CUDA graphs give eager's results", how, ok)])
+    rows = [
+        {"output": k, "how": how, "equal to eager": torch.equal(a, e)} for k, a, e in zip(NAMES, outs, eager)
+    ] + rows
+    ok = all(r["equal to eager"] is True for r in rows) if setup.device == "cuda" else None
+    hows = ", ".join(dict.fromkeys(r["how"] for r in rows))
+    return Part(rows=rows, table=markdown(rows), verdicts=[("CUDA graphs give eager's results", hows, ok)])
+
+
+NAMES = ("y", "s", "dx", "dresidual")
+
+
+def _graph_results(how: str, x, r, w, b, dy, eps: float) -> list[torch.Tensor]:
+    """:func:`_row_results` through a CUDA graph: captured with no warm-up (the kernels compiled
+    already, eps not yet made), or the forward compiled with CUDA graph trees, called three times."""
+    if how.startswith("captured"):
+        static = [t.clone() for t in (x, r, dy)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = _row_results("add_layer_norm", static[0], static[1], w, b, static[2], eps=eps)
+        for out in outs:
+            out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        return outs
+    compiled = torch.compile(lambda x, r: _add_norm("add_layer_norm", x, r, w, b, eps=eps), mode="reduce-overhead")
+    for _ in range(3):
+        torch.compiler.cudagraph_mark_step_begin()
+        outs = [t.clone() for t in _row_results("add_layer_norm", x, r, w, b, dy, call=compiled)]
+    torch.cuda.synchronize()
+    return outs
 
 
 # --------------------------------------------------------------------------- 3. performance

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -564,3 +565,61 @@ def test_chunked_forward_adds_x1_with_the_separate_pass_bits(monkeypatch, chunke
     s64 = r.double() + x1.double() * keep1 / (1 - p) + x.double() * (fused[3] if p > 0 else 1) / (1 - p)
     rtol, atol = TOLERANCES[dtype]
     torch.testing.assert_close(fused[2].double(), s64, rtol=rtol, atol=atol)
+
+
+def test_kept_constants_are_made_on_their_own_thread_and_shared_across_lengths(monkeypatch):
+    """A constant the kernels read (ones for a missing layer scale or rowscale, eps, the dropout
+    scale) is made once, on a thread of its own (never in a CUDA graph's memory pool, which a CUDA
+    graph tree routes the warming thread's allocations into), and shared by every length up to
+    its power of two."""
+    monkeypatch.setattr(common, "_CONSTANTS", {})
+    made_on = []
+    make = common._make_constant
+
+    def recording(*args):
+        made_on.append(threading.get_ident())
+        return make(*args)
+
+    monkeypatch.setattr(common, "_make_constant", recording)
+    device = torch.device(TEST_DEVICE)
+    five, seven, three = (common._constant(n, torch.float32, device, 1.0) for n in (5, 7, 3))
+    assert [t.shape[0] for t in (five, seven, three)] == [5, 7, 3]
+    assert torch.equal(seven, torch.ones(7, device=device))
+    assert five.data_ptr() == seven.data_ptr() and five.data_ptr() != three.data_ptr()  # 8 and 4 kept
+    assert len(made_on) == 2 and threading.get_ident() not in made_on
+    eps = common._constant(1, torch.float64, device, 1e-5)
+    assert eps.dtype == torch.float64 and eps.item() == 1e-5 and len(made_on) == 3
+
+
+def test_a_constant_missing_while_a_graph_is_captured_is_made_for_that_launch_alone(monkeypatch):
+    """While a CUDA graph is captured, a constant not kept yet is made on the capturing stream
+    (the graph replays its fill) and not kept: a kept one would live in the graph's memory."""
+    monkeypatch.setattr(common, "_CONSTANTS", {})
+    monkeypatch.setattr(common, "_capturing", lambda device: True)
+    device = torch.device(TEST_DEVICE)
+    got = common._constant(3, torch.float32, device, 0.5)
+    assert torch.equal(got, torch.full((3,), 0.5, device=device)) and not common._CONSTANTS
+    monkeypatch.setattr(common, "_capturing", lambda device: False)
+    kept = common._constant(3, torch.float32, device, 0.5)
+    assert kept.data_ptr() != got.data_ptr() and len(common._CONSTANTS) == 1
+    assert common._constant(4, torch.float32, device, 0.5).data_ptr() == kept.data_ptr()
+
+
+def test_at_most_64_constants_are_kept(monkeypatch):
+    monkeypatch.setattr(common, "_CONSTANTS", {})
+    first = common._constant(1, torch.float32, torch.device(TEST_DEVICE), 0.0)
+    for i in range(1, 70):
+        common._constant(1, torch.float32, torch.device(TEST_DEVICE), float(i))
+    assert len(common._CONSTANTS) == 64 and all(t.data_ptr() != first.data_ptr() for t in common._CONSTANTS.values())
+
+
+def test_an_error_making_a_constant_is_raised_on_the_caller_s_thread(monkeypatch):
+    monkeypatch.setattr(common, "_CONSTANTS", {})
+
+    def failing(*args):
+        raise RuntimeError("no memory for a constant")
+
+    monkeypatch.setattr(common, "_make_constant", failing)
+    with pytest.raises(RuntimeError, match="no memory for a constant"):
+        common._constant(2, torch.float32, torch.device(TEST_DEVICE), 1.0)
+    assert not common._CONSTANTS

@@ -4,7 +4,6 @@ mask of the sublayer branch, the row scale, centring) and the launchers' tensor 
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 
 import torch
@@ -214,11 +213,59 @@ def _rows(t: Tensor | None) -> Tensor | None:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
-@functools.lru_cache(maxsize=64)
+_CONSTANTS: dict = {}  # (length, dtype, device, value) -> tensor, at most _MAX_CONSTANTS of them
+_MAX_CONSTANTS = 64
+
+
 def _constant(n: int, dtype: torch.dtype, device: torch.device, value: float) -> Tensor:
     """``n`` values ``value`` (never written): a missing layer scale or rowscale (ones), the dropout
-    scale (one value), a seed when there is no dropout (zero)."""
-    return torch.full((n,), value, dtype=dtype, device=device)
+    scale (one value), a seed when there is no dropout (zero), eps. Kept for reuse in a tensor
+    whose length is a power of two (rows of any count share one), made where no CUDA graph's
+    memory pool can hold it: a CUDA graph tree routes every allocation of the thread warming it up
+    into its pool and refuses to record while a tensor there outlives the call, so a kept constant
+    is made on a thread of its own (on the caller's stream, in order with the launch that reads
+    it); while a graph is being captured, one not kept yet is made for that launch alone (the
+    graph replays its fill)."""
+    size = 1 << max(n - 1, 0).bit_length()
+    key = (size, dtype, device, value)
+    kept = _CONSTANTS.get(key)
+    if kept is None:
+        if _capturing(device):
+            return torch.full((n,), value, dtype=dtype, device=device)
+        kept = _on_own_thread(_make_constant, size, dtype, device, value)
+        if len(_CONSTANTS) >= _MAX_CONSTANTS:
+            _CONSTANTS.pop(next(iter(_CONSTANTS)))  # the oldest
+        _CONSTANTS[key] = kept
+    return kept[:n]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _make_constant(size: int, dtype: torch.dtype, device: torch.device, value: float, stream) -> Tensor:
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+        return torch.full((size,), value, dtype=dtype, device=device)
+
+
+def _on_own_thread(make, size: int, dtype: torch.dtype, device: torch.device, value: float) -> Tensor:
+    """``make(size, dtype, device, value, stream)`` run on a new thread, with the caller's current
+    CUDA stream (None on a CPU)."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append(make(size, dtype, device, value, stream))
+        except BaseException as err:  # noqa: BLE001 - raised again on the caller's thread
+            done.append(err)
+
+    thread = threading.Thread(target=run, name="addnorm-constant")
+    thread.start()
+    thread.join()
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
 
 
 def _dropout_args(p: float, seed: Tensor | None, cd: torch.dtype, device: torch.device) -> tuple:
