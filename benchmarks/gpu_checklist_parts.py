@@ -309,59 +309,59 @@ def cuda_graphs(setup: Setup) -> Part:
     x, r, dy = (_randn(setup, m, n, dtype=torch.bfloat16, seed=i) for i in range(3))
     w, b = _randn(setup, n, dtype=torch.bfloat16, seed=3), _randn(setup, n, dtype=torch.bfloat16, seed=4)
     eager = _row_results("add_layer_norm", x, r, w, b, dy)
-    rows = []
-    if setup.device == "cuda":
-        for how, eps in (("captured, eps new in the capture", 1e-3), ("torch.compile reduce-overhead", 2e-3)):
-            want = _row_results("add_layer_norm", x, r, w, b, dy, eps=eps)
-            try:
-                got = _graph_results(how, x, r, w, b, dy, eps)
-                rows += [
-                    {"output": k, "how": how, "equal to eager": torch.equal(a, e)} for k, a, e in zip(NAMES, got, want)
-                ]
-            except Exception as err:  # noqa: BLE001 - recorded as a failed row; the other checks go on
-                rows.append({"output": "-", "how": how, "equal to eager": f"{type(err).__name__}: {err}"[:200]})
-        static = [t.clone() for t in (x, r, dy)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # compile and allocate outside the capture
-                _row_results("add_layer_norm", static[0], static[1], w, b, static[2])
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = _row_results("add_layer_norm", static[0], static[1], w, b, static[2])
-        for out in outs:
-            out.zero_()  # so that only the replay can have written the results
-        graph.replay()
-        torch.cuda.synchronize()
-        how = "captured and replayed"
-    else:
+    if setup.device != "cuda":
         outs, how = _row_results("add_layer_norm", x, r, w, b, dy), "eager twice (no CUDA graphs on CPU)"
-    rows = [
-        {"output": k, "how": how, "equal to eager": torch.equal(a, e)} for k, a, e in zip(NAMES, outs, eager)
-    ] + rows
-    ok = all(r["equal to eager"] is True for r in rows) if setup.device == "cuda" else None
-    hows = ", ".join(dict.fromkeys(r["how"] for r in rows))
+        rows = [{"output": k, "how": how, "equal to eager": torch.equal(a, e)} for k, a, e in zip(NAMES, outs, eager)]
+        return Part(rows=rows, table=markdown(rows), verdicts=[("CUDA graphs give eager's results", how, None)])
+    rows = []
+    for how, eps in (("captured and replayed", None), ("captured, eps new in the capture", 1e-3)):
+        rows += _graph_rows(how, x, r, w, b, dy, eps, _captured)
+    rows += _graph_rows("torch.compile reduce-overhead", x, r, w, b, dy, 2e-3, _tree)
+    ok = all(row["equal to eager"] is True for row in rows)
+    hows = ", ".join(dict.fromkeys(row["how"] for row in rows))
     return Part(rows=rows, table=markdown(rows), verdicts=[("CUDA graphs give eager's results", hows, ok)])
 
 
 NAMES = ("y", "s", "dx", "dresidual")
 
 
-def _graph_results(how: str, x, r, w, b, dy, eps: float) -> list[torch.Tensor]:
-    """:func:`_row_results` through a CUDA graph: captured with no warm-up (the kernels compiled
-    already, eps not yet made), or the forward compiled with CUDA graph trees, called three times."""
-    if how.startswith("captured"):
-        static = [t.clone() for t in (x, r, dy)]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = _row_results("add_layer_norm", static[0], static[1], w, b, static[2], eps=eps)
-        for out in outs:
-            out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        return outs
-    compiled = torch.compile(lambda x, r: _add_norm("add_layer_norm", x, r, w, b, eps=eps), mode="reduce-overhead")
+def _graph_rows(how: str, x, r, w, b, dy, eps: float | None, run: Callable) -> list[dict]:
+    """``run``'s results against eager's, one row per output (eager after it, which would make and
+    keep a new eps first), or one row with the error it raised."""
+    kw = {} if eps is None else {"eps": eps}
+    try:
+        got = run(x, r, w, b, dy, kw)
+        want = _row_results("add_layer_norm", x, r, w, b, dy, **kw)
+    except Exception as err:  # noqa: BLE001 - recorded as a failed row; the other checks go on
+        return [{"output": "-", "how": how, "equal to eager": f"{type(err).__name__}: {err}"[:200]}]
+    return [{"output": k, "how": how, "equal to eager": torch.equal(a, e)} for k, a, e in zip(NAMES, got, want)]
+
+
+def _captured(x, r, w, b, dy, kw: dict) -> list[torch.Tensor]:
+    """:func:`_row_results` captured in a CUDA graph and replayed: warmed up on a side stream
+    first, unless ``kw`` names an eps (its constant then first made inside the capture)."""
+    static = [t.clone() for t in (x, r, dy)]
+    if not kw:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compile and allocate outside the capture
+                _row_results("add_layer_norm", static[0], static[1], w, b, static[2])
+        torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = _row_results("add_layer_norm", static[0], static[1], w, b, static[2], **kw)
+    for out in outs:
+        out.zero_()  # so that only the replay can have written the results
+    graph.replay()
+    torch.cuda.synchronize()
+    return outs
+
+
+def _tree(x, r, w, b, dy, kw: dict) -> list[torch.Tensor]:
+    """:func:`_row_results` with the forward compiled with CUDA graph trees, called three times
+    (warm-up, recording, replay)."""
+    compiled = torch.compile(lambda x, r: _add_norm("add_layer_norm", x, r, w, b, **kw), mode="reduce-overhead")
     for _ in range(3):
         torch.compiler.cudagraph_mark_step_begin()
         outs = [t.clone() for t in _row_results("add_layer_norm", x, r, w, b, dy, call=compiled)]
