@@ -1535,7 +1535,7 @@ def _headless(name: str):
         config = tf.YolosConfig(
             **vit | dict(image_size=[8, 8]), num_detection_tokens=2, use_mid_position_embeddings=mid
         )
-        unfused = [(f"encoder.layer.{i}", "intermediate output.dense") for i in range(2)] if mid else []
+        unfused = [("encoder.layer.0", "intermediate output.dense")] if mid else []  # (the last: the final norm)
         return tf.YolosModel(config), dict(pixel_values=pixels), unfused
     if name == "dpt":
         return tf.DPTModel(tf.DPTConfig(**vit, backbone_out_indices=[0, 1])), dict(pixel_values=pixels), []

@@ -283,7 +283,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
     for _stack_name, members in stacks.items():
         for i, (name, m, family) in enumerate(members):
             following = members[i + 1] if i + 1 < len(members) else None
-            if family.alone:
+            if family.alone and not (family.alone == "but_last" and following is None):
                 following = "the model changes the stream after this layer (merges or adds tokens or embeddings)"
             elif family.scale:
                 following = f"the layer scales the stream after its last add ({family.scale})"

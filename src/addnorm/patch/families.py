@@ -427,10 +427,12 @@ FAMILIES: dict[str, Family] = {
         hf_path(m, c): Family(VIT_OUTPUT, final="layernorm")
         for m, c in [("videomae", "VideoMAELayer"), ("dpt", "DPTViTLayer")]
     },
-    # (YOLOS's encoder adds position embeddings after each layer but the last, by default: then no
-    # layer hands its last add on)
+    # (YOLOS's encoder adds position embeddings after each layer but the last, by default: then only
+    # the last layer hands its last add on, to the final norm)
     hf_path("yolos", "YolosLayer"): lambda block: Family(
-        VIT_OUTPUT, final="layernorm", alone=block.attention.attention.config.use_mid_position_embeddings
+        VIT_OUTPUT,
+        final="layernorm",
+        alone="but_last" if block.attention.attention.config.use_mid_position_embeddings else False,
     ),
     # (returning the attention's weights too, when asked)
     **{

@@ -101,8 +101,9 @@ class Family:
     # in float32 where the block has a ``residual_in_fp32`` that is set (Nemotron-H's has none)
     cast: bool = False
     # the model changes the stream after each block (merged or added tokens or embeddings: MiniCPM's
-    # vision tower, EoMT, YOLOS's position embeddings): its last add hands nothing on
-    alone: bool = False
+    # vision tower, EoMT): its last add hands nothing on; "but_last": after each block but the
+    # last of its stack, which hands its last add on (YOLOS's mid-layer position embeddings)
+    alone: bool | str = False
     clamp16: bool = False  # (Whisper) float16 streams are clamped after the last add: they run the original
     # the attribute of the block's ``cache`` its first sublayer takes (T5Gemma's decoder: the
     # self-attention's part of an EncoderDecoderCache, whose whole the cross-attention takes)
