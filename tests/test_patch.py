@@ -575,10 +575,8 @@ def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
         except RuntimeError as err:
             return f"{type(err).__name__}: {err}"
 
-    want = generate(
-        model
-    )  # (on a GPU, SDPA refuses MiniMax's padded mask: "(*bias): last dimension must be contiguous")
-    got = generate(fused)
+    # (on a GPU, SDPA refuses MiniMax's padded mask: "(*bias): last dimension must be contiguous")
+    want, got = generate(model), generate(fused)
     assert got == want if isinstance(want, str) else torch.equal(got, want)
 
 

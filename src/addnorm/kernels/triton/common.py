@@ -232,7 +232,8 @@ def _constant(n: int, dtype: torch.dtype, device: torch.device, value: float) ->
     if kept is None:
         if _capturing(device):
             return torch.full((n,), value, dtype=dtype, device=device)
-        kept = _on_own_thread(_make_constant, size, dtype, device, value)
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        kept = _on_own_thread(_make_constant, size, dtype, device, value, stream)
         if len(_CONSTANTS) >= _MAX_CONSTANTS:
             _CONSTANTS.pop(next(iter(_CONSTANTS)))  # the oldest
         _CONSTANTS[key] = kept
@@ -248,15 +249,13 @@ def _make_constant(size: int, dtype: torch.dtype, device: torch.device, value: f
         return torch.full((size,), value, dtype=dtype, device=device)
 
 
-def _on_own_thread(make, size: int, dtype: torch.dtype, device: torch.device, value: float) -> Tensor:
-    """``make(size, dtype, device, value, stream)`` run on a new thread, with the caller's current
-    CUDA stream (None on a CPU)."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+def _on_own_thread(fn, *args):
+    """``fn(*args)`` run on a new thread; what it raises is raised here."""
     done: list = []
 
     def run() -> None:
         try:
-            done.append(make(size, dtype, device, value, stream))
+            done.append(fn(*args))
         except BaseException as err:  # noqa: BLE001 - raised again on the caller's thread
             done.append(err)
 
