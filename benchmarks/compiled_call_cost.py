@@ -1,0 +1,75 @@
+"""Cost per call of one Add & Norm, forward + backward, eager and under ``torch.compile``.
+
+    python benchmarks/compiled_call_cost.py [--shape 8x768] [--dtype float32] [--device cpu] [--rounds 15]
+
+At a small shape the call's time is its host cost: Python, dispatch, launches. Compiled, each
+addnorm norm stays a custom op that Inductor calls as it is, with addnorm's Python and
+torch.library's around the kernels (docs/benchmarks.md, "On an NVIDIA H200: `patch()` on CUDA,
+training steps under `torch.compile`"). The last two rows split one forward op's call:
+``torch.ops.addnorm.forward`` with no gradient (torch.library's dispatch and its Python
+autograd layer, then addnorm's implementation) against that implementation called alone. All
+calls are timed interleaved by addnorm's harness (``addnorm.tools.bench.measure``), one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import addnorm
+from addnorm import autograd
+from addnorm import backend as backends
+from addnorm.tools.bench import measure
+
+
+def calls(m: int, n: int, dtype: torch.dtype, device: str) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    x, r, dy = (torch.randn(m, n, generator=g, device=device).to(dtype) for _ in range(3))
+    w, b = (torch.randn(n, generator=g, device=device).to(dtype) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+
+    def ours(x, r, w, b):
+        return addnorm.add_layer_norm(x, r, n, w, b, prenorm=True)[0]
+
+    def torch_norm(x, r, w, b):
+        return F.layer_norm(x + r, (n,), w, b)
+
+    def step(fn):
+        return lambda: torch.autograd.grad(fn(*leaves), leaves, dy)
+
+    op_args = (x, r, w, b, 1e-5, False, None, backends.auto_name(x), True)
+    return {
+        "addnorm eager": step(ours),
+        "addnorm compiled": step(torch.compile(ours)),
+        "torch eager": step(torch_norm),
+        "torch compiled": step(torch.compile(torch_norm)),
+        "addnorm::forward op, no grad": lambda: torch.ops.addnorm.forward(*op_args),
+        "its implementation alone": lambda: autograd._forward_impl(*op_args),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="8x768", help="rows x columns (default 8x768)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved samples per call (default 15)")
+    args = p.parse_args()
+    try:
+        m, n = (int(v) for v in args.shape.split("x"))
+    except ValueError:
+        p.error(f"--shape: expected rows x columns, e.g. 8x768; got {args.shape!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    torch.set_num_threads(1)
+    runs = calls(m, n, getattr(torch, args.dtype), args.device)
+    times = measure(runs, args.rounds, args.device)
+    print(f"{args.shape} {args.dtype} on {args.device}, 1 thread: median µs per call (p20-p80)")
+    for name, (median, low, high) in times.items():
+        print(f"  {name:30s} {median * 1e6:8.1f}  ({low * 1e6:.1f}-{high * 1e6:.1f})")
+
+
+if __name__ == "__main__":
+    main()
