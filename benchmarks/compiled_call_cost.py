@@ -5,7 +5,10 @@
 At a small shape the call's time is its host cost: Python, dispatch, launches. Compiled, each
 addnorm norm stays a custom op that Inductor calls as it is, with addnorm's Python and
 torch.library's around the kernels (docs/benchmarks.md, "On an NVIDIA H200: `patch()` on CUDA,
-training steps under `torch.compile`"). The last two rows split one forward op's call:
+training steps under `torch.compile`"). Two rows bound the eager call from below: an
+``autograd.Function`` with the same inputs and output that only allocates (the Python autograd
+layer every eager call pays, whatever its kernels), and the backend's forward and backward called
+alone (the kernels with their launcher, no autograd). The last two rows split one forward op's call:
 ``torch.ops.addnorm.forward`` with no gradient (torch.library's dispatch and its Python
 autograd layer, then addnorm's implementation) against that implementation called alone. All
 calls are timed interleaved by addnorm's harness (``addnorm.tools.bench.measure``), one thread.
@@ -24,6 +27,20 @@ from addnorm import backend as backends
 from addnorm.tools.bench import measure
 
 
+class AllocatesOnly(torch.autograd.Function):
+    """An Add & Norm's autograd bookkeeping and nothing else: the inputs of ``add_layer_norm``
+    (x, residual, weight, bias), one output, and gradients that are only allocated."""
+
+    @staticmethod
+    def forward(ctx, x, r, w, b):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ds = torch.empty_like(dy)
+        return ds, ds, dy.new_empty(dy.shape[-1:]), dy.new_empty(dy.shape[-1:])
+
+
 def calls(m: int, n: int, dtype: torch.dtype, device: str) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     x, r, dy = (torch.randn(m, n, generator=g, device=device).to(dtype) for _ in range(3))
@@ -39,12 +56,20 @@ def calls(m: int, n: int, dtype: torch.dtype, device: str) -> dict:
     def step(fn):
         return lambda: torch.autograd.grad(fn(*leaves), leaves, dy)
 
+    impl = backends.resolve("auto", x)
+
+    def kernels_alone():
+        y, s, mean, rstd = impl.forward(x, r, w, b, eps=1e-5, rms=False, residual_dtype=None)
+        return impl.backward(dy, None, (s,), w, mean, rstd, rms=False, has_bias=True, param_dtype=dtype)
+
     op_args = (x, r, w, b, 1e-5, False, None, backends.auto_name(x), True)
     return {
         "addnorm eager": step(ours),
         "addnorm compiled": step(torch.compile(ours)),
         "torch eager": step(torch_norm),
         "torch compiled": step(torch.compile(torch_norm)),
+        "autograd.Function, allocates only": step(AllocatesOnly.apply),
+        "addnorm kernels alone, fwd + bwd": kernels_alone,
         "addnorm::forward op, no grad": lambda: torch.ops.addnorm.forward(*op_args),
         "its implementation alone": lambda: autograd._forward_impl(*op_args),
     }
@@ -68,7 +93,7 @@ def main() -> None:
     times = measure(runs, args.rounds, args.device)
     print(f"{args.shape} {args.dtype} on {args.device}, 1 thread: median µs per call (p20-p80)")
     for name, (median, low, high) in times.items():
-        print(f"  {name:30s} {median * 1e6:8.1f}  ({low * 1e6:.1f}-{high * 1e6:.1f})")
+        print(f"  {name:34s} {median * 1e6:8.1f}  ({low * 1e6:.1f}-{high * 1e6:.1f})")
 
 
 if __name__ == "__main__":

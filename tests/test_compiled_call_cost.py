@@ -27,3 +27,15 @@ def test_the_timed_calls_compute_the_same_results(on_cpu):
 def test_a_bad_shape_is_refused_by_name():
     bad = subprocess.run([sys.executable, str(SCRIPT), "--shape", "8by768"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--shape: expected rows x columns" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_the_lower_bounds_stand_for_the_call(on_cpu):
+    """The allocation-only Function takes the eager call's inputs and gives gradients of their
+    shapes; the kernels alone give the eager call's gradients (ds for x and the residual)."""
+    runs = cost.calls(8, 64, torch.float32, "cpu")
+    want = runs["addnorm eager"]()
+    floor = runs["autograd.Function, allocates only"]()
+    assert [t.shape for t in floor] == [t.shape for t in want]
+    grads = runs["addnorm kernels alone, fwd + bwd"]()
+    for got, expected in zip((grads.ds, grads.ds, grads.dweight, grads.dbias), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
