@@ -93,14 +93,13 @@ COVERAGE = {
         for name, c, norms in [("lfm2", "Lfm2", 7), ("lfm2_moe", "Lfm2Moe", 7), ("lfm3", "Lfm3", 11)]
     },
     "biogpt": (5, {"BioGptDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),
+    "esmc": (10, {"EsmcLayer": {"self_attn": "fused", "mlp": "fused"}}),  # q_norm, k_norm, the LM head's
     "modernbert_decoder": (6, {"ModernBertDecoderLayer": {"attn": "fused", "mlp": "fused"}}),
-    "mllama": (  # its second layer a (gated) cross-attention layer, which the table lacks
+    "mllama": (  # its second layer a gated cross-attention layer (image states in hf_inputs)
         7,
         {
-            "MllamaSelfAttentionDecoderLayer": {
-                "self_attn": "fused",
-                "mlp": "the next layer, model.layers.1 (MllamaCrossAttentionDecoderLayer), is not fused",
-            }
+            "MllamaSelfAttentionDecoderLayer": {"self_attn": "fused", "mlp": "fused"},
+            "MllamaCrossAttentionDecoderLayer": {"cross_attn": "fused", "mlp": "fused"},
         },
     ),
     **{
@@ -275,7 +274,6 @@ SKIPPED = {  # gated; without a weight
     "nemotron_h": {"NemotronHRMSNormGated"},
     "olmo_hybrid": {"OlmoHybridRMSNormGated"},
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
-    "mllama": {"MllamaCrossAttentionDecoderLayer"},
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
@@ -405,8 +403,9 @@ LABELS = {
     "gemma4_moe": "Gemma 4 MoE (text: experts beside the MLP)",
     "gemma4_unified": "Gemma 4 Unified (text)",
     "biogpt": "BioGPT",
+    "esmc": "ESM C (protein language model: each output divided by a constant)",
     "modernbert_decoder": "ModernBERT decoder",
-    "mllama": "Llama 3.2 Vision (text: self-attention layers)",
+    "mllama": "Llama 3.2 Vision (text: self-attention and gated cross-attention layers)",
     "wav2vec2": "wav2vec 2.0 (post-norm)",
     "hubert": "HuBERT (post-norm)",
     "t5gemma": "T5Gemma (encoder-decoder)",
@@ -468,7 +467,7 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
         "chameleon_swin",
     ):  # only the last block's MLP add is read by a norm: the final one
         assert [a.norm for a in report.fused_adds] == ["model.norm"]
-    elif name in ("clip", "mllama"):  # the last add: no final norm above (CLIP), a layer not fused next
+    elif name == "clip":  # the last add: no final norm above
         assert report.fused_adds == report.adds[:-1]
     elif name.startswith("gemma4"):  # the attention's add alone: a norm reads it
         assert report.fused_adds == [a for a in report.adds if a.add == "self_attn"]
@@ -1636,3 +1635,57 @@ def test_encoders_without_a_head_fuse_their_adds(name):
         return
     for n, g in their_grads.items():
         torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-5 * max(1.0, g.abs().max().item()))
+
+
+def test_a_divisor_is_refused_where_the_block_s_order_is_unknown():
+    """A step's divisor is applied as the block divides its output; with a multiplier or a layer scale
+    on the same step, or in a parallel or post-norm block, which comes first is not written down."""
+    from addnorm.patch.layout import Family, Step
+
+    with pytest.raises(ValueError, match="divisor with a layer_scale or a multiplier"):
+        Step("mlp", "norm", divisor="scaling_factor", multiplier="residual_multiplier")
+    step = Step("mlp", "norm", divisor="scaling_factor")
+    for layout in (dict(parallel="x1"), dict(post_norm=True)):
+        with pytest.raises(ValueError, match="divisor needs sequential steps"):
+            Family((step, step), **layout)
+
+
+def test_esmc_divides_each_output_as_the_model_does(fused_calls):
+    """ESM C divides each sublayer output by ``scaling_factor`` before its add: float32 logits the
+    unpatched model's to rounding of the norms' sums alone, with a factor far from 1 (a divisor
+    applied as a multiplier, or not at all, shows)."""
+    original = hf_model("esmc").eval()
+    for layer in original.esmc.layers:
+        layer.scaling_factor = 0.37
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    assert len(report.fused_adds) == len(report.adds) == 4
+    ids = hf_inputs("esmc")["input_ids"]
+    with torch.no_grad():
+        want, got = original(input_ids=ids).logits, patched(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for layer in patched.esmc.layers:
+        layer.scaling_factor = 1.0
+    with torch.no_grad():
+        assert (patched(input_ids=ids).logits - want).abs().max() > 1e-2
+
+
+def test_mllama_cross_attention_layers_run_fused_with_image_states(fused_calls):
+    """Llama 3.2 Vision's gated cross-attention layer, given image states: its two adds, and the
+    self-attention layer's last add into its norm, run fused, each output times the tanh of its
+    gate and the MLP's rows masked as the layer does; logits and every gradient (the gates' too) as
+    the unpatched model's. Without image states the model skips the layer: the layer before hands
+    its last add on to nothing, and the results are the model's too."""
+    original = hf_model("mllama")
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    assert len(report.fused_adds) == len(report.adds) == 4
+    for gate in ("cross_attn_attn_gate", "cross_attn_mlp_gate"):  # (zeros at init: the branch would vanish)
+        assert getattr(original.model.layers[1], gate).abs().item() > 0.01
+    inputs = hf_inputs("mllama")
+    assert inputs["full_text_row_masked_out_mask"].amin() == 0  # (a masked row)
+    assert_same_step(original, patched, inputs)
+    assert sum(residual for residual, _ in fused_calls) == 4
+    fused_calls.clear()
+    assert_same_step(original, patched, {k: inputs[k] for k in ("input_ids", "labels")})
+    assert sum(residual for residual, _ in fused_calls) == 1  # the self-attention layer's first add

@@ -247,6 +247,11 @@ _MIMI = dict(hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4, num_
 _MIMI |= dict(intermediate_size=2 * WIDTH, codebook_dim=8, codebook_size=16, num_quantizers=2, num_filters=4)
 _MIMI |= dict(upsampling_ratios=[2], upsample_groups=WIDTH, sliding_window=SEQ)
 OTHERS = {
+    "esmc": (  # a protein language model: pre-norm, each output divided by a constant before its add
+        "EsmcConfig",
+        "EsmcForMaskedLM",
+        dict(SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ, pad_token_id=1, mask_token_id=VOCAB - 1),
+    ),
     "kyutai_stt": (  # text and audio tokens summed into one stream; the codec's Mimi layers left plain
         "KyutaiSpeechToTextConfig",
         "KyutaiSpeechToTextForConditionalGeneration",
@@ -522,6 +527,17 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         ids[:, 1] = VOCAB - 1
         image = torch.randn(2, 3, 8, 8, generator=g).to(dtype)
         return dict(input_ids=ids, pixel_values=image, image_sizes=torch.tensor([[8, 8]] * 2), labels=ids)
+    if name == "mllama":  # five image states per prompt: the first prompt's last two masked out, the
+        # second prompt's first two text rows attending to no image (their cross-attention MLP rows zeroed)
+        mask = torch.zeros(2, 1, SEQ, 5)
+        mask[0, ..., 3:] = torch.finfo(torch.float32).min
+        rows = torch.ones(2, 1, SEQ, 1)
+        rows[1, :, :2] = 0
+        states = torch.randn(2, 5, WIDTH, generator=g).to(dtype)
+        image = dict(
+            cross_attention_states=states, cross_attention_mask=mask.to(dtype), full_text_row_masked_out_mask=rows
+        )
+        return dict(input_ids=ids, labels=ids, **image)
     if name == "whisper":  # log-mel features: 8 bins, two frames per encoder position
         return dict(input_features=torch.randn(2, 8, 2 * SEQ, generator=g).to(dtype), labels=ids[:, :5])
     return dict(input_ids=ids, labels=ids)

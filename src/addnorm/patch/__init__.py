@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
-from .blocks import FAMILY, NEXT, ORIGINAL, OWNERS, attribute, block_forward, owners, renamed_arguments
+from .blocks import FAMILY, NEXT, NEXT_IF, ORIGINAL, OWNERS, attribute, block_forward, owners, renamed_arguments
 from .families import FAMILIES, entry_norms, family_of, final_names
 from .hf_norms import HF_NORMS
 from .layout import Family, modules
@@ -404,6 +404,8 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
             why = f"the stream is float32 (residual_in_fp32), {cast[0]}'s weight is not: the norm reads a cast copy"
     if why is None:
         m.__dict__[NEXT] = tuple(norm for _, norm in targets)
+        if isinstance(following, tuple) and following[2].skipped_without:
+            m.__dict__[NEXT_IF] = following[2].skipped_without
         for _, norm in targets:
             if type(norm) in (addnorm_nn.LayerNorm, addnorm_nn.RMSNorm):
                 norm.__class__ = _subclass(type(norm), _HANDOFF)
@@ -501,6 +503,7 @@ def unpatch(model: nn.Module) -> int:
     for m in model.modules():
         original = m.__dict__.pop(ORIGINAL, None)
         m.__dict__.pop(NEXT, None)
+        m.__dict__.pop(NEXT_IF, None)
         m.__dict__.pop(FAMILY, None)
         m.__dict__.pop(OWNERS, None)
         if original is not None:

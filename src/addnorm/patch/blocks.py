@@ -27,6 +27,7 @@ from .norms import PARAMETERS, add_norm_forward, fusable, hand_off
 
 ORIGINAL = "_addnorm_original_class"
 NEXT = "_addnorm_next"  # the norms the block's last add feeds, set by patch()
+NEXT_IF = "_addnorm_next_if"  # a block argument without which the next block is skipped, set by patch()
 FAMILY = "_addnorm_family"  # the block's Family, set by patch() (some depend on the block's config)
 OWNERS = "_addnorm_owners"  # {name: class} of the modules of owners(family), set by patch()
 
@@ -286,9 +287,11 @@ def block_forward(self, *args, **kwargs):
     calls = [
         {new: named.get(old) for old, new in st.call} | (spread if st.kwargs else {}) if st.call else {} for st in steps
     ]
+    nxt = tuple(self.__dict__.get(NEXT, ()))
+    if NEXT_IF in self.__dict__ and named.get(self.__dict__[NEXT_IF]) is None:  # the next block is skipped
+        nxt = ()
     for name in family.fallback + family.drop:
         named.pop(name, None)
-    nxt = tuple(self.__dict__.get(NEXT, ()))
     if not _may_hand_off(self, nxt, hidden_states):
         nxt = ()
     if family.parallel:
@@ -333,6 +336,8 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
             out = out.view(s.shape) if step.flat else out
         if step.post is not None:
             out = getattr(self, step.post)(out)
+        if step.divisor:
+            out = out / attribute(self, step.divisor)
         if step.residual_scale:
             s = s * getattr(self, step.residual_scale)
         if family.norm_after:

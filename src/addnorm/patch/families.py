@@ -37,6 +37,8 @@ from .steps import (
     falcon,
     falcon_h1,
     gated_attention,
+    gated_cross_attention,
+    gated_masked_mlp,
     gated_mlp,
     gemma4,
     granite_shared,
@@ -180,6 +182,22 @@ FAMILIES: dict[str, Family] = {
     hf_path("mllama", "MllamaSelfAttentionDecoderLayer"): Family(
         PRE, final="norm", drop=("cross_attention_states", "cross_attention_mask", "full_text_row_masked_out_mask")
     ),
+    # its cross-attention layers: each output gated (the MLP's rows masked first), each a sublayer of
+    # its own (``Step.run``); the model skips them in calls without image states
+    hf_path("mllama", "MllamaCrossAttentionDecoderLayer"): Family(
+        (
+            Step("cross_attn", "input_layernorm", run=gated_cross_attention),
+            Step(
+                "mlp",
+                "post_attention_layernorm",
+                run=gated_masked_mlp,
+                call=(("full_text_row_masked_out_mask",) * 2,),
+                kwargs=False,
+            ),
+        ),
+        final="norm",
+        skipped_without="cross_attention_states",
+    ),
     # Jamba's Mamba layers call their mixer with the cache and mask alone
     hf_path("jamba", "JambaMambaDecoderLayer"): Family(
         (Step("mamba", "input_layernorm"), Step("feed_forward", "pre_ff_layernorm")),
@@ -215,6 +233,8 @@ FAMILIES: dict[str, Family] = {
     },
     hf_path("minicpm3", "MiniCPM3DecoderLayer"): Family(each(PRE, multiplier="residual_scale"), final="norm"),
     hf_path("emu3", "Emu3DecoderLayer"): Family(each(PRE, dropout="dropout"), final="norm"),
+    # ESM C: each output divided by a constant before its add; its LayerNorms cast back to the input's dtype
+    hf_path("esmc", "EsmcLayer"): Family(each(PRE, divisor="scaling_factor"), final="norm"),
     hf_path("persimmon", "PersimmonDecoderLayer"): Family(
         (PRE[0], Step("mlp", "post_attention_layernorm", dropout="dropout")), final="final_layernorm"
     ),

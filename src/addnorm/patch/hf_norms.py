@@ -4,9 +4,11 @@
 A class enters this table when it computes one of the styles exactly: tests/test_patch.py checks every
 entry against the real class (the RMSNorm styles' outputs bit for bit in float32, bfloat16 and float16,
 and with a weight and an input of different dtypes, where those styles differ; the LayerNorm styles',
-"cohere", "olmo", "deberta", "nemotron" and "moonshine", within rounding, their mean and variance summed in another
-order; gradients within float32 rounding). An entry whose module the installed transformers lacks
-is never matched. Other classes are left as they are and listed by the report;
+"layer", "cohere", "olmo", "deberta", "nemotron" and "moonshine", within rounding, their mean and
+variance summed in another order; gradients within float32 rounding). ESM C's ``EsmcLayerNorm``, a
+``torch.nn.LayerNorm`` that casts its output to the input's dtype, is style "layer": addnorm's output
+has that dtype already. An entry whose module the installed transformers lacks is never matched.
+Other classes are left as they are and listed by the report;
 ``addnorm.patch(model, norm_types={MyNorm: "llama"})`` adds one.
 """
 
@@ -88,6 +90,7 @@ _BY_STYLE = {
     cohere_compass.CohereCompassLayerNorm
     """,
     "olmo": "olmo.OlmoLayerNorm",
+    "layer": "esmc.EsmcLayerNorm",
     "nanochat": """
     esmfold2.EsmFold2RMSNorm hrm_text.HrmTextRMSNorm inkling2.Inkling2UnweightedRMSNorm
     inkling2_loop.Inkling2LoopUnweightedRMSNorm nanochat.NanoChatRMSNorm

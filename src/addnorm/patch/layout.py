@@ -43,6 +43,9 @@ class Step:
     # an attribute of the block scaling the output: a float (Granite), or a tensor of one scale per
     # channel (BEiT's and InternVL's ``lambda_1``)
     multiplier: str | None = None
+    # an attribute of the block the output is divided by before the add, a float (ESM C's
+    # ``scaling_factor``): divided as the block divides, then added by the fused op
+    divisor: str | None = None
     # an attribute of the block scaling the stream before the add: a float (MiniMax) or a tensor (Doge)
     residual_scale: str | None = None
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
@@ -65,6 +68,8 @@ class Step:
     def __post_init__(self):
         if self.layer_scale and self.multiplier:  # (the fused op takes one scale per channel)
             raise ValueError("Step: a layer_scale and a multiplier on one step")
+        if self.divisor and (self.layer_scale or self.multiplier):  # (which first: the block's order)
+            raise ValueError("Step: a divisor with a layer_scale or a multiplier on one step")
 
 
 def modules(sublayer: str) -> list[str]:
@@ -113,3 +118,10 @@ class Family:
     scale: str | None = None
     # (MiniMax) each step's residual is its norm's output, not the stream the norm read
     normed_residual: bool = False
+    # (Llama 3.2 Vision's cross-attention layers) the model skips the block when this block argument
+    # is None: the block before hands its last add on only in calls that pass it
+    skipped_without: str | None = None
+
+    def __post_init__(self):
+        if (self.parallel or self.post_norm) and any(step.divisor for step in self.steps):
+            raise ValueError("Family: a step's divisor needs sequential steps (not parallel or post_norm)")

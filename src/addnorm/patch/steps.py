@@ -210,6 +210,36 @@ def gated_mlp(block: nn.Module, h, s, call: dict):
     return block.gate_ffn.tanh() * block.mlp(h)
 
 
+# the arguments of Llama 3.2 Vision's cross-attention layer: the rest are ``**kwargs``, passed on
+_CROSS_LAYER = ("cross_attention_states", "cross_attention_mask", "attention_mask", "full_text_row_masked_out_mask")
+_CROSS_LAYER += ("position_ids", "cache", "use_cache", "position_embeddings")
+
+
+def gated_cross_attention(block: nn.Module, h, s, named: dict):
+    """Llama 3.2 Vision's cross-attention layer's attention (the text attending to the image's
+    states, masked by ``cross_attention_mask``), its output times the tanh of the layer's
+    ``cross_attn_attn_gate``, as the layer computes it."""
+    rest = {k: v for k, v in named.items() if k not in _CROSS_LAYER}
+    out = block.cross_attn(
+        hidden_states=h,
+        attention_mask=named["cross_attention_mask"],
+        cross_attention_states=named["cross_attention_states"],
+        cache=named["cache"],
+        **rest,
+    )[0]
+    return block.cross_attn_attn_gate.tanh() * out
+
+
+def gated_masked_mlp(block: nn.Module, h, s, call: dict):
+    """The cross-attention layer's MLP: its rows times ``full_text_row_masked_out_mask`` (0 for a
+    text row that attends to no image), then times the tanh of ``cross_attn_mlp_gate``."""
+    out = block.mlp(h)
+    mask = call["full_text_row_masked_out_mask"]
+    if mask is not None:
+        out = mask[:, 0] * out
+    return block.cross_attn_mlp_gate.tanh() * out
+
+
 def nemotron_h(block: nn.Module, h, s, named: dict):
     """Nemotron-H's mixer (:attr:`Step.run`), called as its block calls the kind it holds: Mamba-2
     (without positions), attention (its weights dropped), or an MLP or MoE (``h`` alone)."""
