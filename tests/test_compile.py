@@ -34,7 +34,9 @@ def addnorm_calls(graphs) -> int:
     return sum(node.target is torch.ops.addnorm.forward.default for gm in graphs for node in gm.graph.nodes)
 
 
-@pytest.mark.parametrize("name", ["llama", "bloom"])  # (BLOOM's attention given NO_RESIDUAL to add)
+# BLOOM's attention given NO_RESIDUAL to add, ESM C's divided outputs, Llama 3.2 Vision's gated
+# cross-attention layers (image states in its inputs)
+@pytest.mark.parametrize("name", ["llama", "bloom", "esmc", "mllama"])
 def test_patched_hf_model_compiles_fullgraph_and_matches_eager(name):
     pytest.importorskip("transformers")
     torch._dynamo.reset()
