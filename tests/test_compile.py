@@ -35,8 +35,8 @@ def addnorm_calls(graphs) -> int:
 
 
 # BLOOM's attention given NO_RESIDUAL to add, ESM C's divided outputs, Llama 3.2 Vision's gated
-# cross-attention layers (image states in its inputs)
-@pytest.mark.parametrize("name", ["llama", "bloom", "esmc", "mllama"])
+# cross-attention layers (image states in its inputs), Swin's shifted windows
+@pytest.mark.parametrize("name", ["llama", "bloom", "esmc", "mllama", "swin"])
 def test_patched_hf_model_compiles_fullgraph_and_matches_eager(name):
     pytest.importorskip("transformers")
     torch._dynamo.reset()

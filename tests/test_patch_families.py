@@ -94,6 +94,8 @@ COVERAGE = {
     },
     "biogpt": (5, {"BioGptDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),
     "esmc": (10, {"EsmcLayer": {"self_attn": "fused", "mlp": "fused"}}),  # q_norm, k_norm, the LM head's
+    # the embeddings' and the patch merging's norms too; the first stage's last MLP add hands nothing on
+    "swin": (11, {"SwinLayer": {"attention": "fused", "mlp": "fused"}}),
     "modernbert_decoder": (6, {"ModernBertDecoderLayer": {"attn": "fused", "mlp": "fused"}}),
     "mllama": (  # its second layer a gated cross-attention layer (image states in hf_inputs)
         7,
@@ -320,7 +322,7 @@ DROPOUT = [
         "bart",
     ),
     "bloom",
-    *("emu3", "persimmon", "gte", "mpt", "doge"),
+    *("emu3", "persimmon", "gte", "mpt", "doge", "swin"),
 ]
 LABELS = {
     "qwen2": "Qwen2",
@@ -404,6 +406,7 @@ LABELS = {
     "gemma4_unified": "Gemma 4 Unified (text)",
     "biogpt": "BioGPT",
     "esmc": "ESM C (protein language model: each output divided by a constant)",
+    "swin": "Swin (shifted windows, patch merging between stages)",
     "modernbert_decoder": "ModernBERT decoder",
     "mllama": "Llama 3.2 Vision (text: self-attention and gated cross-attention layers)",
     "wav2vec2": "wav2vec 2.0 (post-norm)",
@@ -467,6 +470,8 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
         "chameleon_swin",
     ):  # only the last block's MLP add is read by a norm: the final one
         assert [a.norm for a in report.fused_adds] == ["model.norm"]
+    elif name == "swin":  # the first stage's last add: its patch merging changes the stream after it
+        assert [(a.block, a.add) for a in report.adds if not a.fused] == [("swin.encoder.layers.0.blocks.1", "mlp")]
     elif name == "clip":  # the last add: no final norm above
         assert report.fused_adds == report.adds[:-1]
     elif name.startswith("gemma4"):  # the attention's add alone: a norm reads it
@@ -595,20 +600,26 @@ def test_dropout_runs_fused_and_a_seed_reproduces_it(name, fused_calls):
         assert not torch.equal(patched(**inputs).logits, losses[0][0])  # dropout did act in training
 
 
-def test_drop_path_draws_as_hugging_face_does():
-    """Dinov2's drop path goes in as the op's rowscale, drawn from torch's generator exactly as
-    Hugging Face's drop_path draws it: a seeded step matches the unpatched model's."""
+@pytest.mark.parametrize("name", ["dinov2", "swin"])
+def test_drop_path_draws_as_hugging_face_does(name):
+    """DINOv2's and Swin's drop path goes in as the op's rowscale, drawn from torch's generator
+    exactly as Hugging Face's drop_path draws it: a seeded step matches the unpatched model's."""
     import transformers as tf
 
     torch.manual_seed(0)
-    config = tf.Dinov2Config(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, image_size=8, patch_size=4, num_labels=5
-    )
+    if name == "dinov2":
+        config = tf.Dinov2Config(
+            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, image_size=8, patch_size=4, num_labels=5
+        )
+    else:
+        config = tf.SwinConfig(image_size=8, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2)
+        config.num_labels = 5
     config.drop_path_rate = 0.5
-    original = tf.Dinov2ForImageClassification(config).train()
+    model_cls = tf.Dinov2ForImageClassification if name == "dinov2" else tf.SwinForImageClassification
+    original = model_cls(config).train()
     patched = copy.deepcopy(original)
     report = addnorm.patch(patched, fuse_residual=True)
-    assert len(report.fused_adds) == 4
+    assert len(report.fused_adds) == (4 if name == "dinov2" else 7)
     inputs = dict(pixel_values=torch.randn(6, 3, 8, 8), labels=torch.randint(0, 5, (6,)))
     torch.manual_seed(5)
     lo, go = step(original, inputs)
@@ -1557,6 +1568,13 @@ def _headless(name: str):
             **heads, image_size=8, patch_size=4, layer_scale_init_value=0.5, use_mean_pooling=False, drop_path_rate=0.0
         )
         return modeling_qianfan_ocr.QianfanOCRVisionModel(config), dict(pixel_values=pixels), []
+    if name == "sam":  # windows of 3 on a 4 x 4 map (padded to 6 x 6), the second layer global; a neck after
+        config = tf.SamVisionConfig(
+            hidden_size=WIDTH, num_hidden_layers=3, num_attention_heads=4, mlp_dim=2 * WIDTH, image_size=16,
+            patch_size=4, window_size=3, global_attn_indexes=[1], output_channels=16,
+        )  # fmt: skip
+        pixels = dict(pixel_values=torch.randn(2, 3, 16, 16, generator=g))
+        return tf.SamVisionModel(config), pixels, [("vision_encoder.layers.2", "mlp")]
     if name == "step3p7":  # a learned scale per channel, no norm after the stack
         from transformers.models.step3p7 import configuration_step3p7, modeling_step3p7
 
@@ -1589,6 +1607,7 @@ def _headless(name: str):
 
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
+_ENCODERS += ["sam"]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

@@ -310,6 +310,12 @@ OTHERS = {
         | dict(drop_path_rate=0.0),
     ),
     "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(**_IMAGE, layerscale_value=0.5)),
+    "swin": (  # two stages of two layers on a 4 x 4 patch grid, windows of 2 x 2, the second layer's shifted
+        "SwinConfig",
+        "SwinForImageClassification",
+        dict(image_size=8, patch_size=2, num_channels=3, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2)
+        | dict(num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
+    ),
     **{
         name: (
             "GPTNeoXConfig",
@@ -461,7 +467,7 @@ OTHERS = {
         for name, prefix in [("t5", "T5"), ("mt5", "MT5")]
     },
 }
-IMAGES = ("vit", "beit", "dinov2", "clip", "siglip")
+IMAGES = ("vit", "beit", "dinov2", "swin", "clip", "siglip")
 SPEECH = ("wav2vec2", "hubert")
 
 

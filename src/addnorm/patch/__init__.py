@@ -285,6 +285,8 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
             following = members[i + 1] if i + 1 < len(members) else None
             if family.alone and not (family.alone == "but_last" and following is None):
                 following = "the model changes the stream after this layer (merges or adds tokens or embeddings)"
+            elif family.then and _ends_a_stage_with(model, name, family.then):
+                following = f"the stage's {family.then} changes the stream after this layer"
             elif family.scale:
                 following = f"the layer scales the stream after its last add ({family.scale})"
             elif not (family.post_norm or family.norm_after):  # (those hand nothing on)
@@ -300,6 +302,16 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         m.__dict__[OWNERS] = {name: type(getattr(m, name)) for name in owners(family)}
         report.fused.append(name)
     _report_unknown_blocks(model, report)
+
+
+def _ends_a_stage_with(model: nn.Module, name: str, then: str) -> bool:
+    """Whether block ``name`` is the last item of its list, and the module holding that list has a
+    ``then`` module (not None) that runs after it."""
+    parent, _, index = name.rpartition(".")
+    if not index.isdigit() or int(index) + 1 < len(model.get_submodule(parent)):
+        return False
+    holder = model.get_submodule(parent.rpartition(".")[0]) if "." in parent else model
+    return isinstance(getattr(holder, then, None), nn.Module)
 
 
 def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:

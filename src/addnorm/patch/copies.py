@@ -168,6 +168,10 @@ COPIES: dict[str, str] = {
     "lfm2.Lfm2DecoderLayer": "lfm3_vl.Lfm3VlVisionLayer",  # (no final norm: see FINALS)
     "mllama.MllamaSelfAttentionDecoderLayer": "blt.BltTransformerLayer",
     "qwen3_5.Qwen3_5DecoderLayer": "lara_mini.LaraMiniDecoderLayer",
+    "sam.SamVisionLayer": """
+    deepseek_ocr2.DeepseekOcr2SamVisionLayer got_ocr2.GotOcr2VisionLayer pp_formulanet.PPFormulaNetVisionLayer
+    sam_hq.SamHQVisionLayer slanext.SLANeXtVisionLayer unlimited_ocr.UnlimitedOcrSamVisionLayer
+    """,
     "wav2vec2.Wav2Vec2EncoderLayer": """
     hubert.HubertEncoderLayer sew.SEWEncoderLayer unispeech.UniSpeechEncoderLayer
     unispeech_sat.UniSpeechSatEncoderLayer

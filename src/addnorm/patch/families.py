@@ -17,12 +17,15 @@ from .steps import (
     BART,
     CLIP,
     DINO,
+    GATED_CROSS,
     GRANITE,
     LAMBDA,
     NORM_AFTER_OUTPUT,
     POST,
     PRE,
+    SAM,
     SANDWICH,
+    SWIN,
     T5_LAYERS,
     T5GEMMA_ATTENTION,
     T5GEMMA_MLP,
@@ -37,8 +40,6 @@ from .steps import (
     falcon,
     falcon_h1,
     gated_attention,
-    gated_cross_attention,
-    gated_masked_mlp,
     gated_mlp,
     gemma4,
     granite_shared,
@@ -182,21 +183,9 @@ FAMILIES: dict[str, Family] = {
     hf_path("mllama", "MllamaSelfAttentionDecoderLayer"): Family(
         PRE, final="norm", drop=("cross_attention_states", "cross_attention_mask", "full_text_row_masked_out_mask")
     ),
-    # its cross-attention layers: each output gated (the MLP's rows masked first), each a sublayer of
-    # its own (``Step.run``); the model skips them in calls without image states
+    # its cross-attention layers, each output gated: the model skips them in calls without image states
     hf_path("mllama", "MllamaCrossAttentionDecoderLayer"): Family(
-        (
-            Step("cross_attn", "input_layernorm", run=gated_cross_attention),
-            Step(
-                "mlp",
-                "post_attention_layernorm",
-                run=gated_masked_mlp,
-                call=(("full_text_row_masked_out_mask",) * 2,),
-                kwargs=False,
-            ),
-        ),
-        final="norm",
-        skipped_without="cross_attention_states",
+        GATED_CROSS, final="norm", skipped_without="cross_attention_states"
     ),
     # Jamba's Mamba layers call their mixer with the cache and mask alone
     hf_path("jamba", "JambaMambaDecoderLayer"): Family(
@@ -420,6 +409,11 @@ FAMILIES: dict[str, Family] = {
     ),
     "transformers.models.falcon.modeling_falcon.FalconDecoderLayer": lambda block: falcon(block.config),
     "transformers.models.dinov2.modeling_dinov2.Dinov2Layer": Family(DINO, final="layernorm"),
+    # Swin: a stage's last layer hands nothing on where the stage merges patches after it, the last
+    # stage's to the final norm
+    hf_path("swin", "SwinLayer"): Family(SWIN, final="layernorm", extras=True, then="downsample"),
+    # SAM's image encoder: a neck of convolutions after the last layer, no norm
+    hf_path("sam", "SamVisionLayer"): Family(SAM),
     hf_path("internvl", "InternVLVisionLayer"): Family(LAMBDA, final="layernorm"),
     # Llama 3.2 Vision's encoder: Llama's steps with LayerNorm, its local layers' stack followed by
     # ``layernorm_post``; its global layers scale each output by the tanh of a learned gate first

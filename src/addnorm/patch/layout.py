@@ -121,6 +121,9 @@ class Family:
     # (Llama 3.2 Vision's cross-attention layers) the model skips the block when this block argument
     # is None: the block before hands its last add on only in calls that pass it
     skipped_without: str | None = None
+    # (Swin) a module of the stage holding the block's list, run after the list's last block when
+    # the stage has one (patch merging): that block's last add then hands nothing on
+    then: str | None = None
 
     def __post_init__(self):
         if (self.parallel or self.post_norm) and any(step.divisor for step in self.steps):

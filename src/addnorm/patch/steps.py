@@ -7,9 +7,11 @@ attention with its position bias, ...)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from torch import nn
 
+from .blocks import ORIGINAL
 from .hf_norms import hf_path
 from .layout import Family, Step
 
@@ -238,6 +240,64 @@ def gated_masked_mlp(block: nn.Module, h, s, call: dict):
     if mask is not None:
         out = mask[:, 0] * out
     return block.cross_attn_mlp_gate.tanh() * out
+
+
+def shifted_window_attention(block: nn.Module, h, s, named: dict):
+    """Swin's attention, as its layer computes it: the normalized rows as the stage's feature map,
+    padded to whole windows, cyclically shifted, attended window by window (under the shift's mask),
+    through the layer's dropout, then shifted back and unpadded; returns ``(output, weights)``. The
+    window helpers are those of the layer's own file."""
+    helpers = sys.modules[block.__dict__[ORIGINAL].__module__]
+    if not named.get("always_partition"):
+        block.set_shift_and_window_size(named["input_dimensions"])
+    height, width = named["input_dimensions"]
+    batch, _, channels = h.shape
+    h, pad = block.maybe_pad(h.view(batch, height, width, channels), height, width)
+    _, height_pad, width_pad, _ = h.shape
+    size = block.window_size
+    windows = helpers.window_partition(block.cyclic_shift(h), size).view(-1, size * size, channels)
+    mask = block.get_attn_mask(height_pad, width_pad, dtype=h.dtype, device=windows.device)
+    rest = {k: v for k, v in named.items() if k not in ("input_dimensions", "always_partition")}
+    out, weights = block.attention(windows, mask, **rest)
+    out = block.dropout(out).view(-1, size, size, channels)
+    out = block.cyclic_shift(helpers.window_reverse(out, size, height_pad, width_pad), reverse=True)
+    if pad[3] > 0 or pad[5] > 0:
+        out = out[:, :height, :width, :].contiguous()
+    return out.view(batch, height * width, channels), weights
+
+
+def sam_window_attention(block: nn.Module, h, s, named: dict):
+    """SAM's attention (ViTDet's), as its layer computes it: on the feature map cut into windows
+    (padded to whole ones) where the layer has a window size, on the whole map otherwise, the
+    windows then put back together."""
+    if block.window_size > 0:
+        height, width = h.shape[1], h.shape[2]
+        h, padding = block.window_partition(h, block.window_size)
+    out = block.attn(hidden_states=h)[0]
+    if block.window_size > 0:
+        out = block.window_unpartition(out, block.window_size, padding, (height, width))
+    return out
+
+
+# Llama 3.2 Vision's cross-attention layer: each output gated (the MLP's rows masked first), each a
+# sublayer of its own (``Step.run``)
+GATED_CROSS = (
+    Step("cross_attn", "input_layernorm", run=gated_cross_attention),
+    Step(
+        "mlp",
+        "post_attention_layernorm",
+        run=gated_masked_mlp,
+        call=(("full_text_row_masked_out_mask",) * 2,),
+        kwargs=False,
+    ),
+)
+# SAM's vision layer (and its copies): the attention in windows or global by layer (``Step.run``)
+SAM = (Step("attn", "layer_norm1", run=sam_window_attention), Step("mlp", "layer_norm2"))
+# Swin's layer: its attention on shifted windows of the stage's feature map (``Step.run``)
+SWIN = (
+    Step("attention", "layernorm_before", run=shifted_window_attention, drop_path="drop_path"),
+    Step("mlp", "layernorm_after", dropout="dropout"),
+)
 
 
 def nemotron_h(block: nn.Module, h, s, named: dict):
