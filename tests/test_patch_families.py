@@ -1575,6 +1575,14 @@ def _headless(name: str):
         )  # fmt: skip
         pixels = dict(pixel_values=torch.randn(2, 3, 16, 16, generator=g))
         return tf.SamVisionModel(config), pixels, [("vision_encoder.layers.2", "mlp")]
+    if name == "donut_swin":  # Swin's layer in its older form, two stages; no norm after the last
+        config = tf.DonutSwinConfig(
+            image_size=8, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2
+        )
+        config.drop_path_rate = 0.0  # (default 0.1: a fused drop path rounds otherwise, as dinov3_drop_path)
+        pixels = dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g))
+        last = [(f"encoder.layers.{i}.blocks.1", "intermediate output.dense") for i in (0, 1)]  # (patch merging; none)
+        return tf.DonutSwinModel(config), pixels, last
     if name == "step3p7":  # a learned scale per channel, no norm after the stack
         from transformers.models.step3p7 import configuration_step3p7, modeling_step3p7
 
@@ -1607,7 +1615,7 @@ def _headless(name: str):
 
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
-_ENCODERS += ["sam"]
+_ENCODERS += ["sam", "donut_swin"]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)
@@ -1635,7 +1643,7 @@ def test_encoders_without_a_head_fuse_their_adds(name):
         features.square().sum().backward()
         outputs.append((features, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (want, want_grads), (got, got_grads), (theirs, their_grads) = outputs
-    if name in ("flava", "vilt"):  # layers that return their attention's weights when asked
+    if name in ("flava", "vilt", "donut_swin"):  # layers that return their attention's weights when asked
         with torch.no_grad():
             asked = [
                 (torch.manual_seed(2), m(**inputs, output_attentions=True).attentions)[1] for m in (norms_only, fused)

@@ -17,6 +17,7 @@ from .steps import (
     BART,
     CLIP,
     DINO,
+    DONUT_SWIN,
     GATED_CROSS,
     GRANITE,
     LAMBDA,
@@ -412,6 +413,9 @@ FAMILIES: dict[str, Family] = {
     # Swin: a stage's last layer hands nothing on where the stage merges patches after it, the last
     # stage's to the final norm
     hf_path("swin", "SwinLayer"): Family(SWIN, final="layernorm", extras=True, then="downsample"),
+    "transformers.models.donut.modeling_donut_swin.DonutSwinLayer": Family(
+        DONUT_SWIN, extras=True, extras_if="output_attentions", then="downsample"
+    ),
     # SAM's image encoder: a neck of convolutions after the last layer, no norm
     hf_path("sam", "SamVisionLayer"): Family(SAM),
     hf_path("internvl", "InternVLVisionLayer"): Family(LAMBDA, final="layernorm"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+import torch
 from torch import nn
 
 from .blocks import ORIGINAL
@@ -242,18 +243,31 @@ def gated_masked_mlp(block: nn.Module, h, s, call: dict):
     return block.cross_attn_mlp_gate.tanh() * out
 
 
+def _window_map(block: nn.Module, h, named: dict):
+    """Swin's normalized rows as the stage's feature map, padded to whole windows (the layer's window
+    and shift sizes set for the stage's size first, unless ``always_partition``): ``(map, pad)``."""
+    if not named.get("always_partition"):
+        block.set_shift_and_window_size(named["input_dimensions"])
+    height, width = named["input_dimensions"]
+    return block.maybe_pad(h.view(h.shape[0], height, width, h.shape[-1]), height, width)
+
+
+def _map_rows(out, pad, named: dict):
+    """The feature map ``out`` unpadded, as rows again (the inverse of :func:`_window_map`)."""
+    height, width = named["input_dimensions"]
+    if pad[3] > 0 or pad[5] > 0:
+        out = out[:, :height, :width, :].contiguous()
+    return out.view(out.shape[0], height * width, out.shape[-1])
+
+
 def shifted_window_attention(block: nn.Module, h, s, named: dict):
     """Swin's attention, as its layer computes it: the normalized rows as the stage's feature map,
     padded to whole windows, cyclically shifted, attended window by window (under the shift's mask),
     through the layer's dropout, then shifted back and unpadded; returns ``(output, weights)``. The
     window helpers are those of the layer's own file."""
     helpers = sys.modules[block.__dict__[ORIGINAL].__module__]
-    if not named.get("always_partition"):
-        block.set_shift_and_window_size(named["input_dimensions"])
-    height, width = named["input_dimensions"]
-    batch, _, channels = h.shape
-    h, pad = block.maybe_pad(h.view(batch, height, width, channels), height, width)
-    _, height_pad, width_pad, _ = h.shape
+    h, pad = _window_map(block, h, named)
+    _, height_pad, width_pad, channels = h.shape
     size = block.window_size
     windows = helpers.window_partition(block.cyclic_shift(h), size).view(-1, size * size, channels)
     mask = block.get_attn_mask(height_pad, width_pad, dtype=h.dtype, device=windows.device)
@@ -261,9 +275,26 @@ def shifted_window_attention(block: nn.Module, h, s, named: dict):
     out, weights = block.attention(windows, mask, **rest)
     out = block.dropout(out).view(-1, size, size, channels)
     out = block.cyclic_shift(helpers.window_reverse(out, size, height_pad, width_pad), reverse=True)
-    if pad[3] > 0 or pad[5] > 0:
-        out = out[:, :height, :width, :].contiguous()
-    return out.view(batch, height * width, channels), weights
+    return _map_rows(out, pad, named), weights
+
+
+def rolled_window_attention(block: nn.Module, h, s, named: dict):
+    """:func:`shifted_window_attention` in the older form Donut's Swin layer writes it: the shift a
+    ``torch.roll`` of the padded map, no dropout after the attention; returns the attention's
+    outputs, its weights after the output when asked (``output_attentions``)."""
+    helpers = sys.modules[block.__dict__[ORIGINAL].__module__]
+    h, pad = _window_map(block, h, named)
+    _, height_pad, width_pad, channels = h.shape
+    size, shift = block.window_size, block.shift_size
+    if shift > 0:
+        h = torch.roll(h, shifts=(-shift, -shift), dims=(1, 2))
+    windows = helpers.window_partition(h, size).view(-1, size * size, channels)
+    mask = block.get_attn_mask(height_pad, width_pad, dtype=h.dtype, device=windows.device)
+    outputs = block.attention(windows, mask, output_attentions=named.get("output_attentions"))
+    out = helpers.window_reverse(outputs[0].view(-1, size, size, channels), size, height_pad, width_pad)
+    if shift > 0:
+        out = torch.roll(out, shifts=(shift, shift), dims=(1, 2))
+    return (_map_rows(out, pad, named), *outputs[1:])
 
 
 def sam_window_attention(block: nn.Module, h, s, named: dict):
@@ -297,6 +328,12 @@ SAM = (Step("attn", "layer_norm1", run=sam_window_attention), Step("mlp", "layer
 SWIN = (
     Step("attention", "layernorm_before", run=shifted_window_attention, drop_path="drop_path"),
     Step("mlp", "layernorm_after", dropout="dropout"),
+)
+# Donut's Swin layer: the same steps, its MLP's last dense layer and dropout in an output module run
+# here instead (as ViT's)
+DONUT_SWIN = (
+    dataclasses.replace(SWIN[0], run=rolled_window_attention),
+    Step("intermediate output.dense", "layernorm_after", dropout="output.dropout"),
 )
 
 
