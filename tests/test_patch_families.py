@@ -1583,6 +1583,13 @@ def _headless(name: str):
         pixels = dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g))
         last = [(f"encoder.layers.{i}.blocks.1", "intermediate output.dense") for i in (0, 1)]  # (patch merging; none)
         return tf.DonutSwinModel(config), pixels, last
+    if name == "maskformer_swin":  # the same older form, MaskFormer's backbone; its last add into the final norm
+        config = tf.MaskFormerSwinConfig(
+            image_size=8, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2
+        )
+        config.drop_path_rate = 0.0  # (default 0.1: a fused drop path rounds otherwise, as dinov3_drop_path)
+        pixels = dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g))
+        return tf.MaskFormerSwinModel(config), pixels, [("encoder.layers.0.blocks.1", "intermediate output.dense")]
     if name == "step3p7":  # a learned scale per channel, no norm after the stack
         from transformers.models.step3p7 import configuration_step3p7, modeling_step3p7
 
@@ -1615,7 +1622,7 @@ def _headless(name: str):
 
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
-_ENCODERS += ["sam", "donut_swin"]
+_ENCODERS += ["sam", "donut_swin", "maskformer_swin"]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

@@ -21,6 +21,7 @@ from .steps import (
     GATED_CROSS,
     GRANITE,
     LAMBDA,
+    MASKFORMER_SWIN,
     NORM_AFTER_OUTPUT,
     POST,
     PRE,
@@ -413,9 +414,16 @@ FAMILIES: dict[str, Family] = {
     # Swin: a stage's last layer hands nothing on where the stage merges patches after it, the last
     # stage's to the final norm
     hf_path("swin", "SwinLayer"): Family(SWIN, final="layernorm", extras=True, then="downsample"),
-    "transformers.models.donut.modeling_donut_swin.DonutSwinLayer": Family(
-        DONUT_SWIN, extras=True, extras_if="output_attentions", then="downsample"
-    ),
+    # Donut's and MaskFormer's older form of it (no final norm in Donut's model)
+    **{
+        f"transformers.models.{model}.modeling_{model}_swin.{c}SwinLayer": Family(
+            steps, final=final, extras=True, extras_if="output_attentions", then="downsample"
+        )
+        for model, c, steps, final in [
+            ("donut", "Donut", DONUT_SWIN, None),
+            ("maskformer", "MaskFormer", MASKFORMER_SWIN, "layernorm"),
+        ]
+    },
     # SAM's image encoder: a neck of convolutions after the last layer, no norm
     hf_path("sam", "SamVisionLayer"): Family(SAM),
     hf_path("internvl", "InternVLVisionLayer"): Family(LAMBDA, final="layernorm"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from functools import partial
 
 import torch
 from torch import nn
@@ -245,8 +246,9 @@ def gated_masked_mlp(block: nn.Module, h, s, call: dict):
 
 def _window_map(block: nn.Module, h, named: dict):
     """Swin's normalized rows as the stage's feature map, padded to whole windows (the layer's window
-    and shift sizes set for the stage's size first, unless ``always_partition``): ``(map, pad)``."""
-    if not named.get("always_partition"):
+    and shift sizes set for the stage's size first, unless ``always_partition``, where the layer sets
+    them: MaskFormer's does not): ``(map, pad)``."""
+    if not named.get("always_partition") and hasattr(block, "set_shift_and_window_size"):
         block.set_shift_and_window_size(named["input_dimensions"])
     height, width = named["input_dimensions"]
     return block.maybe_pad(h.view(h.shape[0], height, width, h.shape[-1]), height, width)
@@ -278,10 +280,21 @@ def shifted_window_attention(block: nn.Module, h, s, named: dict):
     return _map_rows(out, pad, named), weights
 
 
-def rolled_window_attention(block: nn.Module, h, s, named: dict):
-    """:func:`shifted_window_attention` in the older form Donut's Swin layer writes it: the shift a
-    ``torch.roll`` of the padded map, no dropout after the attention; returns the attention's
-    outputs, its weights after the output when asked (``output_attentions``)."""
+def mask_by_size(block: nn.Module, height: int, width: int, like):
+    """The shifted windows' attention mask of Donut's layer: ``get_attn_mask(height, width, dtype, device)``."""
+    return block.get_attn_mask(height, width, dtype=like.dtype, device=like.device)
+
+
+def mask_by_resolution(block: nn.Module, height: int, width: int, like):
+    """MaskFormer's: ``get_attn_mask((height, width), device, dtype)``."""
+    return block.get_attn_mask((height, width), device=like.device, dtype=like.dtype)
+
+
+def rolled_window_attention(block: nn.Module, h, s, named: dict, mask_of=mask_by_size):
+    """:func:`shifted_window_attention` in the older form Donut's and MaskFormer's Swin layers write
+    it: the shift a ``torch.roll`` of the padded map, no dropout after the attention, the mask from
+    ``mask_of``; returns the attention's outputs, its weights after the output when asked
+    (``output_attentions``)."""
     helpers = sys.modules[block.__dict__[ORIGINAL].__module__]
     h, pad = _window_map(block, h, named)
     _, height_pad, width_pad, channels = h.shape
@@ -289,7 +302,7 @@ def rolled_window_attention(block: nn.Module, h, s, named: dict):
     if shift > 0:
         h = torch.roll(h, shifts=(-shift, -shift), dims=(1, 2))
     windows = helpers.window_partition(h, size).view(-1, size * size, channels)
-    mask = block.get_attn_mask(height_pad, width_pad, dtype=h.dtype, device=windows.device)
+    mask = mask_of(block, height_pad, width_pad, windows)
     outputs = block.attention(windows, mask, output_attentions=named.get("output_attentions"))
     out = helpers.window_reverse(outputs[0].view(-1, size, size, channels), size, height_pad, width_pad)
     if shift > 0:
@@ -330,11 +343,13 @@ SWIN = (
     Step("mlp", "layernorm_after", dropout="dropout"),
 )
 # Donut's Swin layer: the same steps, its MLP's last dense layer and dropout in an output module run
-# here instead (as ViT's)
+# here instead (as ViT's); MaskFormer's, the same with its mask's own signature
 DONUT_SWIN = (
     dataclasses.replace(SWIN[0], run=rolled_window_attention),
     Step("intermediate output.dense", "layernorm_after", dropout="output.dropout"),
 )
+MASKFORMER_SWIN = (dataclasses.replace(SWIN[0], run=partial(rolled_window_attention, mask_of=mask_by_resolution)),)
+MASKFORMER_SWIN += DONUT_SWIN[1:]
 
 
 def nemotron_h(block: nn.Module, h, s, named: dict):
