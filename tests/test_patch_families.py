@@ -18,7 +18,7 @@ import torch
 import addnorm
 from addnorm.patch.hf_norms import pairs
 from conftest import SAME_BITS_AS_TORCH
-from tiny_models import SEQ, SPEECH, VOCAB, WIDTH, assert_same_step, hf_inputs, hf_model, round_trip, step
+from tiny_models import SEQ, SPEECH, SWIN, VOCAB, WIDTH, assert_same_step, hf_inputs, hf_model, round_trip, step
 
 pytest.importorskip("transformers")
 norms_module = sys.modules["addnorm.patch.norms"]
@@ -612,8 +612,7 @@ def test_drop_path_draws_as_hugging_face_does(name):
             num_hidden_layers=2, hidden_size=32, num_attention_heads=4, image_size=8, patch_size=4, num_labels=5
         )
     else:
-        config = tf.SwinConfig(image_size=8, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2)
-        config.num_labels = 5
+        config = tf.SwinConfig(**SWIN, num_labels=5)
     config.drop_path_rate = 0.5
     model_cls = tf.Dinov2ForImageClassification if name == "dinov2" else tf.SwinForImageClassification
     original = model_cls(config).train()
@@ -1575,21 +1574,15 @@ def _headless(name: str):
         )  # fmt: skip
         pixels = dict(pixel_values=torch.randn(2, 3, 16, 16, generator=g))
         return tf.SamVisionModel(config), pixels, [("vision_encoder.layers.2", "mlp")]
-    if name == "donut_swin":  # Swin's layer in its older form, two stages; no norm after the last
-        config = tf.DonutSwinConfig(
-            image_size=8, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2
-        )
+    if name in ("donut_swin", "maskformer_swin"):  # Swin's layer in its older form, two stages
+        donut = name == "donut_swin"
+        config = (tf.DonutSwinConfig if donut else tf.MaskFormerSwinConfig)(**SWIN)
         config.drop_path_rate = 0.0  # (default 0.1: a fused drop path rounds otherwise, as dinov3_drop_path)
         pixels = dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g))
-        last = [(f"encoder.layers.{i}.blocks.1", "intermediate output.dense") for i in (0, 1)]  # (patch merging; none)
-        return tf.DonutSwinModel(config), pixels, last
-    if name == "maskformer_swin":  # the same older form, MaskFormer's backbone; its last add into the final norm
-        config = tf.MaskFormerSwinConfig(
-            image_size=8, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2
-        )
-        config.drop_path_rate = 0.0  # (default 0.1: a fused drop path rounds otherwise, as dinov3_drop_path)
-        pixels = dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g))
-        return tf.MaskFormerSwinModel(config), pixels, [("encoder.layers.0.blocks.1", "intermediate output.dense")]
+        # the first stage's last add precedes patch merging; the last is read by no norm in Donut's
+        # model, by the final norm in MaskFormer's
+        last = [(f"encoder.layers.{i}.blocks.1", "intermediate output.dense") for i in ((0, 1) if donut else (0,))]
+        return (tf.DonutSwinModel if donut else tf.MaskFormerSwinModel)(config), pixels, last
     if name == "step3p7":  # a learned scale per channel, no norm after the stack
         from transformers.models.step3p7 import configuration_step3p7, modeling_step3p7
 

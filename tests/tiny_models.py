@@ -232,6 +232,9 @@ DECODERS = {
 SMALL = dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_attention_heads=4)
 _ENCODER = dict(**SMALL, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 _IMAGE = dict(**_ENCODER, image_size=8, patch_size=4, num_channels=3, num_labels=5)
+# Swin (and its older forms, Donut's and MaskFormer's): two stages of two layers on a 4 x 4 patch
+# grid, windows of 2 x 2, each stage's second layer shifted
+SWIN = dict(image_size=8, patch_size=2, num_channels=3, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2)
 _VISION = dict(**SMALL, image_size=8, patch_size=4, num_channels=3)
 _IDS = dict(bos_token_id=0, eos_token_id=0)
 _GEMMA_TEXT = dict(**SMALL, num_key_value_heads=2, head_dim=WIDTH // 4, vocab_size=VOCAB)
@@ -310,11 +313,10 @@ OTHERS = {
         | dict(drop_path_rate=0.0),
     ),
     "dinov2": ("Dinov2Config", "Dinov2ForImageClassification", dict(**_IMAGE, layerscale_value=0.5)),
-    "swin": (  # two stages of two layers on a 4 x 4 patch grid, windows of 2 x 2, the second layer's shifted
+    "swin": (
         "SwinConfig",
         "SwinForImageClassification",
-        dict(image_size=8, patch_size=2, num_channels=3, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2)
-        | dict(num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
+        SWIN | dict(num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0),
     ),
     **{
         name: (

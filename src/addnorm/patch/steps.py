@@ -343,11 +343,8 @@ SWIN = (
     Step("mlp", "layernorm_after", dropout="dropout"),
 )
 # Donut's Swin layer: the same steps, its MLP's last dense layer and dropout in an output module run
-# here instead (as ViT's); MaskFormer's, the same with its mask's own signature
-DONUT_SWIN = (
-    dataclasses.replace(SWIN[0], run=rolled_window_attention),
-    Step("intermediate output.dense", "layernorm_after", dropout="output.dropout"),
-)
+# here instead (ViT's second step); MaskFormer's, the same with its mask's own signature
+DONUT_SWIN = (dataclasses.replace(SWIN[0], run=rolled_window_attention), VIT_OUTPUT[1])
 MASKFORMER_SWIN = (dataclasses.replace(SWIN[0], run=partial(rolled_window_attention, mask_of=mask_by_resolution)),)
 MASKFORMER_SWIN += DONUT_SWIN[1:]
 
