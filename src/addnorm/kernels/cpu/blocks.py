@@ -22,7 +22,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .branch import dropped_row, prepare_branch
-from .floats import fence
+from .floats import fence, widened
 from .jit import njit, overload
 from .pieces import index_or_none
 from .rows import backward_rows, backward_rows_branch, forward_rows
@@ -76,6 +76,28 @@ def _second_block_impl(second, lo, hi):
     if isinstance(second, types.NoneType):
         return lambda second, lo, hi: None
     return lambda second, lo, hi: (second[0], second[1], second[2][lo:hi])
+
+
+def _second_widened(second, like):
+    """The forward's second norm with ``weight1``/``bias1`` :func:`.floats.widened`, or None."""
+
+
+@overload(_second_widened)
+def _second_widened_impl(second, like):
+    if isinstance(second, types.NoneType):
+        return lambda second, like: None
+    return lambda second, like: (widened(second[0], like), widened(second[1], like), second[2])
+
+
+def _second_grad_widened(second, like):
+    """The backward's second norm with ``weight1`` :func:`.floats.widened`, or None."""
+
+
+@overload(_second_grad_widened)
+def _second_grad_widened_impl(second, like):
+    if isinstance(second, types.NoneType):
+        return lambda second, like: None
+    return lambda second, like: (second[0], widened(second[1], like), second[2], second[3])
 
 
 def _second_grad_block(second, blk, lo, hi):
@@ -150,6 +172,7 @@ def forward_blocks(
     output and its dropout branch's arguments, ``(x1, br1 or None)`` (``entry.read_x1``), added
     to the residual row by row (:func:`.pieces.residual_row`), or None."""
     m, n = x.shape
+    w, b, second = widened(w, rstd), widened(b, rstd), _second_widened(second, rstd)
     added = _added(x1, r, n, rstd.dtype)
     buf = np.empty((3, n), rstd.dtype)  # the row (two, alternating, when pipelined) and a scaled row
     kbuf = np.empty(1, rstd.dtype)
@@ -200,6 +223,7 @@ def backward_blocks(
     ``(dy1, weight1, dweight1, dbias1)`` of a second norm (partial rows per block, as ``dw``), or
     None."""
     m, n = s.shape
+    w, second = widened(w, rstd), _second_grad_widened(second, rstd)
     sbuf = np.empty((2, n), rstd.dtype)
     kbuf = np.empty(1, rstd.dtype)
     branch = prepare_branch(br, n)

@@ -126,6 +126,27 @@ def round_to(a, v):
     """``v`` rounded to the dtype of ``a`` and widened back (what :func:`put` would return)."""
 
 
+def widened(a, like):
+    """A parameter row ``a`` (weight, bias) as the row loops read it, in the statistics dtype of
+    ``like``: a 16-bit row widened once into a new array (each row then loads it with no
+    conversion, which costs a shuffle and a shift per vector in every row's loop), any other row
+    ``a`` itself. The same values either way: widening is exact."""
+
+
+@overload(widened)
+def _widened_row_impl(a, like):
+    if a.dtype not in (types.uint16, types.int16):
+        return lambda a, like: a
+
+    def widen(a, like):
+        out = np.empty(a.shape[0], like.dtype)
+        for j in range(a.shape[0]):
+            out[j] = load(a, j)
+        return out
+
+    return widen
+
+
 def _element(a, v):
     """``v`` as ``a`` stores it: rounded to nearest-even in a's dtype, 16-bit floats as their bit
     patterns."""
