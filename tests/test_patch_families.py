@@ -130,6 +130,19 @@ COVERAGE = {
             "JambaAttentionDecoderLayer": {"self_attn": "fused", "feed_forward": "fused"},
         },
     ),
+    **{
+        name: (
+            norms,
+            {
+                f"{cls}MambaDecoderLayer": {"mamba": "fused"},
+                f"{cls}HybridLayer": {f"{shared} linear mamba_decoder.mamba": "fused"},
+            },
+        )
+        for name, cls, norms, shared in [
+            ("zamba", "Zamba", 10, "shared_transf"),
+            ("zamba2", "Zamba2", 7, "shared_transformer"),
+        ]
+    },
     "kimi_linear": (6, {"KimiLinearDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "bamba": (5, {"BambaDecoderLayer": {"mamba": "fused", "self_attn": "fused", "feed_forward": "fused"}}),
     "falcon_h1": (5, {"FalconH1DecoderLayer": {"mamba+self_attn": "fused", "feed_forward": "fused"}}),
@@ -277,6 +290,7 @@ SKIPPED = {  # gated; without a weight
     "olmo_hybrid": {"OlmoHybridRMSNormGated"},
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
+    "zamba2": {"Zamba2RMSNormGated"},
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
 # per-layer inputs the embedding's gradient differs from the unpatched model's by a few float32
@@ -414,6 +428,8 @@ LABELS = {
     "t5gemma": "T5Gemma (encoder-decoder)",
     "t5gemma2": "T5Gemma 2 (encoder-decoder, vision tower)",
     "jamba": "Jamba (Mamba and attention layers, MoE)",
+    "zamba": "Zamba (Mamba layers, hybrid layers around one shared transformer)",
+    "zamba2": "Zamba 2 (the same with Mamba-2)",
     "kimi_linear": "Kimi Linear (linear and full attention, MoE)",
     "bamba": "Bamba (Mamba-2 and attention layers)",
     "falcon_h1": "Falcon-H1 (Mamba-2 and attention side by side)",
@@ -483,6 +499,9 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
         ]
     elif name == "kyutai_stt":  # each Mimi transformer's last add (the codec's): no norm reads it
         assert report.fused_adds == [a for a in report.adds if a.cls != "MimiTransformerLayer" or a.add != "mlp"]
+    elif name.startswith("zamba"):  # a Mamba layer before a hybrid one: the shared transformer reads the stream
+        before_hybrid = {"zamba": ["model.layers.0", "model.layers.2"], "zamba2": ["model.layers.0"]}[name]
+        assert [a.block for a in report.adds if not a.fused] == before_hybrid
     elif name == "mistral_large4":  # the vision tower's last add: no norm above (a projector reads it)
         assert report.fused_adds == [
             a for a in report.adds if a.cls != "PixtralAttentionLayer" or a.add != "feed_forward"
@@ -727,6 +746,19 @@ def test_a_hooked_norm_inside_a_block_is_called(name, norm):
             if mod_name.endswith((norm or "LayerNorm", "model.norm", "ln_f", "input_layernorm")):
                 module.register_forward_hook(scaling(seen, mod_name))
     assert_same_step(original, patched, hf_inputs(name))
+    assert calls[1] == calls[0] and calls[0]
+
+
+def test_a_hook_on_zamba_s_inner_mamba_layer_runs_the_hybrid_layer_s_own_forward():
+    """The fused hybrid layer runs its Mamba layer's norm and mixer itself: with a hook on that
+    layer it runs its own forward instead, which calls the layer, so the hook sees each call and
+    its change of the output counts as unpatched."""
+    original, patched, _ = fused_copy("zamba2")
+    calls = [], []
+    for model, seen in zip((original, patched), calls):
+        hook = lambda module, args, out, seen=seen: seen.append(1) or out * 1.25  # noqa: E731
+        model.model.layers[1].mamba_decoder.register_forward_hook(hook)
+    assert_same_step(original, patched, hf_inputs("zamba2"))
     assert calls[1] == calls[0] and calls[0]
 
 

@@ -156,6 +156,18 @@ DECODERS = {
         "GraniteMoeSharedForCausalLM",
         dict(num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=WIDTH, residual_multiplier=0.3),
     ),
+    "zamba": (  # Mamba layers, and two hybrid layers sharing one transformer (a hybrid layer's is tied)
+        "ZambaConfig",
+        "ZambaForCausalLM",
+        dict(num_hidden_layers=5, layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "mamba"])
+        | dict(mamba_d_state=4, n_mamba_heads=2, mamba_dt_rank=4, attention_hidden_size=2 * WIDTH),
+    ),
+    "zamba2": (  # Mamba layers, a hybrid layer second
+        "Zamba2Config",
+        "Zamba2ForCausalLM",
+        dict(num_hidden_layers=4, layers_block_type=["mamba", "hybrid", "mamba", "mamba"])
+        | dict(mamba_d_state=4, n_mamba_heads=8, chunk_size=4),
+    ),
     "jamba": (  # a Mamba layer, then an attention layer with experts
         "JambaConfig",
         "JambaForCausalLM",

@@ -276,6 +276,9 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
             report.skipped.append((name, type(m).__name__, _WRAPPED))
             continue
         blocks.append((name, m, family))
+    # a block inside another (Zamba's Mamba layer in its hybrid layer) runs only in the outer
+    # block's own forward, which the fused one replaces
+    blocks = [b for b in blocks if not any(b[0].startswith(f"{o[0]}.") for o in blocks)]
     stacks: dict[str, list] = {}
     by_name = {b[0]: b for b in blocks}
     for name, m, family in blocks:

@@ -36,6 +36,7 @@ from .steps import (
     WHISPER,
     WHISPER_ATTENTION,
     WHISPER_MLP,
+    ZAMBA,
     bamba,
     beit_attention,
     each,
@@ -55,6 +56,7 @@ from .steps import (
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
+    **ZAMBA,  # Zamba and Zamba 2: Mamba layers, and hybrid layers around a shared transformer
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(

@@ -375,3 +375,48 @@ def falcon(config) -> Family:
     attn, mlp = ("ln_attn", "ln_mlp") if two else ("input_layernorm", "input_layernorm")
     steps = (Step("self_attention", attn), Step("mlp", mlp, dropout="config.hidden_dropout"))
     return Family(steps, parallel="sum", **common)
+
+
+_ZAMBA_ARGS = ("original_hidden_states", "layer_idx", "attention_mask", "causal_mask", "cache", "use_cache")
+_ZAMBA_ARGS += ("position_embeddings", "position_ids")
+
+
+def zamba_hybrid(block: nn.Module, h, s, named: dict):
+    """Zamba's hybrid layer (:attr:`Step.run`), as it computes it: the shared transformer on the
+    stream (beside the word embeddings), projected, is added to what its Mamba layer's norm reads,
+    but not to the stream; then that Mamba mixer, whose output the fused op adds to the stream.
+    Zamba 2's shared transformer takes positions, Zamba's ``use_cache``."""
+    a = {k: named.get(k) for k in _ZAMBA_ARGS}
+    rest = {k: v for k, v in named.items() if k not in _ZAMBA_ARGS}  # the layer's **kwargs
+    shared = dict(original_hidden_states=a["original_hidden_states"], layer_idx=a["layer_idx"], cache=a["cache"])
+    if hasattr(block, "shared_transformer"):
+        positions = dict(position_embeddings=a["position_embeddings"])
+        shared |= positions | dict(position_ids=a["position_ids"])
+        t = block.shared_transformer(s, attention_mask=a["causal_mask"], **shared, **rest)
+    else:
+        positions = {}
+        t = block.shared_transf(s, attention_mask=a["causal_mask"], use_cache=a["use_cache"], **shared, **rest)
+    decoder = block.mamba_decoder
+    h = decoder.input_layernorm(s + block.linear(t))
+    return decoder.mamba(hidden_states=h, cache=a["cache"], attention_mask=a["attention_mask"], **positions, **rest)
+
+
+# Zamba and Zamba 2: Mamba layers (their Mamba layer inside a hybrid layer, given the shared
+# transformer's output, runs its own forward), and the hybrid layers
+ZAMBA = {
+    **{
+        hf_path(m, f"{c}MambaDecoderLayer"): Family(
+            (Step("mamba", "input_layernorm"),),
+            final="final_layernorm",
+            fallback=("transformer_hidden_states",),
+            drop=("original_hidden_states", "layer_idx", "causal_mask", "use_cache", "position_ids"),
+        )
+        for m, c in [("zamba", "Zamba"), ("zamba2", "Zamba2")]
+    },
+    **{
+        hf_path(m, f"{c}HybridLayer"): Family(
+            (Step(f"{shared} linear mamba_decoder.mamba", run=zamba_hybrid),), final="final_layernorm"
+        )
+        for m, c, shared in [("zamba", "Zamba", "shared_transf"), ("zamba2", "Zamba2", "shared_transformer")]
+    },
+}
