@@ -418,10 +418,21 @@ def _backward_fake(*args, **kwargs):
     return s.new_empty(s.shape), vector(b.weight is not None, pd), vector(b.has_bias, pd), dx, vector(layer_scaled)
 
 
-forward_op = torch.library.custom_op("addnorm::forward", _forward_impl, mutates_args=(), schema=_FORWARD_SCHEMA)
-backward_op = torch.library.custom_op("addnorm::backward", _backward_impl, mutates_args=(), schema=_BACKWARD_SCHEMA)
-forward_op.register_fake(_forward_fake)
-backward_op.register_fake(_backward_fake)
+# Defined with torch.library's Library, each implementation registered as the op's kernel for
+# every device: the dispatcher calls it directly. (``torch.library.custom_op`` wraps each call in
+# Python layers of its own, an autograd kernel even for an op without autograd: docs/benchmarks.md,
+# "Per-call cost at small sizes".) addnorm::backward has no autograd kernel: it runs inside a
+# backward, or is traced into one.
+_LIB = torch.library.Library("addnorm", "DEF")
+for _name, _schema, _impl, _fake in (
+    ("forward", _FORWARD_SCHEMA, _forward_impl, _forward_fake),
+    ("backward", _BACKWARD_SCHEMA, _backward_impl, _backward_fake),
+):
+    _LIB.define(_name + _schema)
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"addnorm::{_name}", _fake, lib=_LIB)
+forward_op = torch.ops.addnorm.forward.default
+backward_op = torch.ops.addnorm.backward.default
 
 
 def _setup_context(ctx, inputs, output):
@@ -444,7 +455,7 @@ def _op_backward(ctx, dy, dstream, _dmean, _drstd):
     return (dx, dresidual, dweight, dbias) + (None,) * 7 + (dlayer_scale, None)
 
 
-forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+torch.library.register_autograd("addnorm::forward", _op_backward, setup_context=_setup_context, lib=_LIB)
 
 
 # --------------------------------------------------------------------------- a second norm
