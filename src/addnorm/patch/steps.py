@@ -401,8 +401,9 @@ def zamba_hybrid(block: nn.Module, h, s, named: dict):
     return decoder.mamba(hidden_states=h, cache=a["cache"], attention_mask=a["attention_mask"], **positions, **rest)
 
 
-# Zamba and Zamba 2: Mamba layers (their Mamba layer inside a hybrid layer, given the shared
-# transformer's output, runs its own forward), and the hybrid layers
+# Zamba and Zamba 2: Mamba layers, and the hybrid layers, which run their own Mamba layer's norm
+# and mixer (:func:`zamba_hybrid`; a Mamba layer given the shared transformer's output, as only a
+# hybrid layer's own forward gives it, runs its own forward)
 ZAMBA = {
     **{
         hf_path(m, f"{c}MambaDecoderLayer"): Family(
