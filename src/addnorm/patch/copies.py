@@ -176,6 +176,10 @@ COPIES: dict[str, str] = {
     hubert.HubertEncoderLayer sew.SEWEncoderLayer unispeech.UniSpeechEncoderLayer
     unispeech_sat.UniSpeechSatEncoderLayer
     """,
+    "wav2vec2.Wav2Vec2EncoderLayerStableLayerNorm": """
+    hubert.HubertEncoderLayerStableLayerNorm unispeech.UniSpeechEncoderLayerStableLayerNorm
+    unispeech_sat.UniSpeechSatEncoderLayerStableLayerNorm
+    """,
 }
 
 

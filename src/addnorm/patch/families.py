@@ -33,6 +33,7 @@ from .steps import (
     T5GEMMA_MLP,
     VIT,
     VIT_OUTPUT,
+    WAV2VEC2,
     WHISPER,
     WHISPER_ATTENTION,
     WHISPER_MLP,
@@ -57,6 +58,7 @@ from .steps import (
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **ZAMBA,  # Zamba and Zamba 2: Mamba layers, and hybrid layers around a shared transformer
+    **WAV2VEC2,  # wav2vec 2.0's encoder layers, post-norm and pre-norm, and WavLM's
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(
@@ -149,10 +151,6 @@ FAMILIES: dict[str, Family] = {
     # Whisper's encoder layer, its attention given no use_cache (BioGPT)
     hf_path("biogpt", "BioGptDecoderLayer"): Family(
         (WHISPER_ATTENTION, WHISPER_MLP), final="layer_norm", drop=("use_cache",)
-    ),
-    # post-norm, each norm after its add (BART's layout): wav2vec 2.0's encoder layer
-    hf_path("wav2vec2", "Wav2Vec2EncoderLayer"): Family(
-        (Step("attention", "layer_norm", dropout="dropout"), Step("feed_forward", "final_layer_norm")), norm_after=True
     ),
     **{
         hf_path(m, f"{c}{side}Layer"): Family((T5GEMMA_ATTENTION, T5GEMMA_MLP), final="norm")

@@ -421,3 +421,19 @@ ZAMBA = {
         for m, c, shared in [("zamba", "Zamba", "shared_transf"), ("zamba2", "Zamba2", "shared_transformer")]
     },
 }
+
+
+# wav2vec 2.0's encoder layers. Post-norm, each norm after its add (BART's layout); pre-norm
+# (``do_stable_layer_norm``: XLS-R, MMS, the large LV-60 models), the encoder's final norm after
+# the last layer, where a layer with an attention adapter (MMS's per-language adapters, added after
+# the MLP's add) keeps its own forward. WavLM's: the same two layouts, each layer handing its
+# attention's relative position bias on to the next.
+_W2V = (Step("attention", "layer_norm", dropout="dropout"), Step("feed_forward", "final_layer_norm"))
+WAV2VEC2 = {
+    hf_path("wav2vec2", "Wav2Vec2EncoderLayer"): Family(_W2V, norm_after=True),
+    hf_path("wav2vec2", "Wav2Vec2EncoderLayerStableLayerNorm"): lambda block: (
+        None if block.adapter_layer is not None else Family(_W2V, final="layer_norm")
+    ),
+    hf_path("wavlm", "WavLMEncoderLayer"): Family(_W2V, norm_after=True, extras=True, extras_from=2),
+    hf_path("wavlm", "WavLMEncoderLayerStableLayerNorm"): Family(_W2V, final="layer_norm", extras=True, extras_from=2),
+}
