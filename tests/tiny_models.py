@@ -396,18 +396,8 @@ OTHERS = {
             ("marian", "Marian", "MarianMTModel"),
         ]
     },
-    **{  # speech encoders, post-norm (each norm after its add)
-        name: (
-            f"{prefix}Config",
-            f"{prefix}ForCTC",
-            dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH)
-            | dict(conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=16, pad_token_id=0)
-            | dict(num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, layerdrop=0.0)
-            | dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0),
-        )
-        for name, prefix in [("wav2vec2", "Wav2Vec2"), ("hubert", "Hubert")]
-    },
-    **{  # the same encoders pre-norm (``do_stable_layer_norm``), and WavLM's (relative position bias) both ways
+    **{  # speech encoders, post-norm (each norm after its add) or pre-norm (``do_stable_layer_norm``);
+        # WavLM's with its relative position bias
         name: (
             f"{prefix}Config",
             f"{prefix}ForCTC",
@@ -415,9 +405,12 @@ OTHERS = {
             | dict(conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=16, pad_token_id=0)
             | dict(num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, layerdrop=0.0)
             | dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0)
-            | dict(do_stable_layer_norm=stable, num_buckets=8, max_bucket_distance=16),
+            | dict(do_stable_layer_norm=stable)
+            | (dict(num_buckets=8, max_bucket_distance=16) if prefix == "WavLM" else {}),
         )
         for name, prefix, stable in [
+            ("wav2vec2", "Wav2Vec2", False),
+            ("hubert", "Hubert", False),
             ("wav2vec2_stable", "Wav2Vec2", True),
             ("hubert_stable", "Hubert", True),
             ("wavlm", "WavLM", False),
