@@ -152,6 +152,7 @@ COVERAGE = {
             ("zamba2", "Zamba2", 7, "shared_transformer"),
         ]
     },
+    "blip": (13, {"BlipEncoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # its text decoder's norms too
     "kimi_linear": (6, {"KimiLinearDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "bamba": (5, {"BambaDecoderLayer": {"mamba": "fused", "self_attn": "fused", "feed_forward": "fused"}}),
     "falcon_h1": (5, {"FalconH1DecoderLayer": {"mamba+self_attn": "fused", "feed_forward": "fused"}}),
@@ -300,6 +301,9 @@ SKIPPED = {  # gated; without a weight
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
     "zamba2": {"Zamba2RMSNormGated"},
+    "blip": {
+        "BlipTextLayer"
+    },  # its output modules run BERT's statements, from a file (modeling_blip_text) the tables do not name
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
 # per-layer inputs the embedding's gradient differs from the unpatched model's by a few float32
@@ -445,6 +449,7 @@ LABELS = {
     "t5gemma": "T5Gemma (encoder-decoder)",
     "t5gemma2": "T5Gemma 2 (encoder-decoder, vision tower)",
     "jamba": "Jamba (Mamba and attention layers, MoE)",
+    "blip": "BLIP (vision encoder; BLIP-2's and InstructBLIP's run its statements)",
     "zamba": "Zamba (Mamba layers, hybrid layers around one shared transformer)",
     "zamba2": "Zamba 2 (the same with Mamba-2)",
     "kimi_linear": "Kimi Linear (linear and full attention, MoE)",

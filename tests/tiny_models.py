@@ -396,6 +396,11 @@ OTHERS = {
             ("marian", "Marian", "MarianMTModel"),
         ]
     },
+    "blip": (  # its vision encoder (CLIP's steps) and a BERT-style text decoder reading it
+        "BlipConfig",
+        "BlipForConditionalGeneration",
+        dict(vision_config=_VISION, text_config=dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ)),
+    ),
     **{  # speech encoders, post-norm (each norm after its add) or pre-norm (``do_stable_layer_norm``);
         # WavLM's with its relative position bias
         name: (
@@ -568,6 +573,8 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
             cross_attention_states=states, cross_attention_mask=mask.to(dtype), full_text_row_masked_out_mask=rows
         )
         return dict(input_ids=ids, labels=ids, **image)
+    if name == "blip":  # an image and its caption
+        return dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype), input_ids=ids, labels=ids)
     if name == "whisper":  # log-mel features: 8 bins, two frames per encoder position
         return dict(input_features=torch.randn(2, 8, 2 * SEQ, generator=g).to(dtype), labels=ids[:, :5])
     return dict(input_ids=ids, labels=ids)

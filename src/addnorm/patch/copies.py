@@ -176,6 +176,9 @@ COPIES: dict[str, str] = {
     hubert.HubertEncoderLayer sew.SEWEncoderLayer unispeech.UniSpeechEncoderLayer
     unispeech_sat.UniSpeechSatEncoderLayer
     """,
+    "blip.BlipEncoderLayer": """
+    blip_2.Blip2EncoderLayer instructblip.InstructBlipEncoderLayer instructblipvideo.InstructBlipVideoEncoderLayer
+    """,
     "wav2vec2.Wav2Vec2EncoderLayerStableLayerNorm": """
     hubert.HubertEncoderLayerStableLayerNorm unispeech.UniSpeechEncoderLayerStableLayerNorm
     unispeech_sat.UniSpeechSatEncoderLayerStableLayerNorm

@@ -306,6 +306,7 @@ FAMILIES: dict[str, Family] = {
         (Step("mixer", "norm", run=nemotron_h),), final="norm_f", cast=True
     ),
     "transformers.models.clip.modeling_clip.CLIPEncoderLayer": Family(CLIP, final="final_layer_norm"),
+    hf_path("blip", "BlipEncoderLayer"): Family(CLIP, final="post_layernorm"),  # BLIP's vision encoder: CLIP's steps
     "transformers.models.vit.modeling_vit.ViTLayer": Family(VIT, final="layernorm"),
     **{
         hf_path(m, f"{c}{side.capitalize()}Layer"): layouts[side]
