@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import addnorm
-from addnorm.patch.hf_norms import pairs
+from addnorm.patch.hf_norms import hf_path, pairs
 from conftest import SAME_BITS_AS_TORCH
 from tiny_models import OTHERS, SEQ, SPEECH, SWIN, VOCAB, WIDTH, assert_same_step, hf_inputs, hf_model, round_trip, step
 
@@ -152,7 +152,14 @@ COVERAGE = {
             ("zamba2", "Zamba2", 7, "shared_transformer"),
         ]
     },
-    "blip": (13, {"BlipEncoderLayer": {"self_attn": "fused", "mlp": "fused"}}),  # its text decoder's norms too
+    "blip": (
+        13,  # its vision encoder's and its text decoder's norms
+        {
+            "BlipEncoderLayer": {"self_attn": "fused", "mlp": "fused"},
+            "BlipTextSelfOutput": {"dense": "fused"},
+            "BlipTextOutput": {"dense": "fused"},
+        },
+    ),
     "kimi_linear": (6, {"KimiLinearDecoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "bamba": (5, {"BambaDecoderLayer": {"mamba": "fused", "self_attn": "fused", "feed_forward": "fused"}}),
     "falcon_h1": (5, {"FalconH1DecoderLayer": {"mamba+self_attn": "fused", "feed_forward": "fused"}}),
@@ -301,9 +308,6 @@ SKIPPED = {  # gated; without a weight
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
     "zamba2": {"Zamba2RMSNormGated"},
-    "blip": {
-        "BlipTextLayer"
-    },  # its output modules run BERT's statements, from a file (modeling_blip_text) the tables do not name
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
 # per-layer inputs the embedding's gradient differs from the unpatched model's by a few float32
@@ -449,7 +453,7 @@ LABELS = {
     "t5gemma": "T5Gemma (encoder-decoder)",
     "t5gemma2": "T5Gemma 2 (encoder-decoder, vision tower)",
     "jamba": "Jamba (Mamba and attention layers, MoE)",
-    "blip": "BLIP (vision encoder; BLIP-2's and InstructBLIP's run its statements)",
+    "blip": "BLIP (vision encoder, BLIP-2's and InstructBLIP's too; text decoder)",
     "zamba": "Zamba (Mamba layers, hybrid layers around one shared transformer)",
     "zamba2": "Zamba 2 (the same with Mamba-2)",
     "kimi_linear": "Kimi Linear (linear and full attention, MoE)",
@@ -896,7 +900,7 @@ def _statements(model: str, cls: str, stream_first: bool = False) -> str:
     """The statements of a layer's forward as a syntax tree (docstring, comments and signature
     aside); with ``stream_first``, a call's keyword ``hidden_states=`` given before any other
     argument counted as its first positional argument."""
-    module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    module = importlib.import_module(hf_path(model, cls).rpartition(".")[0])
     source = inspect.getsource(getattr(module, cls).forward)
     tree = ast.parse(textwrap.dedent(source))
     if stream_first:
@@ -930,7 +934,7 @@ def test_copied_blocks_run_the_statements_of_the_block_they_copy(copy_, original
     if _statements(*copy_) == _statements(*original):
         return
     assert _statements(*copy_, stream_first=True) == _statements(*original, stream_first=True)
-    module = importlib.import_module(f"transformers.models.{copy_[0]}.modeling_{copy_[0]}")
+    module = importlib.import_module(hf_path(*copy_).rpartition(".")[0])
     init = ast.parse(textwrap.dedent(inspect.getsource(getattr(module, copy_[1]).__init__)))
     attentions = [  # the classes of self.self_attn and self.encoder_attn
         getattr(module, node.value.func.id)

@@ -24,7 +24,8 @@ COPIES: dict[str, str] = {
     umt5.UMT5LayerFF
     """,
     "bert.BertSelfOutput": """
-    align.AlignTextOutput align.AlignTextSelfOutput altclip.AltRobertaOutput
+    align.AlignTextOutput align.AlignTextSelfOutput altclip.AltRobertaOutput blip/blip_text.BlipTextOutput
+    blip/blip_text.BlipTextSelfOutput
     altclip.AltRobertaSelfOutput bert.BertOutput bert_generation.BertGenerationOutput
     bert_generation.BertGenerationSelfOutput big_bird.BigBirdOutput big_bird.BigBirdSelfOutput
     blip_2.Blip2QFormerOutput blip_2.Blip2QFormerSelfOutput bridgetower.BridgeTowerOutput

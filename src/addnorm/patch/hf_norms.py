@@ -102,8 +102,11 @@ _BY_STYLE = {
 
 
 def hf_path(model: str, name: str) -> str:
-    """The path of class ``name`` of a Hugging Face model: ``transformers.models.<model>.modeling_<model>.<name>``."""
-    return f"transformers.models.{model}.modeling_{model}.{name}"
+    """The path of class ``name`` of a Hugging Face model: ``transformers.models.<model>.modeling_<model>.<name>``;
+    ``model`` as ``<model>/<file>`` for a class in another file of the model (``blip/blip_text``:
+    ``modeling_blip_text``)."""
+    model, _, file = model.partition("/")
+    return f"transformers.models.{model}.modeling_{file or model}.{name}"
 
 
 def pairs(entries: str) -> list[tuple[str, str]]:
