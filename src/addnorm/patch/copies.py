@@ -24,11 +24,11 @@ COPIES: dict[str, str] = {
     umt5.UMT5LayerFF
     """,
     "bert.BertSelfOutput": """
-    align.AlignTextOutput align.AlignTextSelfOutput altclip.AltRobertaOutput blip/blip_text.BlipTextOutput
-    blip/blip_text.BlipTextSelfOutput
+    align.AlignTextOutput align.AlignTextSelfOutput altclip.AltRobertaOutput
     altclip.AltRobertaSelfOutput bert.BertOutput bert_generation.BertGenerationOutput
     bert_generation.BertGenerationSelfOutput big_bird.BigBirdOutput big_bird.BigBirdSelfOutput
-    blip_2.Blip2QFormerOutput blip_2.Blip2QFormerSelfOutput bridgetower.BridgeTowerOutput
+    blip/blip_text.BlipTextOutput blip/blip_text.BlipTextSelfOutput blip_2.Blip2QFormerOutput
+    blip_2.Blip2QFormerSelfOutput bridgetower.BridgeTowerOutput
     bridgetower.BridgeTowerSelfOutput bros.BrosOutput bros.BrosSelfOutput camembert.CamembertOutput
     camembert.CamembertSelfOutput canine.CanineOutput canine.CanineSelfOutput
     chinese_clip.ChineseCLIPTextOutput chinese_clip.ChineseCLIPTextSelfOutput clap.ClapTextOutput

@@ -388,14 +388,19 @@ def zamba_hybrid(block: nn.Module, h, s, named: dict):
     Zamba 2's shared transformer takes positions, Zamba's ``use_cache``."""
     a = {k: named.get(k) for k in _ZAMBA_ARGS}
     rest = {k: v for k, v in named.items() if k not in _ZAMBA_ARGS}  # the layer's **kwargs
-    shared = dict(original_hidden_states=a["original_hidden_states"], layer_idx=a["layer_idx"], cache=a["cache"])
-    if hasattr(block, "shared_transformer"):
-        positions = dict(position_embeddings=a["position_embeddings"])
-        shared |= positions | dict(position_ids=a["position_ids"])
-        t = block.shared_transformer(s, attention_mask=a["causal_mask"], **shared, **rest)
-    else:
-        positions = {}
-        t = block.shared_transf(s, attention_mask=a["causal_mask"], use_cache=a["use_cache"], **shared, **rest)
+    zamba2 = hasattr(block, "shared_transformer")
+    positions = dict(position_embeddings=a["position_embeddings"]) if zamba2 else {}
+    own = dict(positions, position_ids=a["position_ids"]) if zamba2 else dict(use_cache=a["use_cache"])
+    shared = block.shared_transformer if zamba2 else block.shared_transf
+    t = shared(
+        s,
+        original_hidden_states=a["original_hidden_states"],
+        layer_idx=a["layer_idx"],
+        attention_mask=a["causal_mask"],
+        cache=a["cache"],
+        **own,
+        **rest,
+    )
     decoder = block.mamba_decoder
     h = decoder.input_layernorm(s + block.linear(t))
     return decoder.mamba(hidden_states=h, cache=a["cache"], attention_mask=a["attention_mask"], **positions, **rest)
