@@ -239,8 +239,18 @@ COVERAGE = {
             ("mbart", "MBart", 14),
             ("bart", "Bart", 12),
             ("marian", "Marian", 10),
+            ("mvp", "Mvp", 12),
         ]
     },
+    "trocr": (7, {"TrOCRDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"}}),
+    "led": (12, {"LEDEncoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # (its decoder's: plain)
+    "speecht5": (
+        12,
+        {
+            "SpeechT5EncoderLayer": {"attention": "fused", "feed_forward": "fused"},
+            "SpeechT5DecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", "feed_forward": "fused"},
+        },
+    ),
     "opt_350m": (4, {"OPTDecoderLayer": {"self_attn": "fused", "fc1 activation_fn fc2": "fused"}}),  # post-norm
     "xglm": (5, {"XGLMDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # no cross-attention
     "gpt_bigcode": (5, {"GPTBigCodeBlock": {"attn": "fused", "mlp": "fused"}}),
@@ -295,8 +305,9 @@ COVERAGE = {
     "bloom": (6, {"BloomBlock": {"self_attention": "fused", _BLOOM_MLP: "fused"}}),  # its attention adds a residual
 }
 FAMILIES = list(COVERAGE)
-# norms inside a sublayer that compute something no style does, left alone and reported
-SKIPPED = {  # gated; without a weight
+# what is left alone and reported: norms inside a sublayer that compute something no style does
+# (gated; without a weight), and layers no Family describes
+SKIPPED = {
     "mamba2": {"MambaRMSNormGated"},
     "qwen3_next": {"Qwen3NextRMSNormGated"},
     "qwen3_5": {"Qwen3_5RMSNormGated"},
@@ -308,6 +319,8 @@ SKIPPED = {  # gated; without a weight
     **{name: {"ChameleonLayerNorm"} for name in ("chameleon", "chameleon_swin")},  # (per-head weights)
     "falcon_mamba": {"FalconMambaWeightlessRMSNorm"},
     "zamba2": {"Zamba2RMSNormGated"},
+    # LED's decoder layers: their attentions return their cache, which the layer returns last
+    "led": {"LEDDecoderLayer"},
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
 # per-layer inputs the embedding's gradient differs from the unpatched model's by a few float32
@@ -334,12 +347,13 @@ MOE += (
     "nemotron_h",
     "doge_moe",
 )
-# XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either.
+# XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either;
+# MVP's fails in bf16 (it adds a float32 mask to bf16 scores), patched or not.
 # Pre-norm WavLM's bf16 gradients of its attention's gate bias (~1e-8) and key bias (zero exactly: a
 # shift of every logit of a row) are rounding noise, over or under twice torch's by the seed (1.01
 # and 1.15 of the allowance for seeds 0 and 1, 0.39-0.72 for 2 and 3); post-norm WavLM has the
 # same attention, and its fp32 gradients are checked as every family's
-BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm", "wavlm_stable")]
+BF16 = [n for n in FAMILIES if n not in (*MOE, "xglm", "mvp", "wavlm_stable")]
 DROPOUT = [
     *(
         "bert",
@@ -357,7 +371,7 @@ DROPOUT = [
         "bart",
     ),
     "bloom",
-    *("emu3", "persimmon", "gte", "mpt", "doge", "swin", "wav2vec2_stable", "wavlm"),
+    *("emu3", "persimmon", "gte", "mpt", "doge", "swin", "wav2vec2_stable", "wavlm", "trocr", "speecht5"),
 ]
 LABELS = {
     "qwen2": "Qwen2",
@@ -404,6 +418,10 @@ LABELS = {
     "xglm": "XGLM",
     "bart": "BART (post-norm)",
     "marian": "Marian (post-norm)",
+    "mvp": "MVP (post-norm, prompts)",
+    "trocr": "TrOCR (decoder: post-norm, cross-attention)",
+    "led": "LED (encoder: post-norm, local and global attention)",
+    "speecht5": "SpeechT5 (speech-to-text: post-norm)",
     "opt_350m": "OPT-350m (post-norm)",
     "mamba": "Mamba",
     "mamba2": "Mamba-2",
@@ -598,6 +616,7 @@ def test_bf16_gradients_within_twice_torchs_error(name):
         "mbart",
         "bart",
         "marian",
+        "trocr",
         "opt_350m",
     ],
 )
@@ -773,6 +792,33 @@ def test_a_hooked_norm_inside_a_block_is_called(name, norm):
                 module.register_forward_hook(scaling(seen, mod_name))
     assert_same_step(original, patched, hf_inputs(name))
     assert calls[1] == calls[0] and calls[0]
+
+
+@pytest.mark.parametrize("name", ["mvp", "trocr", "trocr_alone", "led", "speecht5"])
+def test_layers_return_their_attention_weights_as_the_model_does(name):
+    """Layers that return their attentions' weights (an encoder's always, with LED's global
+    attention's; a decoder's self-attention's and cross-attention's when asked, None for the
+    latter in a call without encoder states, ``trocr_alone``): the fused model returns each one,
+    within float32 rounding of the unpatched model's."""
+    original, patched, report = fused_copy(name.removesuffix("_alone"))
+    inputs = hf_inputs(name.removesuffix("_alone"))
+    if name == "trocr_alone":
+        del inputs["encoder_hidden_states"]
+    if name == "led":  # the first token of each prompt attends globally
+        inputs["global_attention_mask"] = (torch.arange(SEQ) == 0).long().expand(2, SEQ)
+    fields = ("attentions", "encoder_attentions", "decoder_attentions", "cross_attentions", "encoder_global_attentions")
+    original.eval(), patched.eval()
+    with torch.no_grad():
+        want, got = (m(**inputs, output_attentions=True) for m in (original, patched))
+        plain = patched(**inputs)
+    asked = {f: getattr(want, f, None) for f in fields if getattr(want, f, None) is not None}
+    assert len(asked) == {"mvp": 3, "trocr": 2, "trocr_alone": 1, "led": 4, "speecht5": 3}[name]
+    for field, weights in asked.items():
+        assert len(getattr(got, field)) == len(weights) == 2, field
+        for a, b in zip(weights, getattr(got, field)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, f=field: f"{f}: {m}")
+    assert all(getattr(plain, f, None) is None for f in ("attentions", "decoder_attentions", "cross_attentions"))
+    assert len(report.fused_adds) == len(report.adds) > 0
 
 
 def test_wav2vec2_layers_with_attention_adapters_keep_their_own_forward():
@@ -1793,3 +1839,12 @@ def test_mllama_cross_attention_layers_run_fused_with_image_states(fused_calls):
     fused_calls.clear()
     assert_same_step(original, patched, {k: inputs[k] for k in ("input_ids", "labels")})
     assert sum(residual for residual, _ in fused_calls) == 1  # the self-attention layer's first add
+
+
+def test_extras_from_a_step_need_its_tuple():
+    """A step's other outputs join the block's extras only from a sublayer that returns a tuple."""
+    from addnorm.patch.layout import Step
+
+    with pytest.raises(ValueError, match="extras from a sublayer that returns no tuple"):
+        Step("encoder_attn", "encoder_attn_layer_norm", extras=True)
+    assert Step("encoder_attn", "encoder_attn_layer_norm", first=True, extras=True).extras

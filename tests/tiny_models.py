@@ -396,6 +396,40 @@ OTHERS = {
             ("marian", "Marian", "MarianMTModel"),
         ]
     },
+    # BART's layers as first written, returning their attentions' weights: MVP's (each attention
+    # given a prompt), TrOCR's decoder (reading image states), LED's encoder (local and global
+    # attention: 4 positions each side) and SpeechT5's speech-to-text encoder and decoder
+    "mvp": (
+        "MvpConfig",
+        "MvpForConditionalGeneration",
+        dict(_SEQ2SEQ, max_position_embeddings=SEQ, decoder_start_token_id=0)
+        | dict(use_prompt=True, prompt_length=3, prompt_mid_dim=16),
+    ),
+    "trocr": (
+        "TrOCRConfig",
+        "TrOCRForCausalLM",
+        dict(vocab_size=VOCAB, d_model=WIDTH, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=2 * WIDTH)
+        | dict(max_position_embeddings=SEQ, cross_attention_hidden_size=16, dropout=0.0, pad_token_id=0, **_IDS),
+    ),
+    "led": (
+        "LEDConfig",
+        "LEDForConditionalGeneration",
+        dict(_SEQ2SEQ, max_encoder_position_embeddings=16, max_decoder_position_embeddings=SEQ, attention_window=4)
+        | dict(decoder_start_token_id=0),
+    ),
+    "speecht5": (
+        "SpeechT5Config",
+        "SpeechT5ForSpeechToText",
+        dict(vocab_size=16, hidden_size=WIDTH, encoder_layers=2, decoder_layers=2, pad_token_id=0)
+        | dict(
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH
+        )
+        | dict(conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), encoder_max_relative_position=8)
+        | dict(num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, max_text_positions=SEQ)
+        | dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0)
+        | dict(positional_dropout=0.0, speech_decoder_prenet_dropout=0.0, decoder_start_token_id=1)
+        | dict(encoder_layerdrop=0.0, decoder_layerdrop=0.0),
+    ),
     "blip": (  # its vision encoder (CLIP's steps) and a BERT-style text decoder reading it
         "BlipConfig",
         "BlipForConditionalGeneration",
@@ -497,7 +531,7 @@ OTHERS = {
     },
 }
 IMAGES = ("vit", "beit", "dinov2", "swin", "clip", "siglip")
-SPEECH = ("wav2vec2", "hubert", "wav2vec2_stable", "hubert_stable", "wavlm", "wavlm_stable")
+SPEECH = ("wav2vec2", "hubert", "wav2vec2_stable", "hubert_stable", "wavlm", "wavlm_stable", "speecht5")
 
 
 def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.0) -> nn.Module:
@@ -575,6 +609,8 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         return dict(input_ids=ids, labels=ids, **image)
     if name == "blip":  # an image and its caption
         return dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype), input_ids=ids, labels=ids)
+    if name == "trocr":  # five image states of width 16 for its cross-attention
+        return dict(input_ids=ids, labels=ids, encoder_hidden_states=torch.randn(2, 5, 16, generator=g).to(dtype))
     if name == "whisper":  # log-mel features: 8 bins, two frames per encoder position
         return dict(input_features=torch.randn(2, 8, 2 * SEQ, generator=g).to(dtype), labels=ids[:, :5])
     return dict(input_ids=ids, labels=ids)

@@ -332,6 +332,8 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
             out, extras = _call_first(self, family, step, h, s, named)
         else:
             out = _run(self, step, h, calls[i], s)
+            if step.extras:
+                extras += tuple(out[1:])
             out = out[0] if step.first else out
             out = out.view(s.shape) if step.flat else out
         if step.post is not None:

@@ -25,6 +25,7 @@ from .steps import (
     NORM_AFTER_OUTPUT,
     POST,
     PRE,
+    RETURNING_WEIGHTS,
     SAM,
     SANDWICH,
     SWIN,
@@ -59,6 +60,7 @@ from .steps import (
 FAMILIES: dict[str, Family] = {
     **ZAMBA,  # Zamba and Zamba 2: Mamba layers, and hybrid layers around a shared transformer
     **WAV2VEC2,  # wav2vec 2.0's encoder layers, post-norm and pre-norm, and WavLM's
+    **RETURNING_WEIGHTS,  # BART's layers returning their attention weights: MVP, TrOCR, LED, SpeechT5
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(
@@ -139,8 +141,7 @@ FAMILIES: dict[str, Family] = {
     hf_path("gemma4", "Gemma4TextDecoderLayer"): gemma4,
     hf_path("gemma4_unified", "Gemma4UnifiedTextDecoderLayer"): Family(SANDWICH, final="norm", scale="layer_scalar"),
     hf_path("gemma4", "Gemma4VisionEncoderLayer"): Family(SANDWICH),  # (pooled after its stack: no final norm)
-    # Qwen3-ASR's audio encoder: Whisper's encoder steps, no dropout, the rows of all clips packed;
-    # it returns (stream,)
+    # Qwen3-ASR's audio encoder: Whisper's encoder steps, no dropout, clips' rows packed; returns (stream,)
     hf_path("qwen3_asr", "Qwen3ASRAudioEncoderLayer"): Family(
         (Step("self_attn", "self_attn_layer_norm"), Step("fc1 activation_fn fc2", "final_layer_norm")),
         final="ln_post",
@@ -300,8 +301,7 @@ FAMILIES: dict[str, Family] = {
     hf_path("recurrent_gemma", "RecurrentGemmaDecoderLayer"): Family(
         (Step("temporal_block", "temporal_pre_norm"), Step("mlp_block", "channel_pre_norm")), final="final_norm"
     ),
-    # Nemotron-H: one mixer per block (Mamba-2, attention, MLP or MoE), its norm reading the stream
-    # cast to the norm's dtype as Mamba's
+    # Nemotron-H: one mixer per block (Mamba-2, attention, MLP or MoE), its norm reading the stream cast as Mamba's
     hf_path("nemotron_h", "NemotronHBlock"): Family(
         (Step("mixer", "norm", run=nemotron_h),), final="norm_f", cast=True
     ),

@@ -50,6 +50,9 @@ class Step:
     residual_scale: str | None = None
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
     first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
+    # with ``first``, after the first step: the tuple's other items join the block's extras, after
+    # the first step's (TrOCR's cross-attention weights, returned after its self-attention's)
+    extras: bool = False
     flat: bool = False  # the sublayer returns the rows flat, (tokens, hidden) (Llama 4's MoE)
     # after the first step: block argument -> sublayer keyword, passed with the block's **kwargs
     # (Whisper's cross-attention: encoder_hidden_states -> key_value_states)
@@ -70,6 +73,8 @@ class Step:
             raise ValueError("Step: a layer_scale and a multiplier on one step")
         if self.divisor and (self.layer_scale or self.multiplier):  # (which first: the block's order)
             raise ValueError("Step: a divisor with a layer_scale or a multiplier on one step")
+        if self.extras and not self.first:
+            raise ValueError("Step: extras from a sublayer that returns no tuple (first=False)")
 
 
 def modules(sublayer: str) -> list[str]:

@@ -442,3 +442,42 @@ WAV2VEC2 = {
     hf_path("wavlm", "WavLMEncoderLayer"): Family(_W2V, norm_after=True, extras=True, extras_from=2),
     hf_path("wavlm", "WavLMEncoderLayerStableLayerNorm"): Family(_W2V, final="layer_norm", extras=True, extras_from=2),
 }
+
+
+# BART's layers as first written, returning their attentions' weights: the encoder's always (with
+# LED's global attention's), the decoder's when asked, its cross-attention's after its
+# self-attention's (None without encoder states). TrOCR's decoder; MVP's, whose attentions each
+# take a prompt; SpeechT5's, whose MLP adds no dropout of its own (wav2vec 2.0's).
+def _returning_weights(encoder: Family, decoder: Family, prompts: bool = False) -> dict[str, Family]:
+    self_attn, cross, mlp = decoder.steps
+    call = cross.call + (("output_attentions", "output_attentions"),)
+    call += (("cross_attn_prompt", "attn_prompt"),) if prompts else ()
+    rename = (("self_attn_prompt", "attn_prompt"),) if prompts else ()
+    return {
+        "encoder": dataclasses.replace(encoder, extras=True, rename=rename),
+        "decoder": dataclasses.replace(
+            decoder,
+            steps=(self_attn, dataclasses.replace(cross, call=call, extras=True), mlp),
+            rename=rename,
+            drop=decoder.drop + (("cross_attn_prompt",) if prompts else ()),
+            extras=True,
+            extras_if="output_attentions",
+            padded=2,
+            kwargs=False,
+        ),
+    }
+
+
+_MVP = _returning_weights(BART["encoder"], BART["decoder"], prompts=True)
+_SPEECHT5 = _returning_weights(
+    Family(_W2V, norm_after=True, extras_if="output_attentions"),
+    dataclasses.replace(BART["decoder"], steps=(*BART["decoder"].steps[:2], _W2V[1])),
+)
+RETURNING_WEIGHTS = {
+    hf_path("mvp", "MvpEncoderLayer"): _MVP["encoder"],
+    hf_path("mvp", "MvpDecoderLayer"): _MVP["decoder"],
+    hf_path("trocr", "TrOCRDecoderLayer"): _returning_weights(BART["encoder"], BART["decoder"])["decoder"],
+    hf_path("led", "LEDEncoderLayer"): dataclasses.replace(BART["encoder"], extras=True),
+    hf_path("speecht5", "SpeechT5EncoderLayer"): _SPEECHT5["encoder"],
+    hf_path("speecht5", "SpeechT5DecoderLayer"): _SPEECHT5["decoder"],
+}
