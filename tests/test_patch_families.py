@@ -1620,6 +1620,43 @@ def test_kosmos2_without_cross_attention_refuses_the_encoder_s_states():
         model(input_ids=ids, encoder_hidden_states=torch.randn(2, 5, WIDTH))
 
 
+def _qwen_vl(model: str, config: str, cls: str, **layout):
+    """A tiny vision model of Qwen2-VL's kind: its blocks on the packed patches of all images, its
+    patch merger after them."""
+
+    def build(heads: dict):
+        module = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+        sizes = dict(depth=3, hidden_size=WIDTH, num_heads=4, patch_size=2, spatial_merge_size=2, temporal_patch_size=2)
+        if model != "qwen2_vl":
+            sizes |= dict(intermediate_size=2 * WIDTH, out_hidden_size=WIDTH)
+        return getattr(module, cls)(getattr(module, config)(**sizes | layout))
+
+    return build
+
+
+# Qwen2-VL's vision blocks, each stack's last add read by a norm of the model: its patch merger's
+# (Qwen2-VL, Qwen2.5-VL with windowed and full attention by block; Qwen3-VL's, with a deepstack
+# merger reading the stream after its first block) or a final one (GLM-4V)
+_MERGED = {
+    "qwen2_vl": _qwen_vl("qwen2_vl", "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel", embed_dim=WIDTH),
+    "qwen2_5_vl": _qwen_vl(
+        "qwen2_5_vl",
+        "Qwen2_5_VLVisionConfig",
+        "Qwen2_5_VisionTransformerPretrainedModel",
+        window_size=4,
+        fullatt_block_indexes=[1],
+    ),
+    "qwen3_vl": _qwen_vl(
+        "qwen3_vl",
+        "Qwen3VLVisionConfig",
+        "Qwen3VLVisionModel",
+        num_position_embeddings=16,
+        deepstack_visual_indexes=[0],
+    ),
+    "glm4v": _qwen_vl("glm4v", "Glm4vVisionConfig", "Glm4vVisionModel", image_size=8),
+}
+
+
 def _headless(name: str):
     """A tiny encoder without a head (model, its inputs, the adds not fused): the vision encoders
     of Gemma 4 (sandwich norms, pooled after its last layer), DINOv3 (layer scale, drop path,
@@ -1651,6 +1688,10 @@ def _headless(name: str):
         mask[1, 300:] = 0  # (the second clip shorter)
         inputs = dict(input_features=torch.randn(2, 16, 400, generator=g), input_features_mask=mask)
         return modeling_qwen3_asr.Qwen3ASREncoder(config), inputs, []
+    if name in _MERGED:  # two images' patches packed (4x4 and 2x4 patches of 2x2 pixels, 2 frames)
+        grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
+        inputs = dict(hidden_states=torch.randn(24, 24, generator=g), grid_thw=grid)
+        return _MERGED[name](heads), inputs, []
     pixels = torch.randn(2, 3, 8, 8, generator=g)
     if name == "llama4":  # (the pixel shuffle's MLP reads 4x the width)
         config = tf.Llama4VisionConfig(
@@ -1738,16 +1779,17 @@ def _headless(name: str):
 
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
-_ENCODERS += ["sam", "donut_swin", "maskformer_swin"]
+_ENCODERS += ["sam", "donut_swin", "maskformer_swin", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)
-def test_encoders_without_a_head_fuse_their_adds(name):
+def test_encoders_without_a_head_fuse_their_adds(name, monkeypatch):
     """Vision and audio encoders in training mode: the adds fused where a norm reads them (not an encoder's
     last, where a pooler or projector does); features and every gradient the bits of the encoder
     with its norms alone replaced, and within float32 rounding of the unpatched one's. With drop
     path (DINOv3) the fused add scales by the same kept samples (the same draws of torch's
-    generator) and rounds once: within float32 rounding of both."""
+    generator) and rounds once: within float32 rounding of both. Qwen2-VL's kind: the merged
+    features too, their merger's norm given the last add's output (not computing its own)."""
     original, inputs, unfused = _headless(name)
     with torch.no_grad():
         for p in original.parameters():
@@ -1762,10 +1804,19 @@ def test_encoders_without_a_head_fuse_their_adds(name):
     outputs = []
     for model in (norms_only, fused, original):
         torch.manual_seed(2)  # (DINOv3's RoPE jitters its coordinates in training; drop path)
-        features = model(**inputs).last_hidden_state
+        out = model(**inputs)
+        features = out.last_hidden_state
+        if name in _MERGED:
+            features = torch.cat([features.flatten(), out.pooler_output.flatten()])
         features.square().sum().backward()
         outputs.append((features, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
     (want, want_grads), (got, got_grads), (theirs, their_grads) = outputs
+    if name in _MERGED:  # the outputs handed on and taken: the second and third blocks' first norms', the merger's
+        taken, real = [], norms_module.handed_off
+        monkeypatch.setattr(norms_module, "handed_off", lambda *a: (taken.append(real(*a)), taken[-1])[1])
+        with torch.no_grad():
+            fused(**inputs)
+        assert sum(y is not None for y in taken) == 3
     if name in ("flava", "vilt", "donut_swin"):  # layers that return their attention's weights when asked
         with torch.no_grad():
             asked = [

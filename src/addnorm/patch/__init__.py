@@ -29,7 +29,7 @@ from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
 from .blocks import FAMILY, NEXT, NEXT_IF, ORIGINAL, OWNERS, attribute, block_forward, owners, renamed_arguments
-from .families import FAMILIES, entry_norms, family_of, final_names
+from .families import FAMILIES, family_of
 from .hf_norms import HF_NORMS
 from .layout import Family, modules
 from .norms import (
@@ -253,10 +253,18 @@ def _stack(model: nn.Module, name: str, family: Family) -> tuple[str, nn.Module 
     parts = name.split(".")
     for i in range(len(parts) - 1, -1, -1):
         prefix = ".".join(parts[:i])
-        for final in (getattr(model.get_submodule(prefix), n, None) for n in final_names(family)):
+        for final in (_dotted(model.get_submodule(prefix), n) for n in family.final_names):
             if isinstance(final, nn.Module):
                 return prefix, final
     return ".".join(parts[:-1]), None
+
+
+def _dotted(module: nn.Module, path: str):
+    """The attribute at dotted ``path`` of ``module`` (a final norm inside a module of the stack's
+    holder: Qwen2-VL's ``merger.ln_q``), or None where there is none."""
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
 
 
 def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
@@ -404,13 +412,13 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
         targets, where = [(None, None)], following
     elif following is not None:
         f_name, f_block, f_family = following
-        names = entry_norms(f_family)
+        names = f_family.entry_norms
         targets = [(f"{f_name}.{n}", getattr(f_block, n)) if n else (None, None) for n in names]
         where = f"the next block's {names[0] or f_family.steps[0].sublayer} takes the stream itself"
     else:
         _, final = _stack(model, name, family)
         targets = [(_module_name(model, final), final)] if final is not None else [(None, None)]
-        finals = " or ".join(map(repr, final_names(family)))
+        finals = " or ".join(map(repr, family.final_names))
         where = f"no final norm {finals + ' ' if finals else ''}found above the block"
     why = _handoff_problem(targets, where)
     if why is None and family.cast and getattr(m, "residual_in_fp32", False):

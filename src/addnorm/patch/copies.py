@@ -177,6 +177,15 @@ COPIES: dict[str, str] = {
     hubert.HubertEncoderLayer sew.SEWEncoderLayer unispeech.UniSpeechEncoderLayer
     unispeech_sat.UniSpeechSatEncoderLayer
     """,
+    "qwen2_5_vl.Qwen2_5_VLVisionBlock": """
+    cohere_compass.CohereCompassVisionBlock dots3_note.Dots3NoteVisionBlock
+    ernie4_5_vl_moe.Ernie4_5_VLMoeVisionBlock exaone4_5.Exaone4_5_VisionBlock glm4v.Glm4vVisionBlock
+    glm4v_moe.Glm4vMoeVisionBlock glm5_next.Glm5NextVisionBlock glm_ocr.GlmOcrVisionBlock
+    kimi_k25.Kimi_K25VisionEncoderLayer muse_glimmer.MuseGlimmerVisionEncoderLayer
+    muse_spark.MuseSparkVisionEncoderLayer qwen2_5_omni.Qwen2_5OmniVisionBlock qwen2_vl.Qwen2VLVisionBlock
+    qwen3_5.Qwen3_5VisionBlock qwen3_5_moe.Qwen3_5MoeVisionBlock qwen3_omni_moe.Qwen3OmniMoeVisionBlock
+    qwen3_vl.Qwen3VLVisionBlock qwen3_vl_moe.Qwen3VLMoeVisionBlock qwen4_exp.Qwen4ExpVisionBlock
+    """,
     "blip.BlipEncoderLayer": """
     blip_2.Blip2EncoderLayer instructblip.InstructBlipEncoderLayer instructblipvideo.InstructBlipVideoEncoderLayer
     """,
@@ -198,6 +207,23 @@ ALONE = """
 # after the stack's last layer); ViT-MAE's layer runs in its encoder and in its decoder
 FINALS = {
     "bigbird_pegasus.BigBirdPegasusDecoderLayer": "layernorm_embedding",
+    # Qwen2-VL's vision blocks' copies: the norm their stack's last add goes through next
+    **dict.fromkeys(
+        """cohere_compass.CohereCompassVisionBlock qwen3_5.Qwen3_5VisionBlock qwen3_5_moe.Qwen3_5MoeVisionBlock
+        qwen3_vl.Qwen3VLVisionBlock qwen3_vl_moe.Qwen3VLMoeVisionBlock qwen4_exp.Qwen4ExpVisionBlock""".split(),
+        "merger.norm",
+    ),
+    **dict.fromkeys(
+        """glm4v.Glm4vVisionBlock glm4v_moe.Glm4vMoeVisionBlock glm5_next.Glm5NextVisionBlock
+        glm_ocr.GlmOcrVisionBlock""".split(),
+        "post_layernorm",
+    ),
+    "dots3_note.Dots3NoteVisionBlock": "norm",
+    "ernie4_5_vl_moe.Ernie4_5_VLMoeVisionBlock": "ln",
+    "kimi_k25.Kimi_K25VisionEncoderLayer": "final_layernorm",
+    # none: MuSE's vision models put the patches back in their order before their final norm
+    "muse_glimmer.MuseGlimmerVisionEncoderLayer": (),
+    "muse_spark.MuseSparkVisionEncoderLayer": (),
     "dots3_note.Dots3NoteAudioLayer": "layer_norm",
     "hrm_text.HrmTextDecoderLayer": "final_norm",
     "moonshine.MoonshineEncoderLayer": "layer_norm",

@@ -25,6 +25,7 @@ from .steps import (
     NORM_AFTER_OUTPUT,
     POST,
     PRE,
+    QWEN_VL_VISION,
     RETURNING_WEIGHTS,
     SAM,
     SANDWICH,
@@ -61,6 +62,7 @@ FAMILIES: dict[str, Family] = {
     **ZAMBA,  # Zamba and Zamba 2: Mamba layers, and hybrid layers around a shared transformer
     **WAV2VEC2,  # wav2vec 2.0's encoder layers, post-norm and pre-norm, and WavLM's
     **RETURNING_WEIGHTS,  # BART's layers returning their attention weights: MVP, TrOCR, LED, SpeechT5
+    **QWEN_VL_VISION,  # Qwen2-VL's vision blocks and their copies (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...)
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(
@@ -584,16 +586,3 @@ def family_of(block: nn.Module) -> Family | None:
     return dataclasses.replace(
         family, steps=tuple(st for st in family.steps if not st.needs or hasattr(block, st.sublayer))
     )
-
-
-def final_names(family: Family) -> tuple[str, ...]:
-    """The names the final norm of a block's stack may have, in the order they are looked for."""
-    return (family.final,) if isinstance(family.final, str) else family.final or ()
-
-
-def entry_norms(family: Family) -> tuple[str | None, ...]:
-    """The norms the stream entering a block goes through first (both of a parallel block's)."""
-    if family.post_norm or family.norm_after:
-        return ()
-    steps = family.steps[:2] if family.parallel else family.steps[:1]
-    return tuple(dict.fromkeys(step.norm for step in steps))

@@ -130,6 +130,19 @@ class Family:
     # the stage has one (patch merging): that block's last add then hands nothing on
     then: str | None = None
 
+    @property
+    def final_names(self) -> tuple[str, ...]:
+        """The names the final norm of the block's stack may have, in the order they are looked for."""
+        return (self.final,) if isinstance(self.final, str) else self.final or ()
+
+    @property
+    def entry_norms(self) -> tuple[str | None, ...]:
+        """The norms the stream entering the block goes through first (both of a parallel block's)."""
+        if self.post_norm or self.norm_after:
+            return ()
+        steps = self.steps[:2] if self.parallel else self.steps[:1]
+        return tuple(dict.fromkeys(step.norm for step in steps))
+
     def __post_init__(self):
         if (self.parallel or self.post_norm) and any(step.divisor for step in self.steps):
             raise ValueError("Family: a step's divisor needs sequential steps (not parallel or post_norm)")

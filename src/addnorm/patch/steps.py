@@ -481,3 +481,13 @@ RETURNING_WEIGHTS = {
     hf_path("speecht5", "SpeechT5EncoderLayer"): _SPEECHT5["encoder"],
     hf_path("speecht5", "SpeechT5DecoderLayer"): _SPEECHT5["decoder"],
 }
+
+
+# The vision blocks of Qwen2-VL and the models built on it (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...):
+# Llama's steps on the packed patches of all images, each attention given the images' bounds
+# (``cu_seqlens``); the stack's last add read by its patch merger's norm (``FINALS``: where others)
+QWEN_VL_VISION = {
+    hf_path("qwen2_5_vl", "Qwen2_5_VLVisionBlock"): Family(
+        (Step("attn", "norm1"), Step("mlp", "norm2")), final="merger.ln_q"
+    ),
+}
