@@ -256,6 +256,8 @@ COVERAGE = {
     "gpt_bigcode": (5, {"GPTBigCodeBlock": {"attn": "fused", "mlp": "fused"}}),
     "granitemoe": (5, {"GraniteMoeDecoderLayer": {"self_attn": "fused", "block_sparse_moe": "fused"}}),
     "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
+    "modernbert": (6, {"ModernBertEncoderLayer": {"attn": "fused", "mlp": "fused"}}),  # (with its head's norm)
+    "distilbert": (6, {"TransformerBlock": {"attention": "fused", "ffn": "fused"}}),  # (with its head's norm)
     **{
         name: (6, {f"{c}Layer": {"self_attn": "fused", "mlp": "fused"}})
         for name, c in [("gte", "Gte"), ("nomic_bert", "NomicBert"), ("jina_embeddings_v3", "JinaEmbeddingsV3")]
@@ -428,6 +430,8 @@ LABELS = {
     "falcon_mamba": "Falcon Mamba",
     "mpt": "MPT (its MLP adds the residual itself)",
     "bert": "BERT",
+    "modernbert": "ModernBERT (its first attention norm an identity)",
+    "distilbert": "DistilBERT (post-norm)",
     "gte": "GTE (post-norm in the layer)",
     "nomic_bert": "Nomic BERT (post-norm in the layer)",
     "jina_embeddings_v3": "Jina Embeddings v3 (post-norm in the layer)",

@@ -311,6 +311,18 @@ OTHERS = {
         name: (f"{c}Config", f"{c}ForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ))
         for name, c in [("gte", "Gte"), ("nomic_bert", "NomicBert"), ("jina_embeddings_v3", "JinaEmbeddingsV3")]
     },
+    "modernbert": (  # local attention in its first layer (an identity for its attention norm), global in its second
+        "ModernBertConfig",
+        "ModernBertForMaskedLM",
+        dict(**SMALL, vocab_size=VOCAB, max_position_embeddings=SEQ, global_attn_every_n_layers=2, local_attention=4)
+        | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
+    ),
+    "distilbert": (
+        "DistilBertConfig",
+        "DistilBertForMaskedLM",
+        dict(dim=WIDTH, hidden_dim=2 * WIDTH, n_layers=2, n_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ)
+        | dict(dropout=0.0, attention_dropout=0.0, pad_token_id=0),
+    ),
     "roberta": (
         "RobertaConfig",
         "RobertaForMaskedLM",

@@ -18,6 +18,7 @@ from .steps import (
     CLIP,
     DINO,
     DONUT_SWIN,
+    ENCODERS,
     GATED_CROSS,
     GRANITE,
     LAMBDA,
@@ -63,6 +64,7 @@ FAMILIES: dict[str, Family] = {
     **WAV2VEC2,  # wav2vec 2.0's encoder layers, post-norm and pre-norm, and WavLM's
     **RETURNING_WEIGHTS,  # BART's layers returning their attention weights: MVP, TrOCR, LED, SpeechT5
     **QWEN_VL_VISION,  # Qwen2-VL's vision blocks and their copies (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...)
+    **ENCODERS,  # ModernBERT's and DistilBERT's layers
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(

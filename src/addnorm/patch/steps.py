@@ -491,3 +491,16 @@ QWEN_VL_VISION = {
         (Step("attn", "norm1"), Step("mlp", "norm2")), final="merger.ln_q"
     ),
 }
+
+
+# Encoders of BERT's kind whose layers are not BERT's: ModernBERT's (pre-norm; its first layer's
+# attention norm an identity, as the embeddings end with a norm) and DistilBERT's (post-norm, each
+# norm after its add, as BART's; dropout inside the MLP module)
+ENCODERS = {
+    hf_path("modernbert", "ModernBertEncoderLayer"): Family(
+        (Step("attn", "attn_norm"), Step("mlp", "mlp_norm")), final="final_norm"
+    ),
+    hf_path("distilbert", "TransformerBlock"): Family(
+        (Step("attention", "sa_layer_norm"), Step("ffn", "output_layer_norm")), norm_after=True
+    ),
+}
