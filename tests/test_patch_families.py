@@ -242,6 +242,14 @@ COVERAGE = {
             ("mvp", "Mvp", 12),
         ]
     },
+    "seamless_m4t": (
+        12,
+        {
+            "SeamlessM4TEncoderLayer": {"self_attn": "fused", "ffn": "fused"},
+            "SeamlessM4TDecoderLayer": {"self_attn": "fused", "cross_attention": "fused", "ffn": "fused"},
+        },
+    ),
+    "canary": (13, {"CanaryDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", "mlp": "fused"}}),
     "trocr": (7, {"TrOCRDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"}}),
     "led": (12, {"LEDEncoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # (its decoder's: plain)
     "speecht5": (
@@ -323,6 +331,7 @@ SKIPPED = {
     "zamba2": {"Zamba2RMSNormGated"},
     # LED's decoder layers: their attentions return their cache, which the layer returns last
     "led": {"LEDDecoderLayer"},
+    "canary": {"ParakeetEncoderBlock"},  # (a conformer: a convolution module and two half-step MLPs)
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
 # per-layer inputs the embedding's gradient differs from the unpatched model's by a few float32
@@ -420,6 +429,8 @@ LABELS = {
     "xglm": "XGLM",
     "bart": "BART (post-norm)",
     "marian": "Marian (post-norm)",
+    "seamless_m4t": "SeamlessM4T (text: encoder-decoder, dropout modules)",
+    "canary": "Canary (decoder: cross-attention between Llama's steps)",
     "mvp": "MVP (post-norm, prompts)",
     "trocr": "TrOCR (decoder: post-norm, cross-attention)",
     "led": "LED (encoder: post-norm, local and global attention)",
@@ -1662,17 +1673,14 @@ _MERGED = {
 
 
 def _headless(name: str):
-    """A tiny encoder without a head (model, its inputs, the adds not fused): the vision encoders
-    of Gemma 4 (sandwich norms, pooled after its last layer), DINOv3 (layer scale, drop path,
-    RoPE), Pixtral (Llama's steps, read by a projector after its last layer) or Llama 4 (Llama's
-    steps, each layer's stream passed as ``hidden_state=``), InternVL (a learned scale per channel), or Qwen3-ASR's
-    audio encoder (Whisper's steps on the packed rows of all clips, cut in windows)."""
+    """A tiny encoder without a head: the model, its inputs, and the adds not fused (each case says
+    what its layout shows)."""
     import transformers as tf
 
     torch.manual_seed(0)
     heads = dict(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2, num_attention_heads=4)
     g = torch.Generator().manual_seed(1)
-    if name == "gemma4":
+    if name == "gemma4":  # sandwich norms, pooled after its last layer
         config = tf.Gemma4VisionConfig(
             **heads, num_key_value_heads=2, head_dim=WIDTH // 4, patch_size=2, pooling_kernel_size=2,
             position_embedding_size=16,
@@ -1681,7 +1689,7 @@ def _headless(name: str):
         grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1).reshape(1, 16, 2)
         inputs = dict(pixel_values=torch.rand(2, 16, 12, generator=g), pixel_position_ids=grid.expand(2, 16, 2))
         return tf.Gemma4VisionModel(config), inputs, [("encoder.layers.1", "mlp")]
-    if name == "qwen3_asr":
+    if name == "qwen3_asr":  # Whisper's steps on the packed rows of all clips, cut in windows
         from transformers.models.qwen3_asr import modeling_qwen3_asr
 
         config = tf.models.qwen3_asr.Qwen3ASREncoderConfig(
@@ -1692,6 +1700,25 @@ def _headless(name: str):
         mask[1, 300:] = 0  # (the second clip shorter)
         inputs = dict(input_features=torch.randn(2, 16, 400, generator=g), input_features_mask=mask)
         return modeling_qwen3_asr.Qwen3ASREncoder(config), inputs, []
+    if name == "aimv2":  # RMSNorm before each sublayer, the stack's final norm after the last
+        config = tf.Aimv2VisionConfig(**heads, image_size=8, patch_size=4)
+        return tf.Aimv2VisionModel(config), dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g)), []
+    if name == "pix2struct":  # six patches of 2x2 pixels, each after its row and column (1-3)
+        config = tf.Pix2StructVisionConfig(
+            hidden_size=WIDTH, d_ff=2 * WIDTH, d_kv=8, num_hidden_layers=2, num_attention_heads=4,
+            patch_embed_hidden_size=12, seq_len=16, dropout_rate=0.0,
+        )  # fmt: skip
+        patches = torch.randn(2, 6, 14, generator=g)
+        patches[..., :2] = torch.randint(1, 4, (2, 6, 2), generator=g).float()
+        return tf.Pix2StructVisionModel(config), dict(flattened_patches=patches, attention_mask=torch.ones(2, 6)), []
+    if name == "paddleocr_vl":  # CLIP's steps on two images' packed patches (4x4 and 2x4 of 2x2 pixels)
+        from transformers.models.paddleocr_vl import configuration_paddleocr_vl, modeling_paddleocr_vl
+
+        config = configuration_paddleocr_vl.PaddleOCRVisionConfig(**heads, image_size=8, patch_size=2)
+        inputs = dict(
+            pixel_values=torch.randn(1, 24, 3, 2, 2, generator=g), grid_thw=torch.tensor([[1, 4, 4], [1, 2, 4]])
+        )
+        return modeling_paddleocr_vl.PaddleOCRVisionModel(config), inputs, []
     if name in _MERGED:  # two images' patches packed (4x4 and 2x4 patches of 2x2 pixels, 2 frames)
         grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
         inputs = dict(hidden_states=torch.randn(24, 24, generator=g), grid_thw=grid)
@@ -1770,12 +1797,13 @@ def _headless(name: str):
     if name == "internvl":  # a learned scale per channel on each step; mean-pooled after its last layer
         config = tf.InternVLVisionConfig(**heads, image_size=8, patch_size=4, layer_scale_init_value=0.5)
         return tf.InternVLVisionModel(config), dict(pixel_values=pixels), [("encoder.layer.1", "mlp")]
-    if name.startswith("dinov3"):
+    if name.startswith("dinov3"):  # layer scale, drop path, RoPE
         config = tf.DINOv3ViTConfig(
             **heads, image_size=8, patch_size=4, num_register_tokens=1, layerscale_value=0.5,
             drop_path_rate=0.3 if name == "dinov3_drop_path" else 0.0,
         )  # fmt: skip
         return tf.DINOv3ViTModel(config), dict(pixel_values=pixels), []
+    # Pixtral: Llama's steps, read by a projector after its last layer
     config = tf.PixtralVisionConfig(**heads, image_size=8, patch_size=4, head_dim=WIDTH // 4)
     inputs = dict(pixel_values=pixels, image_sizes=torch.tensor([[8, 8], [8, 8]]))
     return tf.PixtralVisionModel(config), inputs, [("transformer.layers.1", "feed_forward")]
@@ -1783,7 +1811,7 @@ def _headless(name: str):
 
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
-_ENCODERS += ["sam", "donut_swin", "maskformer_swin", *_MERGED]
+_ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "paddleocr_vl", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

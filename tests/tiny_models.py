@@ -429,6 +429,34 @@ OTHERS = {
         dict(_SEQ2SEQ, max_encoder_position_embeddings=16, max_decoder_position_embeddings=SEQ, attention_window=4)
         | dict(decoder_start_token_id=0),
     ),
+    # Llama's layer with a cross-attention step between: SeamlessM4T's text encoder-decoder
+    # (dropout modules) and Canary's decoder over a Parakeet encoder (log-mel features)
+    "seamless_m4t": (
+        "SeamlessM4TConfig",
+        "SeamlessM4TForTextToText",
+        dict(vocab_size=VOCAB, t2u_vocab_size=VOCAB, hidden_size=WIDTH, encoder_layers=2, decoder_layers=2)
+        | dict(
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH
+        )
+        | dict(max_position_embeddings=16, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2)
+        | dict(
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0
+        ),
+    ),
+    "canary": (
+        "CanaryConfig",
+        "CanaryForConditionalGeneration",
+        dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+        | dict(
+            encoder_config=dict(hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
+            | dict(intermediate_size=2 * WIDTH, num_mel_bins=16, subsampling_conv_channels=8, subsampling_factor=4)
+            | dict(dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, conv_kernel_size=3),
+            decoder_config=dict(
+                **SMALL, num_key_value_heads=4, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16
+            )
+            | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        ),
+    ),
     "speecht5": (
         "SpeechT5Config",
         "SpeechT5ForSpeechToText",
@@ -621,6 +649,8 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         return dict(input_ids=ids, labels=ids, **image)
     if name == "blip":  # an image and its caption
         return dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype), input_ids=ids, labels=ids)
+    if name == "canary":  # 32 frames of 16 log-mel bins (8 encoder positions)
+        return dict(input_features=torch.randn(2, 32, 16, generator=g).to(dtype), labels=ids)
     if name == "trocr":  # five image states of width 16 for its cross-attention
         return dict(input_ids=ids, labels=ids, encoder_hidden_states=torch.randn(2, 5, 16, generator=g).to(dtype))
     if name == "whisper":  # log-mel features: 8 bins, two frames per encoder position

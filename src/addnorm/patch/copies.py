@@ -186,6 +186,11 @@ COPIES: dict[str, str] = {
     qwen3_5.Qwen3_5VisionBlock qwen3_5_moe.Qwen3_5MoeVisionBlock qwen3_omni_moe.Qwen3OmniMoeVisionBlock
     qwen3_vl.Qwen3VLVisionBlock qwen3_vl_moe.Qwen3VLMoeVisionBlock qwen4_exp.Qwen4ExpVisionBlock
     """,
+    "paddleocr_vl.PaddleOCRVisionEncoderLayer": "video_llama_3.VideoLlama3VisionEncoderLayer",
+    "aimv2.Aimv2EncoderLayer": "ovis2.Ovis2VisionEncoderLayer",
+    "canary.CanaryDecoderLayer": "cohere_asr.CohereAsrDecoderLayer",
+    "seamless_m4t.SeamlessM4TEncoderLayer": "seamless_m4t_v2.SeamlessM4Tv2EncoderLayer",
+    "seamless_m4t.SeamlessM4TDecoderLayer": "seamless_m4t_v2.SeamlessM4Tv2DecoderLayer",
     "blip.BlipEncoderLayer": """
     blip_2.Blip2EncoderLayer instructblip.InstructBlipEncoderLayer instructblipvideo.InstructBlipVideoEncoderLayer
     """,

@@ -16,6 +16,7 @@ from .layout import Family, Step
 from .steps import (
     BART,
     CLIP,
+    CROSS_ATTENTION,
     DINO,
     DONUT_SWIN,
     ENCODERS,
@@ -26,7 +27,6 @@ from .steps import (
     NORM_AFTER_OUTPUT,
     POST,
     PRE,
-    QWEN_VL_VISION,
     RETURNING_WEIGHTS,
     SAM,
     SANDWICH,
@@ -34,6 +34,7 @@ from .steps import (
     T5_LAYERS,
     T5GEMMA_ATTENTION,
     T5GEMMA_MLP,
+    VISION,
     VIT,
     VIT_OUTPUT,
     WAV2VEC2,
@@ -63,8 +64,9 @@ FAMILIES: dict[str, Family] = {
     **ZAMBA,  # Zamba and Zamba 2: Mamba layers, and hybrid layers around a shared transformer
     **WAV2VEC2,  # wav2vec 2.0's encoder layers, post-norm and pre-norm, and WavLM's
     **RETURNING_WEIGHTS,  # BART's layers returning their attention weights: MVP, TrOCR, LED, SpeechT5
-    **QWEN_VL_VISION,  # Qwen2-VL's vision blocks and their copies (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...)
+    **VISION,  # Qwen2-VL's vision blocks and their copies (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...), AIMv2, ...
     **ENCODERS,  # ModernBERT's and DistilBERT's layers
+    **CROSS_ATTENTION,  # Canary's and SeamlessM4T's decoders
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(

@@ -483,12 +483,23 @@ RETURNING_WEIGHTS = {
 }
 
 
-# The vision blocks of Qwen2-VL and the models built on it (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...):
+# Vision encoders. Qwen2-VL's blocks and those built on them (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...):
 # Llama's steps on the packed patches of all images, each attention given the images' bounds
-# (``cu_seqlens``); the stack's last add read by its patch merger's norm (``FINALS``: where others)
-QWEN_VL_VISION = {
+# (``cu_seqlens``), the stack's last add read by its patch merger's norm (``FINALS``: where others).
+# PaddleOCR-VL's (and VideoLLaMA3's): CLIP's steps on packed patches. AIMv2's (and Ovis2's):
+# RMSNorm before each sublayer. Pix2Struct's: returning its attention's weights.
+VISION = {
     hf_path("qwen2_5_vl", "Qwen2_5_VLVisionBlock"): Family(
         (Step("attn", "norm1"), Step("mlp", "norm2")), final="merger.ln_q"
+    ),
+    hf_path("paddleocr_vl", "PaddleOCRVisionEncoderLayer"): Family(CLIP, final="post_layernorm"),
+    hf_path("aimv2", "Aimv2EncoderLayer"): Family(
+        (Step("attention", "rms_norm1"), Step("ffn", "rms_norm2")), final="rms_norm"
+    ),
+    hf_path("pix2struct", "Pix2StructVisionLayer"): Family(
+        (Step("attention", "pre_attention_layer_norm"), Step("mlp", "pre_mlp_layer_norm")),
+        final="layernorm",
+        extras=True,
     ),
 }
 
@@ -502,5 +513,50 @@ ENCODERS = {
     ),
     hf_path("distilbert", "TransformerBlock"): Family(
         (Step("attention", "sa_layer_norm"), Step("ffn", "output_layer_norm")), norm_after=True
+    ),
+}
+
+
+# Decoders with a cross-attention step between Llama's two. Canary's (and Cohere's speech
+# recognizer's): the cross-attention given the encoder's states by name, without the layer's
+# **kwargs. SeamlessM4T's text encoder and decoder: dropout modules after each sublayer.
+_SEAMLESS_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="attn_dropout")
+_SEAMLESS_FFN = Step("ffn", "ffn_layer_norm", dropout="ffn_dropout")
+_CROSS = (("encoder_hidden_states", "encoder_hidden_states"), ("encoder_attention_mask", "attention_mask"))
+CROSS_ATTENTION = {
+    hf_path("canary", "CanaryDecoderLayer"): Family(
+        (
+            Step("self_attn", "input_layernorm"),
+            Step(
+                "encoder_attn",
+                "post_attention_layernorm",
+                first=True,
+                call=(*_CROSS, ("cache", "cache")),
+                needs="encoder_hidden_states",
+                kwargs=False,
+            ),
+            Step("mlp", "final_layernorm"),
+        ),
+        final="norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask", "encoder_position_ids"),
+    ),
+    hf_path("seamless_m4t", "SeamlessM4TEncoderLayer"): Family(
+        (_SEAMLESS_ATTENTION, _SEAMLESS_FFN), final="layer_norm"
+    ),
+    hf_path("seamless_m4t", "SeamlessM4TDecoderLayer"): Family(
+        (
+            _SEAMLESS_ATTENTION,
+            Step(
+                "cross_attention",
+                "cross_attention_layer_norm",
+                dropout="attn_dropout",
+                first=True,
+                call=(*_CROSS, ("cache", "cache")),
+                needs="encoder_hidden_states",
+            ),
+            _SEAMLESS_FFN,
+        ),
+        final="layer_norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
     ),
 }
