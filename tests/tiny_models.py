@@ -311,6 +311,13 @@ OTHERS = {
         name: (f"{c}Config", f"{c}ForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ))
         for name, c in [("gte", "Gte"), ("nomic_bert", "NomicBert"), ("jina_embeddings_v3", "JinaEmbeddingsV3")]
     },
+    "openai_privacy_filter": (  # GPT-OSS's layer (MoE, sliding window) as a token classifier
+        "OpenAIPrivacyFilterConfig",
+        "OpenAIPrivacyFilterForTokenClassification",
+        dict(num_hidden_layers=2, hidden_size=WIDTH, intermediate_size=WIDTH, head_dim=8, num_attention_heads=4)
+        | dict(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, sliding_window=4, vocab_size=VOCAB)
+        | dict(max_position_embeddings=16, pad_token_id=0, eos_token_id=0, num_labels=VOCAB),
+    ),
     "modernbert": (  # local attention in its first layer (an identity for its attention norm), global in its second
         "ModernBertConfig",
         "ModernBertForMaskedLM",

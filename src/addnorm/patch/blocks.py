@@ -140,8 +140,11 @@ def _branch(block: nn.Module, step: Step, out: Tensor) -> Tensor:
     return out
 
 
-def _layer_scale(module: nn.Module) -> Tensor:
-    """The scale per channel of a layer scale module: DINOv2's ``lambda1``, Mimi's ``scale``."""
+def _layer_scale(module: nn.Module) -> Tensor | None:
+    """The scale per channel of a layer scale module: DINOv2's ``lambda1``, Mimi's ``scale``; None
+    for an identity (Sapiens2's MLP has none)."""
+    if isinstance(module, nn.Identity):
+        return None
     return module.lambda1 if hasattr(module, "lambda1") else module.scale
 
 

@@ -187,6 +187,7 @@ COPIES: dict[str, str] = {
     qwen3_vl.Qwen3VLVisionBlock qwen3_vl_moe.Qwen3VLMoeVisionBlock qwen4_exp.Qwen4ExpVisionBlock
     """,
     "paddleocr_vl.PaddleOCRVisionEncoderLayer": "video_llama_3.VideoLlama3VisionEncoderLayer",
+    "dinov3_vit.DINOv3ViTLayer": "eomt_dinov3.EomtDinov3Layer sapiens2.Sapiens2Layer",
     "aimv2.Aimv2EncoderLayer": "ovis2.Ovis2VisionEncoderLayer",
     "canary.CanaryDecoderLayer": "cohere_asr.CohereAsrDecoderLayer",
     "seamless_m4t.SeamlessM4TEncoderLayer": "seamless_m4t_v2.SeamlessM4Tv2EncoderLayer",
@@ -204,7 +205,7 @@ COPIES: dict[str, str] = {
 # copies in models that change the stream between their layers: merged (MiniCPM's vision) or added
 # tokens (EoMT), or a cross-attention output added before each layer (BLT's local decoder)
 ALONE = """
-    blt.BltTransformerLayer eomt.EomtLayer minicpm_ocr.MiniCPMOcrVisionEncoderLayer
+    blt.BltTransformerLayer eomt.EomtLayer eomt_dinov3.EomtDinov3Layer minicpm_ocr.MiniCPMOcrVisionEncoderLayer
     minicpmv4_6.MiniCPMV4_6VisionEncoderLayer minicpmv4_7.MiniCPMV4_7VisionEncoderLayer
 """
 

@@ -487,7 +487,8 @@ RETURNING_WEIGHTS = {
 # Llama's steps on the packed patches of all images, each attention given the images' bounds
 # (``cu_seqlens``), the stack's last add read by its patch merger's norm (``FINALS``: where others).
 # PaddleOCR-VL's (and VideoLLaMA3's): CLIP's steps on packed patches. AIMv2's (and Ovis2's):
-# RMSNorm before each sublayer. Pix2Struct's: returning its attention's weights.
+# RMSNorm before each sublayer. Pix2Struct's: returning its attention's weights (Kosmos-2.5's: not).
+_PIX2STRUCT = (Step("attention", "pre_attention_layer_norm"), Step("mlp", "pre_mlp_layer_norm"))
 VISION = {
     hf_path("qwen2_5_vl", "Qwen2_5_VLVisionBlock"): Family(
         (Step("attn", "norm1"), Step("mlp", "norm2")), final="merger.ln_q"
@@ -496,18 +497,21 @@ VISION = {
     hf_path("aimv2", "Aimv2EncoderLayer"): Family(
         (Step("attention", "rms_norm1"), Step("ffn", "rms_norm2")), final="rms_norm"
     ),
-    hf_path("pix2struct", "Pix2StructVisionLayer"): Family(
-        (Step("attention", "pre_attention_layer_norm"), Step("mlp", "pre_mlp_layer_norm")),
-        final="layernorm",
-        extras=True,
-    ),
+    hf_path("pix2struct", "Pix2StructVisionLayer"): Family(_PIX2STRUCT, final="layernorm", extras=True),
+    hf_path("kosmos2_5", "Kosmos2_5VisionLayer"): Family(
+        _PIX2STRUCT, final="layernorm"
+    ),  # (returning its stream alone)
 }
 
 
 # Encoders of BERT's kind whose layers are not BERT's: ModernBERT's (pre-norm; its first layer's
 # attention norm an identity, as the embeddings end with a norm) and DistilBERT's (post-norm, each
-# norm after its add, as BART's; dropout inside the MLP module)
+# norm after its add, as BART's; dropout inside the MLP module); and OpenAI's privacy filter
+# (GPT-OSS's steps: its MoE returns its router's scores too)
 ENCODERS = {
+    hf_path("openai_privacy_filter", "OpenAIPrivacyFilterEncoderLayer"): Family(
+        (PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
+    ),
     hf_path("modernbert", "ModernBertEncoderLayer"): Family(
         (Step("attn", "attn_norm"), Step("mlp", "mlp_norm")), final="final_norm"
     ),
