@@ -1727,6 +1727,16 @@ def _headless(name: str):
     if name == "sapiens2":  # DINOv3's layer (RoPE; a layer scale on the attention, an identity on the MLP)
         config = tf.Sapiens2Config(**heads, image_size=8, patch_size=4)
         return tf.Sapiens2Model(config), dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g)), []
+    if name == "detr":  # post-norm layers with position embeddings, on a tiny ResNet's features
+        backbone = tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], out_features=["stage2"])
+        config = tf.DetrConfig(
+            use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone, d_model=WIDTH,
+            encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH, num_queries=5, dropout=0.0,
+        )  # fmt: skip
+        mask = torch.ones(2, 32, 32, dtype=torch.long)
+        mask[1, :, 24:] = 0  # (the second image narrower)
+        return tf.DetrModel(config), dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g), pixel_mask=mask), []
     if name == "paddleocr_vl":  # CLIP's steps on two images' packed patches (4x4 and 2x4 of 2x2 pixels)
         from transformers.models.paddleocr_vl import configuration_paddleocr_vl, modeling_paddleocr_vl
 
@@ -1828,7 +1838,7 @@ def _headless(name: str):
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 _ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "kosmos2_5", "sapiens2", "paddleocr_vl"]
-_ENCODERS += list(_MERGED)
+_ENCODERS += ["detr", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

@@ -187,6 +187,8 @@ COPIES: dict[str, str] = {
     qwen3_vl.Qwen3VLVisionBlock qwen3_vl_moe.Qwen3VLMoeVisionBlock qwen4_exp.Qwen4ExpVisionBlock
     """,
     "paddleocr_vl.PaddleOCRVisionEncoderLayer": "video_llama_3.VideoLlama3VisionEncoderLayer",
+    "detr.DetrEncoderLayer": "conditional_detr.ConditionalDetrEncoderLayer",
+    "detr.DetrDecoderLayer": "maskformer.MaskFormerDetrDecoderLayer",
     "dinov3_vit.DINOv3ViTLayer": "eomt_dinov3.EomtDinov3Layer sapiens2.Sapiens2Layer",
     "aimv2.Aimv2EncoderLayer": "ovis2.Ovis2VisionEncoderLayer",
     "canary.CanaryDecoderLayer": "cohere_asr.CohereAsrDecoderLayer",

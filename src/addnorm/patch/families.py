@@ -17,6 +17,7 @@ from .steps import (
     BART,
     CLIP,
     CROSS_ATTENTION,
+    DETR,
     DINO,
     DONUT_SWIN,
     ENCODERS,
@@ -67,6 +68,7 @@ FAMILIES: dict[str, Family] = {
     **VISION,  # Qwen2-VL's vision blocks and their copies (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...), AIMv2, ...
     **ENCODERS,  # ModernBERT's and DistilBERT's layers
     **CROSS_ATTENTION,  # Canary's and SeamlessM4T's decoders
+    **DETR,  # DETR's encoder and decoder layers (post-norm, position embeddings)
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(

@@ -564,3 +564,36 @@ CROSS_ATTENTION = {
         drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
     ),
 }
+
+
+# DETR's encoder and decoder layers: post-norm (each norm after its add, as BART's), each attention
+# given its position embeddings: the encoder's the image's, the decoder's self-attention the object
+# queries', its cross-attention both. (The encoder clamps a stream that is not finite in training:
+# its last norm's output, finite wherever its weights are.)
+_DETR_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="dropout")
+_DETR_MLP = Step("mlp", "final_layer_norm")
+_DETR_CROSS = (("encoder_hidden_states", "key_value_states"), ("encoder_attention_mask", "attention_mask"))
+_DETR_CROSS += (("object_queries_position_embeddings", "position_embeddings"),)
+_DETR_CROSS += (("spatial_position_embeddings", "encoder_position_embeddings"),)
+DETR = {
+    hf_path("detr", "DetrEncoderLayer"): Family(
+        (_DETR_ATTENTION, _DETR_MLP), norm_after=True, rename=(("spatial_position_embeddings", "position_embeddings"),)
+    ),
+    hf_path("detr", "DetrDecoderLayer"): Family(
+        (
+            _DETR_ATTENTION,
+            Step(
+                "encoder_attn",
+                "encoder_attn_layer_norm",
+                dropout="dropout",
+                first=True,
+                call=_DETR_CROSS,
+                needs="encoder_hidden_states",
+            ),
+            _DETR_MLP,
+        ),
+        norm_after=True,
+        rename=(("object_queries_position_embeddings", "position_embeddings"),),
+        drop=("spatial_position_embeddings", "encoder_hidden_states", "encoder_attention_mask"),
+    ),
+}
