@@ -249,6 +249,14 @@ COVERAGE = {
             "SeamlessM4TDecoderLayer": {"self_attn": "fused", "cross_attention": "fused", "ffn": "fused"},
         },
     ),
+    "bigbird_pegasus": (
+        12,
+        {
+            "BigBirdPegasusEncoderLayer": {"self_attn": "fused", "fc1 activation_fn fc2": "fused"},
+            "BigBirdPegasusDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"},
+        },
+    ),
+    "prophetnet": (12, {"ProphetNetEncoderLayer": {"self_attn": "fused", "feed_forward": "fused"}}),
     "canary": (13, {"CanaryDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", "mlp": "fused"}}),
     "trocr": (7, {"TrOCRDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"}}),
     "led": (12, {"LEDEncoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # (its decoder's: plain)
@@ -332,6 +340,7 @@ SKIPPED = {
     "zamba2": {"Zamba2RMSNormGated"},
     # LED's decoder layers: their attentions return their cache, which the layer returns last
     "led": {"LEDDecoderLayer"},
+    "prophetnet": {"ProphetNetDecoderLayer"},  # (its n-gram streams: one norm reads several)
     "canary": {"ParakeetEncoderBlock"},  # (a conformer: a convolution module and two half-step MLPs)
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
@@ -433,6 +442,8 @@ LABELS = {
     "marian": "Marian (post-norm)",
     "seamless_m4t": "SeamlessM4T (text: encoder-decoder, dropout modules)",
     "canary": "Canary (decoder: cross-attention between Llama's steps)",
+    "bigbird_pegasus": "BigBird-Pegasus (encoder-decoder)",
+    "prophetnet": "ProphetNet (encoder: post-norm)",
     "mvp": "MVP (post-norm, prompts)",
     "trocr": "TrOCR (decoder: post-norm, cross-attention)",
     "led": "LED (encoder: post-norm, local and global attention)",
@@ -812,12 +823,12 @@ def test_a_hooked_norm_inside_a_block_is_called(name, norm):
     assert calls[1] == calls[0] and calls[0]
 
 
-@pytest.mark.parametrize("name", ["mvp", "trocr", "trocr_alone", "led", "speecht5"])
+@pytest.mark.parametrize("name", ["mvp", "trocr", "trocr_alone", "led", "speecht5", "prophetnet"])
 def test_layers_return_their_attention_weights_as_the_model_does(name):
     """Layers that return their attentions' weights (an encoder's always, with LED's global
-    attention's; a decoder's self-attention's and cross-attention's when asked, None for the
-    latter in a call without encoder states, ``trocr_alone``): the fused model returns each one,
-    within float32 rounding of the unpatched model's."""
+    attention's, or when asked, ProphetNet's; a decoder's self-attention's and cross-attention's
+    when asked, None for the latter in a call without encoder states, ``trocr_alone``): the fused
+    model returns each one, within float32 rounding of the unpatched model's."""
     original, patched, report = fused_copy(name.removesuffix("_alone"))
     inputs = hf_inputs(name.removesuffix("_alone"))
     if name == "trocr_alone":
@@ -830,7 +841,7 @@ def test_layers_return_their_attention_weights_as_the_model_does(name):
         want, got = (m(**inputs, output_attentions=True) for m in (original, patched))
         plain = patched(**inputs)
     asked = {f: getattr(want, f, None) for f in fields if getattr(want, f, None) is not None}
-    assert len(asked) == {"mvp": 3, "trocr": 2, "trocr_alone": 1, "led": 4, "speecht5": 3}[name]
+    assert len(asked) == {"mvp": 3, "trocr": 2, "trocr_alone": 1, "led": 4, "speecht5": 3, "prophetnet": 3}[name]
     for field, weights in asked.items():
         assert len(getattr(got, field)) == len(weights) == 2, field
         for a, b in zip(weights, getattr(got, field)):

@@ -464,6 +464,19 @@ OTHERS = {
             | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
         ),
     ),
+    "bigbird_pegasus": (  # full attention (block-sparse needs longer rows)
+        "BigBirdPegasusConfig",
+        "BigBirdPegasusForConditionalGeneration",
+        dict(_SEQ2SEQ, max_position_embeddings=SEQ, decoder_start_token_id=0, attention_type="original_full"),
+    ),
+    "prophetnet": (  # its encoder post-norm (its n-gram decoder's layers run their own forward)
+        "ProphetNetConfig",
+        "ProphetNetForConditionalGeneration",
+        dict(vocab_size=VOCAB, hidden_size=WIDTH, encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH, ngram=2)
+        | dict(num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=4, num_decoder_attention_heads=4)
+        | dict(max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=0),
+    ),
     "speecht5": (
         "SpeechT5Config",
         "SpeechT5ForSpeechToText",

@@ -445,7 +445,7 @@ WAV2VEC2 = {
 
 
 # BART's layers as first written, returning their attentions' weights: the encoder's always (with
-# LED's global attention's), the decoder's when asked, its cross-attention's after its
+# LED's global attention's; ProphetNet's when asked), the decoder's when asked, its cross-attention's after its
 # self-attention's (None without encoder states). TrOCR's decoder; MVP's, whose attentions each
 # take a prompt; SpeechT5's, whose MLP adds no dropout of its own (wav2vec 2.0's).
 def _returning_weights(encoder: Family, decoder: Family, prompts: bool = False) -> dict[str, Family]:
@@ -478,6 +478,13 @@ RETURNING_WEIGHTS = {
     hf_path("mvp", "MvpDecoderLayer"): _MVP["decoder"],
     hf_path("trocr", "TrOCRDecoderLayer"): _returning_weights(BART["encoder"], BART["decoder"])["decoder"],
     hf_path("led", "LEDEncoderLayer"): dataclasses.replace(BART["encoder"], extras=True),
+    # ProphetNet's encoder: post-norm, no dropout on its adds
+    hf_path("prophetnet", "ProphetNetEncoderLayer"): Family(
+        (Step("self_attn", "self_attn_layer_norm"), Step("feed_forward", "feed_forward_layer_norm")),
+        norm_after=True,
+        extras=True,
+        extras_if="output_attentions",
+    ),
     hf_path("speecht5", "SpeechT5EncoderLayer"): _SPEECHT5["encoder"],
     hf_path("speecht5", "SpeechT5DecoderLayer"): _SPEECHT5["decoder"],
 }
@@ -528,6 +535,13 @@ _SEAMLESS_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="attn_dr
 _SEAMLESS_FFN = Step("ffn", "ffn_layer_norm", dropout="ffn_dropout")
 _CROSS = (("encoder_hidden_states", "encoder_hidden_states"), ("encoder_attention_mask", "attention_mask"))
 CROSS_ATTENTION = {
+    # BigBird-Pegasus's encoder: Whisper's steps without the MLP's inner dropout, its block-sparse
+    # attention given its masks, the stream normalized by ``layernorm_embedding`` after the last layer
+    hf_path("bigbird_pegasus", "BigBirdPegasusEncoderLayer"): Family(
+        (WHISPER_ATTENTION, Step("fc1 activation_fn fc2", "final_layer_norm", dropout="dropout")),
+        final="layernorm_embedding",
+        clamp16=True,
+    ),
     hf_path("canary", "CanaryDecoderLayer"): Family(
         (
             Step("self_attn", "input_layernorm"),
