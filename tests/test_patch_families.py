@@ -249,6 +249,13 @@ COVERAGE = {
             "SeamlessM4TDecoderLayer": {"self_attn": "fused", "cross_attention": "fused", "ffn": "fused"},
         },
     ),
+    "nllb_moe": (
+        12,
+        {
+            "NllbMoeEncoderLayer": {"self_attn": "fused", "ffn": "fused"},
+            "NllbMoeDecoderLayer": {"self_attn": "fused", "cross_attention": "fused", "ffn": "fused"},
+        },
+    ),
     "bigbird_pegasus": (
         12,
         {
@@ -442,6 +449,7 @@ LABELS = {
     "marian": "Marian (post-norm)",
     "seamless_m4t": "SeamlessM4T (text: encoder-decoder, dropout modules)",
     "canary": "Canary (decoder: cross-attention between Llama's steps)",
+    "nllb_moe": "NLLB-MoE (encoder-decoder, sparse and dense layers)",
     "bigbird_pegasus": "BigBird-Pegasus (encoder-decoder)",
     "prophetnet": "ProphetNet (encoder: post-norm)",
     "mvp": "MVP (post-norm, prompts)",

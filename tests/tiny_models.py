@@ -464,6 +464,13 @@ OTHERS = {
             | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
         ),
     ),
+    "nllb_moe": (  # a dense layer, then a sparse one (two experts), in the encoder and the decoder
+        "NllbMoeConfig",
+        "NllbMoeForConditionalGeneration",
+        dict(_SEQ2SEQ, max_position_embeddings=SEQ, decoder_start_token_id=0, num_experts=2, expert_capacity=16)
+        | dict(encoder_sparse_step=2, decoder_sparse_step=2, moe_token_dropout=0.0, attention_dropout=0.0)
+        | dict(encoder_layerdrop=0.0, decoder_layerdrop=0.0),
+    ),
     "bigbird_pegasus": (  # full attention (block-sparse needs longer rows)
         "BigBirdPegasusConfig",
         "BigBirdPegasusForConditionalGeneration",

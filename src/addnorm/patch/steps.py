@@ -528,9 +528,16 @@ ENCODERS = {
 }
 
 
+def _nllb_moe_ffn(block: nn.Module) -> Step:
+    """NLLB-MoE's MLP step: its sparse layers' experts are given the layer's attention mask."""
+    call = (("attention_mask", "padding_mask"),) if block.is_sparse else ()
+    return Step("ffn", "ff_layer_norm", dropout="ff_dropout", call=call, kwargs=False)
+
+
 # Decoders with a cross-attention step between Llama's two. Canary's (and Cohere's speech
 # recognizer's): the cross-attention given the encoder's states by name, without the layer's
-# **kwargs. SeamlessM4T's text encoder and decoder: dropout modules after each sublayer.
+# **kwargs. SeamlessM4T's text encoder and decoder, and NLLB-MoE's: dropout modules after each
+# sublayer (NLLB-MoE's clamp a float16 stream: in float16 they run their own forward).
 _SEAMLESS_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="attn_dropout")
 _SEAMLESS_FFN = Step("ffn", "ffn_layer_norm", dropout="ffn_dropout")
 _CROSS = (("encoder_hidden_states", "encoder_hidden_states"), ("encoder_attention_mask", "attention_mask"))
@@ -576,6 +583,26 @@ CROSS_ATTENTION = {
         ),
         final="layer_norm",
         drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
+    ),
+    hf_path("nllb_moe", "NllbMoeEncoderLayer"): lambda block: Family(
+        (_SEAMLESS_ATTENTION, _nllb_moe_ffn(block)), final="layer_norm", clamp16=True
+    ),
+    hf_path("nllb_moe", "NllbMoeDecoderLayer"): lambda block: Family(
+        (
+            _SEAMLESS_ATTENTION,
+            Step(
+                "cross_attention",
+                "cross_attention_layer_norm",
+                dropout="attn_dropout",
+                first=True,
+                call=WHISPER["decoder"].steps[1].call,
+                needs="encoder_hidden_states",
+            ),
+            _nllb_moe_ffn(block),
+        ),
+        final="layer_norm",
+        clamp16=True,
+        drop=("encoder_hidden_states", "encoder_attention_mask"),
     ),
 }
 
