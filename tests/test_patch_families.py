@@ -279,6 +279,7 @@ COVERAGE = {
     "gpt_bigcode": (5, {"GPTBigCodeBlock": {"attn": "fused", "mlp": "fused"}}),
     "granitemoe": (5, {"GraniteMoeDecoderLayer": {"self_attn": "fused", "block_sparse_moe": "fused"}}),
     "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
+    "dbrx": (5, {"DbrxBlock": {"norm_attn_norm.attn": "fused", "ffn": "fused"}}),
     "openai_privacy_filter": (5, {"OpenAIPrivacyFilterEncoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "modernbert": (6, {"ModernBertEncoderLayer": {"attn": "fused", "mlp": "fused"}}),  # (with its head's norm)
     "distilbert": (6, {"TransformerBlock": {"attention": "fused", "ffn": "fused"}}),  # (with its head's norm)
@@ -375,6 +376,7 @@ MOE += (
     "nemotron_h",
     "doge_moe",
     "openai_privacy_filter",
+    "dbrx",
 )
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either;
 # MVP's fails in bf16 (it adds a float32 mask to bf16 scores), patched or not.
@@ -462,6 +464,7 @@ LABELS = {
     "falcon_mamba": "Falcon Mamba",
     "mpt": "MPT (its MLP adds the residual itself)",
     "bert": "BERT",
+    "dbrx": "DBRX (its attention and norms in one module, MoE)",
     "openai_privacy_filter": "OpenAI Privacy Filter (GPT-OSS's layer, token classification)",
     "modernbert": "ModernBERT (its first attention norm an identity)",
     "distilbert": "DistilBERT (post-norm)",

@@ -311,6 +311,14 @@ OTHERS = {
         name: (f"{c}Config", f"{c}ForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ))
         for name, c in [("gte", "Gte"), ("nomic_bert", "NomicBert"), ("jina_embeddings_v3", "JinaEmbeddingsV3")]
     },
+    "dbrx": (  # its attention and both norms inside one module; two experts (its qkv clipped: transformers
+        # fails without a clip)
+        "DbrxConfig",
+        "DbrxForCausalLM",
+        dict(d_model=WIDTH, n_heads=4, n_layers=2, max_seq_len=SEQ, vocab_size=VOCAB, resid_pdrop=0.0, emb_pdrop=0.0)
+        | dict(attn_config=dict(kv_n_heads=2, attn_pdrop=0.0, rope_theta=10000.0, clip_qkv=8.0), **_IDS)
+        | dict(ffn_config=dict(ffn_hidden_size=2 * WIDTH, moe_num_experts=2, moe_top_k=1), pad_token_id=0),
+    ),
     "openai_privacy_filter": (  # GPT-OSS's layer (MoE, sliding window) as a token classifier
         "OpenAIPrivacyFilterConfig",
         "OpenAIPrivacyFilterForTokenClassification",

@@ -396,7 +396,7 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     steps = family.steps
     if family.post_norm or family.norm_after:  # each add feeds its own step's norm
         for step in steps:
-            why = _why_not_norm(getattr(m, step.norm), f"{name}.{step.norm}")
+            why = _why_not_norm(attribute(m, step.norm), f"{name}.{step.norm}")
             report.adds.append(Add(name, cls, step.sublayer, None if why else f"{name}.{step.norm}", why or ""))
         return
     parallel = family.parallel is not None
@@ -405,7 +405,7 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
         if nxt.norm is None:
             why = f"no norm reads the sum: {nxt.sublayer} takes the stream itself"
         else:
-            why = _why_not_norm(getattr(m, nxt.norm), f"{name}.{nxt.norm}")
+            why = _why_not_norm(attribute(m, nxt.norm), f"{name}.{nxt.norm}")
         report.adds.append(Add(name, cls, step.sublayer, None if why else f"{name}.{nxt.norm}", why or ""))
     last = "+".join(s.sublayer for s in steps[:2]) if parallel else steps[-1].sublayer
     if isinstance(following, str):
@@ -413,7 +413,7 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
     elif following is not None:
         f_name, f_block, f_family = following
         names = f_family.entry_norms
-        targets = [(f"{f_name}.{n}", getattr(f_block, n)) if n else (None, None) for n in names]
+        targets = [(f"{f_name}.{n}", attribute(f_block, n)) if n else (None, None) for n in names]
         where = f"the next block's {names[0] or f_family.steps[0].sublayer} takes the stream itself"
     else:
         _, final = _stack(model, name, family)

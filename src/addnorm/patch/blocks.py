@@ -267,7 +267,7 @@ def _call_first(
         named[step.adds] = _no_residual()
     if family.self_cache and named.get("cache") is not None:
         named["cache"] = getattr(named["cache"], family.self_cache)
-    result = step.run(block, h, s, named) if step.run else getattr(block, step.sublayer)(h, **named)
+    result = step.run(block, h, s, named) if step.run else attribute(block, step.sublayer)(h, **named)
     return (result[0], tuple(result[family.extras_from :])) if isinstance(result, tuple) else (result, ())
 
 
@@ -309,7 +309,7 @@ def block_forward(self, *args, **kwargs):
 
 
 def _norm(block: nn.Module, name: str | None) -> nn.Module | None:
-    return None if name is None else getattr(block, name)
+    return None if name is None else attribute(block, name)
 
 
 def _reads_the_stream(family: Family, norm: nn.Module, s: Tensor, out: Tensor) -> bool:
@@ -340,7 +340,7 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
             out = out[0] if step.first else out
             out = out.view(s.shape) if step.flat else out
         if step.post is not None:
-            out = getattr(self, step.post)(out)
+            out = attribute(self, step.post)(out)
         if step.divisor:
             out = out / attribute(self, step.divisor)
         if step.residual_scale:
@@ -366,8 +366,8 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
     Cohere, "chain") or ``s + dropout(mlp + attn)`` (Falcon, "sum"). The fused op adds ``attn`` (its
     ``x1``) to ``s`` first, as Cohere does; without dropout "x1" adds the outputs' sum, as GPT-NeoX."""
     attn, mlp = family.steps[:2]
-    h_attn = getattr(self, attn.norm)(s)
-    h_mlp = h_attn if mlp.norm == attn.norm else getattr(self, mlp.norm)(s)
+    h_attn = attribute(self, attn.norm)(s)
+    h_mlp = h_attn if mlp.norm == attn.norm else attribute(self, mlp.norm)(s)
     out_attn, extras = _call_first(self, family, attn, h_attn, s, named)
     out_mlp = _run(self, mlp, h_mlp, {})
     p, p_attn = _dropout_p(self, mlp), _dropout_p(self, attn)
@@ -390,7 +390,7 @@ def _parallel_forward(self, family: Family, s: Tensor, named: dict, nxt: tuple) 
 
 def _add_then_norm(block: nn.Module, step: Step, out: Tensor, s: Tensor) -> Tensor:
     """Post-norm: ``norm(branch(out) + s)`` of the step's norm, dropout, add and norm in one op."""
-    norm = getattr(block, step.norm)
+    norm = attribute(block, step.norm)
     if not _inline(norm, out):
         return norm(_branch(block, step, out) + s)
     return add_norm_forward(norm, out, s, sublayer=_sublayer(block, step, out), prenorm=False)

@@ -16,11 +16,8 @@ from .layout import Family, Step
 from .steps import (
     BART,
     CLIP,
-    CROSS_ATTENTION,
-    DETR,
     DINO,
     DONUT_SWIN,
-    ENCODERS,
     GATED_CROSS,
     GRANITE,
     LAMBDA,
@@ -28,17 +25,14 @@ from .steps import (
     NORM_AFTER_OUTPUT,
     POST,
     PRE,
-    RETURNING_WEIGHTS,
     SAM,
     SANDWICH,
     SWIN,
     T5_LAYERS,
     T5GEMMA_ATTENTION,
     T5GEMMA_MLP,
-    VISION,
     VIT,
     VIT_OUTPUT,
-    WAV2VEC2,
     WHISPER,
     WHISPER_ATTENTION,
     WHISPER_MLP,
@@ -59,6 +53,7 @@ from .steps import (
     molmo2,
     nemotron_h,
 )
+from .tables import CROSS_ATTENTION, DBRX, DETR, ENCODERS, RETURNING_WEIGHTS, VISION, WAV2VEC2
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
@@ -89,6 +84,7 @@ FAMILIES: dict[str, Family] = {
         hf_path(m, c): Family(POST, final="norm")
         for m, c in [("olmo2", "Olmo2DecoderLayer"), ("flex_olmo", "FlexOlmoDecoderLayer")]
     },
+    hf_path("dbrx", "DbrxBlock"): DBRX,
     hf_path("gpt_oss", "GptOssDecoderLayer"): Family(
         (PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
     ),

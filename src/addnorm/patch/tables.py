@@ -1,0 +1,236 @@
+"""Tables of ``FAMILIES`` (:mod:`.families`) by kind of model, each written with the steps of
+:mod:`.steps`: speech encoders, BART's layers as first written (returning their attentions'
+weights), vision encoders, encoders of BERT's kind, decoders with a cross-attention step, DETR's
+layers, DBRX's blocks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from .hf_norms import hf_path
+from .layout import Family, Step
+from .steps import BART, CLIP, PRE, WHISPER, WHISPER_ATTENTION
+
+# wav2vec 2.0's encoder layers. Post-norm, each norm after its add (BART's layout); pre-norm
+# (``do_stable_layer_norm``: XLS-R, MMS, the large LV-60 models), the encoder's final norm after
+# the last layer, where a layer with an attention adapter (MMS's per-language adapters, added after
+# the MLP's add) keeps its own forward. WavLM's: the same two layouts, each layer handing its
+# attention's relative position bias on to the next.
+_W2V = (Step("attention", "layer_norm", dropout="dropout"), Step("feed_forward", "final_layer_norm"))
+WAV2VEC2 = {
+    hf_path("wav2vec2", "Wav2Vec2EncoderLayer"): Family(_W2V, norm_after=True),
+    hf_path("wav2vec2", "Wav2Vec2EncoderLayerStableLayerNorm"): lambda block: (
+        None if block.adapter_layer is not None else Family(_W2V, final="layer_norm")
+    ),
+    hf_path("wavlm", "WavLMEncoderLayer"): Family(_W2V, norm_after=True, extras=True, extras_from=2),
+    hf_path("wavlm", "WavLMEncoderLayerStableLayerNorm"): Family(_W2V, final="layer_norm", extras=True, extras_from=2),
+}
+
+
+# BART's layers as first written, returning their attentions' weights: the encoder's always (with
+# LED's global attention's; ProphetNet's when asked), the decoder's when asked, its cross-attention's after its
+# self-attention's (None without encoder states). TrOCR's decoder; MVP's, whose attentions each
+# take a prompt; SpeechT5's, whose MLP adds no dropout of its own (wav2vec 2.0's).
+def _returning_weights(encoder: Family, decoder: Family, prompts: bool = False) -> dict[str, Family]:
+    self_attn, cross, mlp = decoder.steps
+    call = cross.call + (("output_attentions", "output_attentions"),)
+    call += (("cross_attn_prompt", "attn_prompt"),) if prompts else ()
+    rename = (("self_attn_prompt", "attn_prompt"),) if prompts else ()
+    return {
+        "encoder": dataclasses.replace(encoder, extras=True, rename=rename),
+        "decoder": dataclasses.replace(
+            decoder,
+            steps=(self_attn, dataclasses.replace(cross, call=call, extras=True), mlp),
+            rename=rename,
+            drop=decoder.drop + (("cross_attn_prompt",) if prompts else ()),
+            extras=True,
+            extras_if="output_attentions",
+            padded=2,
+            kwargs=False,
+        ),
+    }
+
+
+_MVP = _returning_weights(BART["encoder"], BART["decoder"], prompts=True)
+_SPEECHT5 = _returning_weights(
+    Family(_W2V, norm_after=True, extras_if="output_attentions"),
+    dataclasses.replace(BART["decoder"], steps=(*BART["decoder"].steps[:2], _W2V[1])),
+)
+RETURNING_WEIGHTS = {
+    hf_path("mvp", "MvpEncoderLayer"): _MVP["encoder"],
+    hf_path("mvp", "MvpDecoderLayer"): _MVP["decoder"],
+    hf_path("trocr", "TrOCRDecoderLayer"): _returning_weights(BART["encoder"], BART["decoder"])["decoder"],
+    hf_path("led", "LEDEncoderLayer"): dataclasses.replace(BART["encoder"], extras=True),
+    # ProphetNet's encoder: post-norm, no dropout on its adds
+    hf_path("prophetnet", "ProphetNetEncoderLayer"): Family(
+        (Step("self_attn", "self_attn_layer_norm"), Step("feed_forward", "feed_forward_layer_norm")),
+        norm_after=True,
+        extras=True,
+        extras_if="output_attentions",
+    ),
+    hf_path("speecht5", "SpeechT5EncoderLayer"): _SPEECHT5["encoder"],
+    hf_path("speecht5", "SpeechT5DecoderLayer"): _SPEECHT5["decoder"],
+}
+
+
+# Vision encoders. Qwen2-VL's blocks and those built on them (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...):
+# Llama's steps on the packed patches of all images, each attention given the images' bounds
+# (``cu_seqlens``), the stack's last add read by its patch merger's norm (``FINALS``: where others).
+# PaddleOCR-VL's (and VideoLLaMA3's): CLIP's steps on packed patches. AIMv2's (and Ovis2's):
+# RMSNorm before each sublayer. Pix2Struct's: returning its attention's weights (Kosmos-2.5's: not).
+_PIX2STRUCT = (Step("attention", "pre_attention_layer_norm"), Step("mlp", "pre_mlp_layer_norm"))
+VISION = {
+    hf_path("qwen2_5_vl", "Qwen2_5_VLVisionBlock"): Family(
+        (Step("attn", "norm1"), Step("mlp", "norm2")), final="merger.ln_q"
+    ),
+    hf_path("paddleocr_vl", "PaddleOCRVisionEncoderLayer"): Family(CLIP, final="post_layernorm"),
+    hf_path("aimv2", "Aimv2EncoderLayer"): Family(
+        (Step("attention", "rms_norm1"), Step("ffn", "rms_norm2")), final="rms_norm"
+    ),
+    hf_path("pix2struct", "Pix2StructVisionLayer"): Family(_PIX2STRUCT, final="layernorm", extras=True),
+    hf_path("kosmos2_5", "Kosmos2_5VisionLayer"): Family(
+        _PIX2STRUCT, final="layernorm"
+    ),  # (returning its stream alone)
+}
+
+
+# DBRX: Llama's steps, its attention and both norms inside one module (``norm_attn_norm``), each
+# output after a dropout
+DBRX = Family(
+    (
+        Step("norm_attn_norm.attn", "norm_attn_norm.norm_1", dropout="norm_attn_norm.resid_pdrop"),
+        Step("ffn", "norm_attn_norm.norm_2", dropout="resid_pdrop"),
+    ),
+    final="norm_f",
+)
+
+
+# Encoders of BERT's kind whose layers are not BERT's: ModernBERT's (pre-norm; its first layer's
+# attention norm an identity, as the embeddings end with a norm) and DistilBERT's (post-norm, each
+# norm after its add, as BART's; dropout inside the MLP module); and OpenAI's privacy filter
+# (GPT-OSS's steps: its MoE returns its router's scores too)
+ENCODERS = {
+    hf_path("openai_privacy_filter", "OpenAIPrivacyFilterEncoderLayer"): Family(
+        (PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
+    ),
+    hf_path("modernbert", "ModernBertEncoderLayer"): Family(
+        (Step("attn", "attn_norm"), Step("mlp", "mlp_norm")), final="final_norm"
+    ),
+    hf_path("distilbert", "TransformerBlock"): Family(
+        (Step("attention", "sa_layer_norm"), Step("ffn", "output_layer_norm")), norm_after=True
+    ),
+}
+
+
+def _nllb_moe_ffn(block: nn.Module) -> Step:
+    """NLLB-MoE's MLP step: its sparse layers' experts are given the layer's attention mask."""
+    call = (("attention_mask", "padding_mask"),) if block.is_sparse else ()
+    return Step("ffn", "ff_layer_norm", dropout="ff_dropout", call=call, kwargs=False)
+
+
+# Decoders with a cross-attention step between Llama's two. Canary's (and Cohere's speech
+# recognizer's): the cross-attention given the encoder's states by name, without the layer's
+# **kwargs. SeamlessM4T's text encoder and decoder, and NLLB-MoE's: dropout modules after each
+# sublayer (NLLB-MoE's clamp a float16 stream: in float16 they run their own forward).
+_SEAMLESS_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="attn_dropout")
+_SEAMLESS_FFN = Step("ffn", "ffn_layer_norm", dropout="ffn_dropout")
+_CROSS = (("encoder_hidden_states", "encoder_hidden_states"), ("encoder_attention_mask", "attention_mask"))
+CROSS_ATTENTION = {
+    # BigBird-Pegasus's encoder: Whisper's steps without the MLP's inner dropout, its block-sparse
+    # attention given its masks, the stream normalized by ``layernorm_embedding`` after the last layer
+    hf_path("bigbird_pegasus", "BigBirdPegasusEncoderLayer"): Family(
+        (WHISPER_ATTENTION, Step("fc1 activation_fn fc2", "final_layer_norm", dropout="dropout")),
+        final="layernorm_embedding",
+        clamp16=True,
+    ),
+    hf_path("canary", "CanaryDecoderLayer"): Family(
+        (
+            Step("self_attn", "input_layernorm"),
+            Step(
+                "encoder_attn",
+                "post_attention_layernorm",
+                first=True,
+                call=(*_CROSS, ("cache", "cache")),
+                needs="encoder_hidden_states",
+                kwargs=False,
+            ),
+            Step("mlp", "final_layernorm"),
+        ),
+        final="norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask", "encoder_position_ids"),
+    ),
+    hf_path("seamless_m4t", "SeamlessM4TEncoderLayer"): Family(
+        (_SEAMLESS_ATTENTION, _SEAMLESS_FFN), final="layer_norm"
+    ),
+    hf_path("seamless_m4t", "SeamlessM4TDecoderLayer"): Family(
+        (
+            _SEAMLESS_ATTENTION,
+            Step(
+                "cross_attention",
+                "cross_attention_layer_norm",
+                dropout="attn_dropout",
+                first=True,
+                call=(*_CROSS, ("cache", "cache")),
+                needs="encoder_hidden_states",
+            ),
+            _SEAMLESS_FFN,
+        ),
+        final="layer_norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
+    ),
+    hf_path("nllb_moe", "NllbMoeEncoderLayer"): lambda block: Family(
+        (_SEAMLESS_ATTENTION, _nllb_moe_ffn(block)), final="layer_norm", clamp16=True
+    ),
+    hf_path("nllb_moe", "NllbMoeDecoderLayer"): lambda block: Family(
+        (
+            _SEAMLESS_ATTENTION,
+            Step(
+                "cross_attention",
+                "cross_attention_layer_norm",
+                dropout="attn_dropout",
+                first=True,
+                call=WHISPER["decoder"].steps[1].call,
+                needs="encoder_hidden_states",
+            ),
+            _nllb_moe_ffn(block),
+        ),
+        final="layer_norm",
+        clamp16=True,
+        drop=("encoder_hidden_states", "encoder_attention_mask"),
+    ),
+}
+
+
+# DETR's encoder and decoder layers: post-norm (each norm after its add, as BART's), each attention
+# given its position embeddings: the encoder's the image's, the decoder's self-attention the object
+# queries', its cross-attention both. (The encoder clamps a stream that is not finite in training:
+# its last norm's output, finite wherever its weights are.)
+_DETR_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="dropout")
+_DETR_MLP = Step("mlp", "final_layer_norm")
+_DETR_CROSS = (("encoder_hidden_states", "key_value_states"), ("encoder_attention_mask", "attention_mask"))
+_DETR_CROSS += (("object_queries_position_embeddings", "position_embeddings"),)
+_DETR_CROSS += (("spatial_position_embeddings", "encoder_position_embeddings"),)
+DETR = {
+    hf_path("detr", "DetrEncoderLayer"): Family(
+        (_DETR_ATTENTION, _DETR_MLP), norm_after=True, rename=(("spatial_position_embeddings", "position_embeddings"),)
+    ),
+    hf_path("detr", "DetrDecoderLayer"): Family(
+        (
+            _DETR_ATTENTION,
+            Step(
+                "encoder_attn",
+                "encoder_attn_layer_norm",
+                dropout="dropout",
+                first=True,
+                call=_DETR_CROSS,
+                needs="encoder_hidden_states",
+            ),
+            _DETR_MLP,
+        ),
+        norm_after=True,
+        rename=(("object_queries_position_embeddings", "position_embeddings"),),
+        drop=("spatial_position_embeddings", "encoder_hidden_states", "encoder_attention_mask"),
+    ),
+}
