@@ -249,6 +249,7 @@ COVERAGE = {
             "SeamlessM4TDecoderLayer": {"self_attn": "fused", "cross_attention": "fused", "ffn": "fused"},
         },
     ),
+    "musicgen_melody": (5, {"MusicgenMelodyDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),
     "nllb_moe": (
         12,
         {
@@ -451,6 +452,7 @@ LABELS = {
     "marian": "Marian (post-norm)",
     "seamless_m4t": "SeamlessM4T (text: encoder-decoder, dropout modules)",
     "canary": "Canary (decoder: cross-attention between Llama's steps)",
+    "musicgen_melody": "MusicGen-Melody (decoder, returning its attention's weights)",
     "nllb_moe": "NLLB-MoE (encoder-decoder, sparse and dense layers)",
     "bigbird_pegasus": "BigBird-Pegasus (encoder-decoder)",
     "prophetnet": "ProphetNet (encoder: post-norm)",
@@ -1759,6 +1761,23 @@ def _headless(name: str):
         mask = torch.ones(2, 32, 32, dtype=torch.long)
         mask[1, :, 24:] = 0  # (the second image narrower)
         return tf.DetrModel(config), dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g), pixel_mask=mask), []
+    if name == "pixio":  # dropout, then drop path, on each step
+        config = tf.PixioConfig(**heads, image_size=8, patch_size=4, drop_path_rate=0.0, hidden_dropout_prob=0.0)
+        return tf.PixioModel(config), dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g)), []
+    if name == "vjepa2":  # a video encoder and its predictor, each layer returning its attention's weights
+        config = tf.VJEPA2Config(
+            **heads, crop_size=8, patch_size=4, frames_per_clip=2, tubelet_size=2, pred_hidden_size=WIDTH,
+            pred_num_attention_heads=4, pred_num_hidden_layers=1, pred_num_mask_tokens=2, num_pooler_layers=1,
+        )  # fmt: skip
+        return tf.VJEPA2Model(config), dict(pixel_values_videos=torch.randn(2, 2, 3, 8, 8, generator=g)), []
+    if name == "glm_image":  # Qwen2-VL's blocks on packed patches, no norm after them
+        from transformers.models.glm_image import configuration_glm_image, modeling_glm_image
+
+        config = configuration_glm_image.GlmImageVisionConfig(
+            depth=2, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_heads=4, image_size=8, patch_size=2
+        )
+        inputs = dict(pixel_values=torch.randn(24, 12, generator=g), grid_thw=torch.tensor([[1, 4, 4], [1, 2, 4]]))
+        return modeling_glm_image.GlmImageVisionModel(config), inputs, [("blocks.1", "mlp")]
     if name == "paddleocr_vl":  # CLIP's steps on two images' packed patches (4x4 and 2x4 of 2x2 pixels)
         from transformers.models.paddleocr_vl import configuration_paddleocr_vl, modeling_paddleocr_vl
 
@@ -1860,7 +1879,7 @@ def _headless(name: str):
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 _ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "kosmos2_5", "sapiens2", "paddleocr_vl"]
-_ENCODERS += ["detr", *_MERGED]
+_ENCODERS += ["detr", "pixio", "vjepa2", "glm_image", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

@@ -472,6 +472,15 @@ OTHERS = {
             | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
         ),
     ),
+    "musicgen_melody": (  # two codebooks: each prompt's rows one per codebook
+        "MusicgenMelodyDecoderConfig",
+        "MusicgenMelodyForCausalLM",
+        dict(
+            vocab_size=VOCAB, max_position_embeddings=16, num_hidden_layers=2, ffn_dim=2 * WIDTH, num_attention_heads=4
+        )
+        | dict(hidden_size=WIDTH, num_codebooks=2, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+        | dict(layerdrop=0.0, pad_token_id=VOCAB - 1, bos_token_id=VOCAB - 2),
+    ),
     "nllb_moe": (  # a dense layer, then a sparse one (two experts), in the encoder and the decoder
         "NllbMoeConfig",
         "NllbMoeForConditionalGeneration",
@@ -684,6 +693,9 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         return dict(input_ids=ids, labels=ids, **image)
     if name == "blip":  # an image and its caption
         return dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype), input_ids=ids, labels=ids)
+    if name == "musicgen_melody":  # each prompt's codes, one row per codebook; labels (prompt, position, codebook)
+        codes = torch.randint(0, VOCAB - 2, (2, 2, SEQ), generator=g)
+        return dict(input_ids=codes.reshape(4, SEQ), labels=codes.transpose(1, 2))
     if name == "canary":  # 32 frames of 16 log-mel bins (8 encoder positions)
         return dict(input_features=torch.randn(2, 32, 16, generator=g).to(dtype), labels=ids)
     if name == "trocr":  # five image states of width 16 for its cross-attention

@@ -59,6 +59,8 @@ _SPEECHT5 = _returning_weights(
     dataclasses.replace(BART["decoder"], steps=(*BART["decoder"].steps[:2], _W2V[1])),
 )
 RETURNING_WEIGHTS = {
+    # MusicGen-Melody's decoder: Whisper's without cross-attention, returning its self-attention's weights
+    hf_path("musicgen_melody", "MusicgenMelodyDecoderLayer"): dataclasses.replace(WHISPER["decoder"], extras=True),
     hf_path("mvp", "MvpEncoderLayer"): _MVP["encoder"],
     hf_path("mvp", "MvpDecoderLayer"): _MVP["decoder"],
     hf_path("trocr", "TrOCRDecoderLayer"): _returning_weights(BART["encoder"], BART["decoder"])["decoder"],
@@ -90,9 +92,24 @@ VISION = {
         (Step("attention", "rms_norm1"), Step("ffn", "rms_norm2")), final="rms_norm"
     ),
     hf_path("pix2struct", "Pix2StructVisionLayer"): Family(_PIX2STRUCT, final="layernorm", extras=True),
-    hf_path("kosmos2_5", "Kosmos2_5VisionLayer"): Family(
-        _PIX2STRUCT, final="layernorm"
-    ),  # (returning its stream alone)
+    hf_path("kosmos2_5", "Kosmos2_5VisionLayer"): Family(_PIX2STRUCT, final="layernorm"),  # (its stream alone)
+    # GLM-Image's vision encoder: Qwen2-VL's blocks, no norm after them
+    hf_path("glm_image", "GlmImageVisionBlock"): Family((Step("attn", "norm1"), Step("mlp", "norm2"))),
+    # V-JEPA 2's: drop path on each step, its attention given the position mask alone, returning its weights
+    hf_path("vjepa2", "VJEPA2Layer"): Family(
+        (Step("attention", "norm1", drop_path="drop_path"), Step("mlp", "norm2", drop_path="drop_path")),
+        final="layernorm",
+        extras=True,
+        kwargs=False,
+    ),
+    # Pixio's: dropout then drop path on each step
+    hf_path("pixio", "PixioLayer"): Family(
+        (
+            Step("attention", "layernorm_before", dropout="dropout", drop_path="drop_path"),
+            Step("mlp", "layernorm_after", dropout="dropout", drop_path="drop_path"),
+        ),
+        final="layernorm",
+    ),
 }
 
 
