@@ -249,6 +249,13 @@ COVERAGE = {
             "SeamlessM4TDecoderLayer": {"self_attn": "fused", "cross_attention": "fused", "ffn": "fused"},
         },
     ),
+    "dia": (
+        12,
+        {
+            "DiaEncoderLayer": {"self_attention": "fused", "mlp": "fused"},
+            "DiaDecoderLayer": {"self_attention": "fused", "cross_attention": "fused", "mlp": "fused"},
+        },
+    ),
     "musicgen_melody": (5, {"MusicgenMelodyDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),
     "nllb_moe": (
         12,
@@ -452,6 +459,7 @@ LABELS = {
     "marian": "Marian (post-norm)",
     "seamless_m4t": "SeamlessM4T (text: encoder-decoder, dropout modules)",
     "canary": "Canary (decoder: cross-attention between Llama's steps)",
+    "dia": "Dia (encoder-decoder: Llama's steps, cross-attention)",
     "musicgen_melody": "MusicGen-Melody (decoder, returning its attention's weights)",
     "nllb_moe": "NLLB-MoE (encoder-decoder, sparse and dense layers)",
     "bigbird_pegasus": "BigBird-Pegasus (encoder-decoder)",
@@ -1778,6 +1786,26 @@ def _headless(name: str):
         )
         inputs = dict(pixel_values=torch.randn(24, 12, generator=g), grid_thw=torch.tensor([[1, 4, 4], [1, 2, 4]]))
         return modeling_glm_image.GlmImageVisionModel(config), inputs, [("blocks.1", "mlp")]
+    if name == "ernie4_5_vl_moe":  # its text layers: a dense MLP, then experts given the token types
+        from transformers.models.ernie4_5_vl_moe import configuration_ernie4_5_vl_moe, modeling_ernie4_5_vl_moe
+
+        config = configuration_ernie4_5_vl_moe.Ernie4_5_VLMoeTextConfig(
+            **heads | dict(num_attention_heads=2), num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+            moe_intermediate_size=[WIDTH, WIDTH], moe_k=1, moe_num_experts=2, moe_num_shared_experts=1,
+            mlp_layer_types=["dense", "sparse"],
+            rope_parameters=dict(rope_theta=10000.0, rope_type="default", mrope_section=[2, 2, 4]),
+        )  # fmt: skip
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        inputs = dict(input_ids=ids, moe_mm_token_type_ids=(ids % 2).long())
+        return modeling_ernie4_5_vl_moe.Ernie4_5_VLMoeTextModel(config), inputs, []
+    if name == "voxtral_realtime":  # its audio encoder: Llama's steps under Whisper's norm names
+        from transformers.models.voxtral_realtime import modeling_voxtral_realtime
+
+        config = modeling_voxtral_realtime.VoxtralRealtimeEncoderConfig(
+            **heads, head_dim=8, num_mel_bins=16, max_position_embeddings=64, sliding_window=8
+        )
+        inputs = dict(input_features=torch.randn(2, 16, 16, generator=g))
+        return modeling_voxtral_realtime.VoxtralRealtimeEncoder(config), inputs, []
     if name == "paddleocr_vl":  # CLIP's steps on two images' packed patches (4x4 and 2x4 of 2x2 pixels)
         from transformers.models.paddleocr_vl import configuration_paddleocr_vl, modeling_paddleocr_vl
 
@@ -1879,7 +1907,7 @@ def _headless(name: str):
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 _ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "kosmos2_5", "sapiens2", "paddleocr_vl"]
-_ENCODERS += ["detr", "pixio", "vjepa2", "glm_image", *_MERGED]
+_ENCODERS += ["detr", "pixio", "vjepa2", "glm_image", "ernie4_5_vl_moe", "voxtral_realtime", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

@@ -472,6 +472,21 @@ OTHERS = {
             | dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
         ),
     ),
+    "dia": (  # text in, two channels of audio codes out
+        "DiaConfig",
+        "DiaForConditionalGeneration",
+        dict(pad_token_id=VOCAB - 1, eos_token_id=VOCAB - 2, bos_token_id=VOCAB - 3, delay_pattern=[0, 1])
+        | dict(
+            encoder_config=dict(
+                **SMALL, num_key_value_heads=4, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16
+            ),
+            decoder_config=dict(
+                **SMALL, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16
+            )
+            | dict(cross_num_attention_heads=4, cross_head_dim=8, cross_num_key_value_heads=4, cross_hidden_size=WIDTH)
+            | dict(num_channels=2),
+        ),
+    ),
     "musicgen_melody": (  # two codebooks: each prompt's rows one per codebook
         "MusicgenMelodyDecoderConfig",
         "MusicgenMelodyForCausalLM",
@@ -693,6 +708,9 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         return dict(input_ids=ids, labels=ids, **image)
     if name == "blip":  # an image and its caption
         return dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g).to(dtype), input_ids=ids, labels=ids)
+    if name == "dia":  # text, and its audio codes in two channels
+        codes = torch.randint(0, VOCAB - 3, (2, SEQ, 2), generator=g)
+        return dict(input_ids=ids % (VOCAB - 3), decoder_input_ids=codes, labels=codes)
     if name == "musicgen_melody":  # each prompt's codes, one row per codebook; labels (prompt, position, codebook)
         codes = torch.randint(0, VOCAB - 2, (2, 2, SEQ), generator=g)
         return dict(input_ids=codes.reshape(4, SEQ), labels=codes.transpose(1, 2))

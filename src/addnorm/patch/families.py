@@ -53,7 +53,7 @@ from .steps import (
     molmo2,
     nemotron_h,
 )
-from .tables import CROSS_ATTENTION, DBRX, DETR, ENCODERS, RETURNING_WEIGHTS, VISION, WAV2VEC2
+from .tables import CROSS_ATTENTION, DBRX, DETR, ENCODERS, LLAMA_RENAMED, RETURNING_WEIGHTS, VISION, WAV2VEC2
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
@@ -64,6 +64,7 @@ FAMILIES: dict[str, Family] = {
     **ENCODERS,  # ModernBERT's and DistilBERT's layers
     **CROSS_ATTENTION,  # Canary's and SeamlessM4T's decoders
     **DETR,  # DETR's encoder and decoder layers (post-norm, position embeddings)
+    **LLAMA_RENAMED,  # Llama's steps under other names: ERNIE 4.5 VL's text layers, Dia's, ...
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(

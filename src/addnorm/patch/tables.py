@@ -251,3 +251,43 @@ DETR = {
         drop=("spatial_position_embeddings", "encoder_hidden_states", "encoder_attention_mask"),
     ),
 }
+
+
+# Llama's steps under other names, or with a sublayer called otherwise. ERNIE 4.5 VL's text layers:
+# its MoE layers' experts are given the token types (text or image) and return their router's
+# outputs too. VoxtralRealtime's audio encoder. Dia's encoder and decoder (its self-attention given
+# the self-attention part of the cache, its cross-attention the encoder's states positionally).
+def _ernie_vl(block: nn.Module) -> Family:
+    moe = type(block.mlp).__name__.endswith("MoeBlock")
+    call = (("moe_mm_token_type_ids", "moe_mm_token_type_ids"),) if moe else ()
+    mlp = Step("mlp", "post_attention_layernorm", first=moe, call=call, kwargs=False)
+    return Family((PRE[0], mlp), final="norm", drop=("moe_mm_token_type_ids",))
+
+
+_DIA_SELF = Step("self_attention", "pre_sa_norm")
+LLAMA_RENAMED = {
+    hf_path("ernie4_5_vl_moe", "Ernie4_5_VLMoeDecoderLayer"): _ernie_vl,
+    hf_path("voxtral_realtime", "VoxtralRealtimeEncoderLayer"): Family(
+        (Step("self_attn", "self_attn_layer_norm"), Step("mlp", "final_layer_norm")), final="norm"
+    ),
+    hf_path("dia", "DiaEncoderLayer"): Family((_DIA_SELF, Step("mlp", "post_sa_norm")), final="norm"),
+    hf_path("dia", "DiaDecoderLayer"): Family(
+        (
+            _DIA_SELF,
+            Step(
+                "cross_attention",
+                "pre_ca_norm",
+                first=True,
+                call=(
+                    ("encoder_hidden_states", "cross_attention_states"),
+                    ("encoder_attention_mask", "attention_mask"),
+                    ("cache", "cache"),
+                ),
+            ),
+            Step("mlp", "pre_mlp_norm"),
+        ),
+        final="norm",
+        drop=("encoder_hidden_states", "encoder_attention_mask"),
+        self_cache="self_attention_cache",
+    ),
+}
