@@ -1806,6 +1806,22 @@ def _headless(name: str):
         )
         inputs = dict(input_features=torch.randn(2, 16, 16, generator=g))
         return modeling_voxtral_realtime.VoxtralRealtimeEncoder(config), inputs, []
+    if name in ("omniasr", "glmasr", "cosmos3_edge"):  # two audio encoders, and a vision encoder on packed patches
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        configs = importlib.import_module(f"transformers.models.{name}.configuration_{name}")
+        if name == "omniasr":  # pre-norm, dropout after each sublayer; 800 samples in one channel
+            config = configs.OmniASRAudioConfig(
+                **heads, num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, hidden_dropout=0.0, layerdrop=0.0
+            )
+            return module.OmniASRAudioModel(config), dict(input_values=torch.randn(2, 1, 800, generator=g)), []
+        if name == "glmasr":  # Llama's steps; 32 frames of 16 log-mel bins
+            config = configs.GlmAsrEncoderConfig(
+                **heads, num_key_value_heads=4, num_mel_bins=16, max_position_embeddings=64
+            )
+            return module.GlmAsrEncoder(config), dict(input_features=torch.randn(2, 16, 32, generator=g)), []
+        config = configs.Cosmos3EdgeVisionConfig(**heads, patch_size=2, num_patches=16)  # CLIP's steps
+        inputs = dict(pixel_values=torch.randn(24, 12, generator=g), grid_thw=torch.tensor([[1, 4, 4], [1, 2, 4]]))
+        return module.Cosmos3EdgeVisionModel(config), inputs, []
     if name == "paddleocr_vl":  # CLIP's steps on two images' packed patches (4x4 and 2x4 of 2x2 pixels)
         from transformers.models.paddleocr_vl import configuration_paddleocr_vl, modeling_paddleocr_vl
 
@@ -1907,7 +1923,8 @@ def _headless(name: str):
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 _ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "kosmos2_5", "sapiens2", "paddleocr_vl"]
-_ENCODERS += ["detr", "pixio", "vjepa2", "glm_image", "ernie4_5_vl_moe", "voxtral_realtime", *_MERGED]
+_ENCODERS += ["detr", "pixio", "vjepa2", "glm_image", "ernie4_5_vl_moe", "voxtral_realtime", "omniasr", "glmasr"]
+_ENCODERS += ["cosmos3_edge", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

@@ -26,6 +26,10 @@ WAV2VEC2 = {
     ),
     hf_path("wavlm", "WavLMEncoderLayer"): Family(_W2V, norm_after=True, extras=True, extras_from=2),
     hf_path("wavlm", "WavLMEncoderLayerStableLayerNorm"): Family(_W2V, final="layer_norm", extras=True, extras_from=2),
+    # OmniASR's: pre-norm, dropout after each sublayer, the final norm after the last layer
+    hf_path("omniasr", "OmniASREncoderLayer"): Family(
+        (_W2V[0], dataclasses.replace(_W2V[1], dropout="dropout")), final="layer_norm"
+    ),
 }
 
 
@@ -80,7 +84,7 @@ RETURNING_WEIGHTS = {
 # Vision encoders. Qwen2-VL's blocks and those built on them (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...):
 # Llama's steps on the packed patches of all images, each attention given the images' bounds
 # (``cu_seqlens``), the stack's last add read by its patch merger's norm (``FINALS``: where others).
-# PaddleOCR-VL's (and VideoLLaMA3's): CLIP's steps on packed patches. AIMv2's (and Ovis2's):
+# PaddleOCR-VL's (and VideoLLaMA3's, Cosmos 3 Edge's): CLIP's steps on packed patches. AIMv2's (and Ovis2's):
 # RMSNorm before each sublayer. Pix2Struct's: returning its attention's weights (Kosmos-2.5's: not).
 _PIX2STRUCT = (Step("attention", "pre_attention_layer_norm"), Step("mlp", "pre_mlp_layer_norm"))
 VISION = {
@@ -88,6 +92,7 @@ VISION = {
         (Step("attn", "norm1"), Step("mlp", "norm2")), final="merger.ln_q"
     ),
     hf_path("paddleocr_vl", "PaddleOCRVisionEncoderLayer"): Family(CLIP, final="post_layernorm"),
+    hf_path("cosmos3_edge", "Cosmos3EdgeVisionEncoderLayer"): Family(CLIP, final="post_layernorm"),
     hf_path("aimv2", "Aimv2EncoderLayer"): Family(
         (Step("attention", "rms_norm1"), Step("ffn", "rms_norm2")), final="rms_norm"
     ),
@@ -255,7 +260,7 @@ DETR = {
 
 # Llama's steps under other names, or with a sublayer called otherwise. ERNIE 4.5 VL's text layers:
 # its MoE layers' experts are given the token types (text or image) and return their router's
-# outputs too. VoxtralRealtime's audio encoder. Dia's encoder and decoder (its self-attention given
+# outputs too. GLM-ASR's and VoxtralRealtime's audio encoders. Dia's encoder and decoder (its self-attention given
 # the self-attention part of the cache, its cross-attention the encoder's states positionally).
 def _ernie_vl(block: nn.Module) -> Family:
     moe = type(block.mlp).__name__.endswith("MoeBlock")
@@ -267,6 +272,7 @@ def _ernie_vl(block: nn.Module) -> Family:
 _DIA_SELF = Step("self_attention", "pre_sa_norm")
 LLAMA_RENAMED = {
     hf_path("ernie4_5_vl_moe", "Ernie4_5_VLMoeDecoderLayer"): _ernie_vl,
+    hf_path("glmasr", "GlmAsrEncoderLayer"): Family(PRE, final="norm"),
     hf_path("voxtral_realtime", "VoxtralRealtimeEncoderLayer"): Family(
         (Step("self_attn", "self_attn_layer_norm"), Step("mlp", "final_layer_norm")), final="norm"
     ),
