@@ -871,6 +871,17 @@ def test_layers_return_their_attention_weights_as_the_model_does(name):
     assert len(report.fused_adds) == len(report.adds) > 0
 
 
+def test_vitpose_plus_layers_with_experts_keep_their_own_forward():
+    """ViTPose+'s layers (an MLP of experts chosen by each image's dataset) are left to their own
+    forward, and reported; their norms are replaced."""
+    original, inputs, _ = _headless("vitpose_experts")
+    patched = copy.deepcopy(original)
+    report = addnorm.patch(patched, fuse_residual=True)
+    assert not report.adds and {cls for _, cls, _ in report.skipped} == {"VitPoseBackboneLayer"} and report.replaced
+    with torch.no_grad():
+        torch.testing.assert_close(patched(**inputs).heatmaps, original(**inputs).heatmaps, rtol=1e-5, atol=1e-6)
+
+
 def test_wav2vec2_layers_with_attention_adapters_keep_their_own_forward():
     """MMS's per-language adapters add to the stream after a pre-norm layer's last add: such
     layers run their own forward (their norms replaced), with the unpatched model's outputs."""
@@ -1822,6 +1833,21 @@ def _headless(name: str):
         config = configs.Cosmos3EdgeVisionConfig(**heads, patch_size=2, num_patches=16)  # CLIP's steps
         inputs = dict(pixel_values=torch.randn(24, 12, generator=g), grid_thw=torch.tensor([[1, 4, 4], [1, 2, 4]]))
         return module.Cosmos3EdgeVisionModel(config), inputs, []
+    if name == "mlcd":  # CLIP's steps, each attention given its positions; the pooled token normalized alone
+        from transformers.models.mlcd import modeling_mlcd
+
+        config = tf.MLCDVisionConfig(**heads, image_size=8, patch_size=4, num_key_value_groups=1)
+        pixels = dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g))
+        return modeling_mlcd.MLCDVisionModel(config), pixels, [("encoder.layers.1", "mlp")]
+    if name.startswith("vitpose"):  # ViT's steps; with experts (ViTPose+), the layers' own forward
+        experts = 2 if name == "vitpose_experts" else 1
+        backbone = tf.VitPoseBackboneConfig(
+            **heads, image_size=[32, 16], patch_size=[8, 8], num_experts=experts, part_features=8
+        )
+        inputs = dict(pixel_values=torch.randn(2, 3, 32, 16, generator=g))
+        if experts > 1:  # (each image's dataset)
+            inputs["dataset_index"] = torch.tensor([0, 1])
+        return tf.VitPoseForPoseEstimation(tf.VitPoseConfig(backbone_config=backbone, num_labels=3)), inputs, []
     if name == "paddleocr_vl":  # CLIP's steps on two images' packed patches (4x4 and 2x4 of 2x2 pixels)
         from transformers.models.paddleocr_vl import configuration_paddleocr_vl, modeling_paddleocr_vl
 
@@ -1924,7 +1950,7 @@ _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "ll
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 _ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "kosmos2_5", "sapiens2", "paddleocr_vl"]
 _ENCODERS += ["detr", "pixio", "vjepa2", "glm_image", "ernie4_5_vl_moe", "voxtral_realtime", "omniasr", "glmasr"]
-_ENCODERS += ["cosmos3_edge", *_MERGED]
+_ENCODERS += ["cosmos3_edge", "mlcd", "vitpose", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)
@@ -1950,8 +1976,8 @@ def test_encoders_without_a_head_fuse_their_adds(name, monkeypatch):
     for model in (norms_only, fused, original):
         torch.manual_seed(2)  # (DINOv3's RoPE jitters its coordinates in training; drop path)
         out = model(**inputs)
-        features = out.last_hidden_state
-        if name in _MERGED:
+        features = out.heatmaps if name.startswith("vitpose") else out.last_hidden_state
+        if name in _MERGED or name == "mlcd":  # (the pooled features: a norm of the merged or first token)
             features = torch.cat([features.flatten(), out.pooler_output.flatten()])
         features.square().sum().backward()
         outputs.append((features, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))

@@ -93,6 +93,16 @@ VISION = {
     ),
     hf_path("paddleocr_vl", "PaddleOCRVisionEncoderLayer"): Family(CLIP, final="post_layernorm"),
     hf_path("cosmos3_edge", "Cosmos3EdgeVisionEncoderLayer"): Family(CLIP, final="post_layernorm"),
+    # MLCD's: CLIP's steps, each attention given its positions; its norm after the stack reads the
+    # pooled token alone (CLIP's vision encoder's layout)
+    hf_path("mlcd", "MLCDEncoderLayer"): Family(CLIP),
+    # ViTPose's backbone: ViT's steps (ViTPose+'s layers, with an MLP of experts by dataset, keep
+    # their own forward), the final norm reading the last layer's output
+    hf_path("vitpose_backbone", "VitPoseBackboneLayer"): lambda block: (
+        Family((Step("attention", "layernorm_before"), Step("mlp", "layernorm_after")), final="layernorm")
+        if block.num_experts == 1
+        else None
+    ),
     hf_path("aimv2", "Aimv2EncoderLayer"): Family(
         (Step("attention", "rms_norm1"), Step("ffn", "rms_norm2")), final="rms_norm"
     ),
