@@ -262,9 +262,10 @@ def _stack(model: nn.Module, name: str, family: Family) -> tuple[str, nn.Module 
 def _dotted(module: nn.Module, path: str):
     """The attribute at dotted ``path`` of ``module`` (a final norm inside a module of the stack's
     holder: Qwen2-VL's ``merger.ln_q``), or None where there is none."""
-    for name in path.split("."):
-        module = getattr(module, name, None)
-    return module
+    try:
+        return attribute(module, path)
+    except AttributeError:
+        return None
 
 
 def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:

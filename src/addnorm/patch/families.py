@@ -58,11 +58,12 @@ from .tables import CROSS_ATTENTION, DBRX, DETR, ENCODERS, LLAMA_RENAMED, RETURN
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **ZAMBA,  # Zamba and Zamba 2: Mamba layers, and hybrid layers around a shared transformer
-    **WAV2VEC2,  # wav2vec 2.0's encoder layers, post-norm and pre-norm, and WavLM's
-    **RETURNING_WEIGHTS,  # BART's layers returning their attention weights: MVP, TrOCR, LED, SpeechT5
-    **VISION,  # Qwen2-VL's vision blocks and their copies (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...), AIMv2, ...
-    **ENCODERS,  # ModernBERT's and DistilBERT's layers
-    **CROSS_ATTENTION,  # Canary's and SeamlessM4T's decoders
+    # the tables of patch/tables.py, by kind of model
+    **WAV2VEC2,  # speech encoders: wav2vec 2.0's layers, post-norm and pre-norm, WavLM's, OmniASR's
+    **RETURNING_WEIGHTS,  # BART's layers returning their attentions' weights: MVP, TrOCR, SpeechT5, ...
+    **VISION,  # vision encoders: Qwen2-VL's blocks (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...), AIMv2, V-JEPA 2, ...
+    **ENCODERS,  # ModernBERT's, DistilBERT's and OpenAI's privacy filter's layers
+    **CROSS_ATTENTION,  # Canary's, SeamlessM4T's and NLLB-MoE's layers, BigBird-Pegasus's encoder
     **DETR,  # DETR's encoder and decoder layers (post-norm, position embeddings)
     **LLAMA_RENAMED,  # Llama's steps under other names: ERNIE 4.5 VL's text layers, Dia's, ...
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),

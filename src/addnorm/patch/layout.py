@@ -36,7 +36,9 @@ class Step:
     # modules on the same input, in that order (Granite 4's experts and shared MLP); "*name": the
     # output so far times the block argument ``name``, which ``call`` passes (Gemma 4's per-layer input)
     sublayer: str
-    norm: str | None = None  # the pre-norm (None: the sublayer reads the stream itself)
+    # the pre-norm (None: the sublayer reads the stream itself); this, ``sublayer`` and ``post`` may
+    # be dotted paths (DBRX's "norm_attn_norm.norm_1")
+    norm: str | None = None
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
     layer_scale: str | None = None  # a module whose ``lambda1`` (DINOv2) or ``scale`` (Mimi) scales the output

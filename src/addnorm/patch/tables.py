@@ -1,7 +1,7 @@
 """Tables of ``FAMILIES`` (:mod:`.families`) by kind of model, each written with the steps of
 :mod:`.steps`: speech encoders, BART's layers as first written (returning their attentions'
 weights), vision encoders, encoders of BERT's kind, decoders with a cross-attention step, DETR's
-layers, DBRX's blocks."""
+layers, DBRX's blocks, and Llama's steps under other names."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ WAV2VEC2 = {
 
 
 # BART's layers as first written, returning their attentions' weights: the encoder's always (with
-# LED's global attention's; ProphetNet's when asked), the decoder's when asked, its cross-attention's after its
-# self-attention's (None without encoder states). TrOCR's decoder; MVP's, whose attentions each
-# take a prompt; SpeechT5's, whose MLP adds no dropout of its own (wav2vec 2.0's).
+# LED's global attention's; ProphetNet's when asked), the decoder's when asked, its
+# cross-attention's after its self-attention's (None without encoder states). TrOCR's decoder;
+# MVP's, whose attentions each take a prompt; SpeechT5's, whose MLP adds no dropout of its own
+# (wav2vec 2.0's).
 def _returning_weights(encoder: Family, decoder: Family, prompts: bool = False) -> dict[str, Family]:
     self_attn, cross, mlp = decoder.steps
     call = cross.call + (("output_attentions", "output_attentions"),)
