@@ -26,6 +26,14 @@ blocks_module = sys.modules["addnorm.patch.blocks"]
 families_module = sys.modules["addnorm.patch.families"]
 
 _MLP = "fc1 activation_fn activation_dropout fc2"  # Whisper's MLP, in the block itself
+
+
+def _encoder_decoder(norms: int, prefix: str, encoder: tuple[str, ...], decoder: tuple[str, ...]) -> tuple:
+    """A COVERAGE entry: every add of the ``{prefix}EncoderLayer`` and ``{prefix}DecoderLayer`` fused."""
+    adds = {"EncoderLayer": encoder, "DecoderLayer": decoder}
+    return norms, {prefix + cls: dict.fromkeys(steps, "fused") for cls, steps in adds.items()}
+
+
 _BLOOM_MLP = "mlp.dense_h_to_4h mlp.gelu_impl mlp.dense_4h_to_h"  # its module's layers, then its add
 _GATED = "per_layer_input_gate act_fn *per_layer_input per_layer_projection"  # Gemma 4's per-layer input
 _SCALED = "the layer scales the stream after its last add (layer_scalar)"  # Gemma 4's layer_scalar
@@ -242,45 +250,19 @@ COVERAGE = {
             ("mvp", "Mvp", 12),
         ]
     },
-    "seamless_m4t": (
-        12,
-        {
-            "SeamlessM4TEncoderLayer": {"self_attn": "fused", "ffn": "fused"},
-            "SeamlessM4TDecoderLayer": {"self_attn": "fused", "cross_attention": "fused", "ffn": "fused"},
-        },
-    ),
-    "dia": (
-        12,
-        {
-            "DiaEncoderLayer": {"self_attention": "fused", "mlp": "fused"},
-            "DiaDecoderLayer": {"self_attention": "fused", "cross_attention": "fused", "mlp": "fused"},
-        },
-    ),
+    "seamless_m4t": _encoder_decoder(12, "SeamlessM4T", ("self_attn", "ffn"), ("self_attn", "cross_attention", "ffn")),
+    "dia": _encoder_decoder(12, "Dia", ("self_attention", "mlp"), ("self_attention", "cross_attention", "mlp")),
     "musicgen_melody": (5, {"MusicgenMelodyDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),
-    "nllb_moe": (
-        12,
-        {
-            "NllbMoeEncoderLayer": {"self_attn": "fused", "ffn": "fused"},
-            "NllbMoeDecoderLayer": {"self_attn": "fused", "cross_attention": "fused", "ffn": "fused"},
-        },
-    ),
-    "bigbird_pegasus": (
-        12,
-        {
-            "BigBirdPegasusEncoderLayer": {"self_attn": "fused", "fc1 activation_fn fc2": "fused"},
-            "BigBirdPegasusDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"},
-        },
+    "nllb_moe": _encoder_decoder(12, "NllbMoe", ("self_attn", "ffn"), ("self_attn", "cross_attention", "ffn")),
+    "bigbird_pegasus": _encoder_decoder(
+        12, "BigBirdPegasus", ("self_attn", "fc1 activation_fn fc2"), ("self_attn", "encoder_attn", _MLP)
     ),
     "prophetnet": (12, {"ProphetNetEncoderLayer": {"self_attn": "fused", "feed_forward": "fused"}}),
     "canary": (13, {"CanaryDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", "mlp": "fused"}}),
     "trocr": (7, {"TrOCRDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"}}),
     "led": (12, {"LEDEncoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # (its decoder's: plain)
-    "speecht5": (
-        12,
-        {
-            "SpeechT5EncoderLayer": {"attention": "fused", "feed_forward": "fused"},
-            "SpeechT5DecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", "feed_forward": "fused"},
-        },
+    "speecht5": _encoder_decoder(
+        12, "SpeechT5", ("attention", "feed_forward"), ("self_attn", "encoder_attn", "feed_forward")
     ),
     "opt_350m": (4, {"OPTDecoderLayer": {"self_attn": "fused", "fc1 activation_fn fc2": "fused"}}),  # post-norm
     "xglm": (5, {"XGLMDecoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # no cross-attention

@@ -170,6 +170,14 @@ def _nllb_moe_ffn(block: nn.Module) -> Step:
 _SEAMLESS_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="attn_dropout")
 _SEAMLESS_FFN = Step("ffn", "ffn_layer_norm", dropout="ffn_dropout")
 _CROSS = (("encoder_hidden_states", "encoder_hidden_states"), ("encoder_attention_mask", "attention_mask"))
+_SEAMLESS_CROSS = Step(
+    "cross_attention",
+    "cross_attention_layer_norm",
+    dropout="attn_dropout",
+    first=True,
+    call=(*_CROSS, ("cache", "cache")),
+    needs="encoder_hidden_states",
+)
 CROSS_ATTENTION = {
     # BigBird-Pegasus's encoder: Whisper's steps without the MLP's inner dropout, its block-sparse
     # attention given its masks, the stream normalized by ``layernorm_embedding`` after the last layer
@@ -198,18 +206,7 @@ CROSS_ATTENTION = {
         (_SEAMLESS_ATTENTION, _SEAMLESS_FFN), final="layer_norm"
     ),
     hf_path("seamless_m4t", "SeamlessM4TDecoderLayer"): Family(
-        (
-            _SEAMLESS_ATTENTION,
-            Step(
-                "cross_attention",
-                "cross_attention_layer_norm",
-                dropout="attn_dropout",
-                first=True,
-                call=(*_CROSS, ("cache", "cache")),
-                needs="encoder_hidden_states",
-            ),
-            _SEAMLESS_FFN,
-        ),
+        (_SEAMLESS_ATTENTION, _SEAMLESS_CROSS, _SEAMLESS_FFN),
         final="layer_norm",
         drop=("encoder_hidden_states", "encoder_attention_mask", "use_cache"),
     ),
@@ -219,14 +216,7 @@ CROSS_ATTENTION = {
     hf_path("nllb_moe", "NllbMoeDecoderLayer"): lambda block: Family(
         (
             _SEAMLESS_ATTENTION,
-            Step(
-                "cross_attention",
-                "cross_attention_layer_norm",
-                dropout="attn_dropout",
-                first=True,
-                call=WHISPER["decoder"].steps[1].call,
-                needs="encoder_hidden_states",
-            ),
+            dataclasses.replace(_SEAMLESS_CROSS, call=WHISPER["decoder"].steps[1].call),  # (key_value_states=)
             _nllb_moe_ffn(block),
         ),
         final="layer_norm",
