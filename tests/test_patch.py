@@ -552,6 +552,11 @@ def test_fused_layers_give_the_model_s_logits_for_a_padded_batch(name):
         "nemotron_h",
         "recurrent_gemma",
         "mpt",
+        "dbrx",
+        "mvp",
+        "nllb_moe",
+        "seamless_m4t",
+        "bigbird_pegasus",
     ],
 )
 def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
@@ -559,7 +564,9 @@ def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
     given the self-attention part of the cache, its cross-attention the whole), Gemma 4 with
     per-layer inputs and in its MoE layout, Bamba's Mamba and attention layers, Falcon-H1's
     side by side, MiniMax's lightning attention, GLM-5's sparse attention (a layer reusing the top-k
-    indices the layer before it returns), Nemotron-H's mixers (each called as its kind is)."""
+    indices the layer before it returns), Nemotron-H's mixers (each called as its kind is), DBRX's
+    attention inside its norms' module; encoder-decoders: MVP's prompts, NLLB-MoE's experts,
+    SeamlessM4T's and BigBird-Pegasus's layers."""
     model = hf_model(name).eval()
     fused = copy.deepcopy(model)
     assert addnorm.patch(fused, fuse_residual=True).fused_adds
