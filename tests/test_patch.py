@@ -553,6 +553,7 @@ def test_fused_layers_give_the_model_s_logits_for_a_padded_batch(name):
         "recurrent_gemma",
         "mpt",
         "dbrx",
+        "longcat_flash",
         "mvp",
         "nllb_moe",
         "seamless_m4t",
@@ -565,8 +566,8 @@ def test_fused_layers_generate_the_model_s_tokens_from_a_padded_batch(name):
     per-layer inputs and in its MoE layout, Bamba's Mamba and attention layers, Falcon-H1's
     side by side, MiniMax's lightning attention, GLM-5's sparse attention (a layer reusing the top-k
     indices the layer before it returns), Nemotron-H's mixers (each called as its kind is), DBRX's
-    attention inside its norms' module; encoder-decoders: MVP's prompts, NLLB-MoE's experts,
-    SeamlessM4T's and BigBird-Pegasus's layers."""
+    attention inside its norms' module, Longcat-Flash's shortcut MoE; encoder-decoders: MVP's
+    prompts, NLLB-MoE's experts, SeamlessM4T's and BigBird-Pegasus's layers."""
     model = hf_model(name).eval()
     fused = copy.deepcopy(model)
     assert addnorm.patch(fused, fuse_residual=True).fused_adds

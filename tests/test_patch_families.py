@@ -269,6 +269,10 @@ COVERAGE = {
     "gpt_bigcode": (5, {"GPTBigCodeBlock": {"attn": "fused", "mlp": "fused"}}),
     "granitemoe": (5, {"GraniteMoeDecoderLayer": {"self_attn": "fused", "block_sparse_moe": "fused"}}),
     "bert": (6, {"BertSelfOutput": {"dense": "fused"}, "BertOutput": {"dense": "fused"}}),
+    "longcat_flash": (
+        17,
+        {"LongcatFlashDecoderLayer": dict.fromkeys(("self_attn.0", "mlps.0", "self_attn.1", "mlps.1"), "fused")},
+    ),
     "dbrx": (5, {"DbrxBlock": {"norm_attn_norm.attn": "fused", "ffn": "fused"}}),
     "openai_privacy_filter": (5, {"OpenAIPrivacyFilterEncoderLayer": {"self_attn": "fused", "mlp": "fused"}}),
     "modernbert": (6, {"ModernBertEncoderLayer": {"attn": "fused", "mlp": "fused"}}),  # (with its head's norm)
@@ -367,6 +371,7 @@ MOE += (
     "doge_moe",
     "openai_privacy_filter",
     "dbrx",
+    "longcat_flash",
 )
 # XGLM's attention fails in float64 (its mask's minimum does not fit float32): no oracle either;
 # MVP's fails in bf16 (it adds a float32 mask to bf16 scores), patched or not.
@@ -457,6 +462,7 @@ LABELS = {
     "mpt": "MPT (its MLP adds the residual itself)",
     "bert": "BERT",
     "dbrx": "DBRX (its attention and norms in one module, MoE)",
+    "longcat_flash": "Longcat-Flash (two layers in one, a shortcut MoE added last)",
     "openai_privacy_filter": "OpenAI Privacy Filter (GPT-OSS's layer, token classification)",
     "modernbert": "ModernBERT (its first attention norm an identity)",
     "distilbert": "DistilBERT (post-norm)",
@@ -2057,3 +2063,15 @@ def test_extras_from_a_step_need_its_tuple():
     with pytest.raises(ValueError, match="extras from a sublayer that returns no tuple"):
         Step("encoder_attn", "encoder_attn_layer_norm", extras=True)
     assert Step("encoder_attn", "encoder_attn_layer_norm", first=True, extras=True).extras
+
+
+def test_an_output_beside_a_step_needs_a_plain_last_add():
+    """A module's output beside a step is added at the block's last add, after that step's: only
+    where the last add has no branch of its own to order it with (dropout, scales, drop path)."""
+    from addnorm.patch.layout import Family, Step
+
+    steps = (Step("attn", "norm1"), Step("mlp", "norm2", beside="shortcut"))
+    assert Family(steps, final="norm").steps[1].beside == "shortcut"
+    for last, layout in [(Step("mlp2", "norm3", dropout="dropout"), {}), (Step("mlp2", "norm3"), dict(parallel="x1"))]:
+        with pytest.raises(ValueError, match="beside output is added at a plain last add"):
+            Family((*steps, last), **layout)

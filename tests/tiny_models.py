@@ -311,6 +311,14 @@ OTHERS = {
         name: (f"{c}Config", f"{c}ForMaskedLM", dict(**_ENCODER, vocab_size=VOCAB, max_position_embeddings=SEQ))
         for name, c in [("gte", "Gte"), ("nomic_bert", "NomicBert"), ("jina_embeddings_v3", "JinaEmbeddingsV3")]
     },
+    "longcat_flash": (  # two of Llama's layers in one (MLA), a shortcut MoE beside the first MLP
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        dict(vocab_size=VOCAB, hidden_size=WIDTH, num_layers=2, num_attention_heads=4, num_key_value_heads=4)
+        | dict(max_position_embeddings=16, ffn_hidden_size=2 * WIDTH, q_lora_rank=8, kv_lora_rank=8, head_dim=8)
+        | dict(qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, expert_ffn_hidden_size=WIDTH, **_IDS)
+        | dict(moe_topk=2, n_routed_experts=2, zero_expert_num=1, pad_token_id=0),  # (transformers fails at top-1)
+    ),
     "dbrx": (  # its attention and both norms inside one module; two experts (its qkv clipped: transformers
         # fails without a clip)
         "DbrxConfig",

@@ -276,7 +276,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         family = family_of(m)
         if family is None:
             continue
-        names = [a for s in family.steps for a in (*modules(s.sublayer), s.norm, s.post, s.layer_scale) if a]
+        names = [a for s in family.steps for a in (*modules(s.sublayer), s.norm, s.post, s.layer_scale, s.beside) if a]
         missing = [a for a in dict.fromkeys(names) if not _has(m, a)]
         if missing:
             report.skipped.append((name, type(m).__name__, f"has no {', '.join(missing)}: not the layout fused"))
@@ -335,8 +335,9 @@ def _report_unknown_blocks(model: nn.Module, report: PatchReport) -> None:
     unfused = "this configuration of the block is not fused: its norms are replaced, its adds stay plain"
     listed = {a.block for a in report.adds}  # (blocks none of whose adds is fused: report.adds says why)
     for list_name, layers in model.named_modules():
-        if not isinstance(layers, nn.ModuleList):
-            continue
+        parts = list_name.split(".")
+        if not isinstance(layers, nn.ModuleList) or any(".".join(parts[:k]) in listed for k in range(len(parts))):
+            continue  # (a list inside a block of the table: Longcat-Flash's two attentions)
         for i, layer in enumerate(layers):
             if layer is None or f"{list_name}.{i}" in listed:  # (a ModuleList may hold None: Informer's conv_layers)
                 continue

@@ -329,8 +329,10 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
         h = s if first is None else first(s)
     if family.normed_residual:
         s = h
-    extras = ()
+    extras, later = (), None
     for i, step in enumerate(steps):
+        if step.beside:  # (run first, as the block runs it)
+            later = attribute(self, step.beside)(h)
         if i == 0:
             out, extras = _call_first(self, family, step, h, s, named)
         else:
@@ -352,10 +354,14 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
             s = h if family.normed_residual else s
         elif nxt and not family.scale and fusable(nxt[0], out) and _reads_the_stream(family, nxt[0], s, out):
             # (the next norm is called by the model: its hooks run there)
-            y, s = add_norm_forward(nxt[0], out, s, sublayer=_sublayer(self, step, out))
+            if later is None:
+                y, s = add_norm_forward(nxt[0], out, s, sublayer=_sublayer(self, step, out))
+            else:  # s + out + later: the op adds its x1 first (the last step has no branch: Step)
+                y, s = add_norm_forward(nxt[0], later, s, x1=out)
             hand_off(nxt[0], s, y)
         else:
             s = s + _branch(self, step, out)
+            s = s if later is None else s + later
     if family.scale:  # (a fresh sum: scaled in place, as the block does)
         s *= attribute(self, family.scale)
     return s, extras

@@ -52,6 +52,9 @@ class Step:
     residual_scale: str | None = None
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
     first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)
+    # a module run on the step's input beside its sublayer, whose output the block's last add adds
+    # after that step's own output (Longcat-Flash's shortcut MoE: s + out + shortcut)
+    beside: str | None = None
     # with ``first``, after the first step: the tuple's other items join the block's extras, after
     # the first step's (TrOCR's cross-attention weights, returned after its self-attention's)
     extras: bool = False
@@ -146,5 +149,11 @@ class Family:
         return tuple(dict.fromkeys(step.norm for step in steps))
 
     def __post_init__(self):
+        last = self.steps[-1]
+        if any(step.beside for step in self.steps) and (
+            self.parallel or self.post_norm or self.norm_after or self.scale or last.dropout or last.layer_scale
+            or last.multiplier or last.drop_path or last.divisor or last.residual_scale
+        ):  # fmt: skip
+            raise ValueError("Family: a step's beside output is added at a plain last add of sequential steps")
         if (self.parallel or self.post_norm) and any(step.divisor for step in self.steps):
             raise ValueError("Family: a step's divisor needs sequential steps (not parallel or post_norm)")

@@ -270,8 +270,22 @@ def _ernie_vl(block: nn.Module) -> Family:
     return Family((PRE[0], mlp), final="norm", drop=("moe_mm_token_type_ids",))
 
 
+# Longcat-Flash's layers: two of Llama's layers in one (two of each module, in module lists), the
+# first MLP's input read by a shortcut MoE too, whose output the last add adds after the second
+# MLP's (``Step.beside``)
+_LONGCAT_ATTENTION = ("attention_mask", "position_ids", "cache", "use_cache", "position_embeddings")
+LONGCAT = Family(
+    (
+        Step("self_attn.0", "input_layernorm.0"),
+        Step("mlps.0", "post_attention_layernorm.0", beside="mlp"),
+        Step("self_attn.1", "input_layernorm.1", first=True, call=tuple((a, a) for a in _LONGCAT_ATTENTION)),
+        Step("mlps.1", "post_attention_layernorm.1"),
+    ),
+    final="norm",
+)
 _DIA_SELF = Step("self_attention", "pre_sa_norm")
 LLAMA_RENAMED = {
+    hf_path("longcat_flash", "LongcatFlashDecoderLayer"): LONGCAT,
     hf_path("ernie4_5_vl_moe", "Ernie4_5_VLMoeDecoderLayer"): _ernie_vl,
     hf_path("glmasr", "GlmAsrEncoderLayer"): Family(PRE, final="norm"),
     hf_path("voxtral_realtime", "VoxtralRealtimeEncoderLayer"): Family(
