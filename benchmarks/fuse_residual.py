@@ -5,9 +5,12 @@ download) of a small and a larger size, each in three variants, all side by side
 interleaved round by round so that machine load hits them alike (addnorm's harness,
 ``addnorm.tools.bench.measure``): the model as is ("hf"), with its norms patched ("patched"),
 and patched with ``fuse_residual=True`` ("fused"). Prints the median and p20/p80 per variant
-and the ratio to "hf" of the same size.
+and the ratio to "hf" of the same size. With ``--generate N``: cached greedy generation of N new
+tokens from one prompt of ``--seq`` tokens, in eval mode, per generated token (a decode step
+runs every norm on one row: the Python around each call, not its kernel, sets its cost).
 
     PYTHONPATH=src python benchmarks/fuse_residual.py --model llama --threads 1
+    PYTHONPATH=src python benchmarks/fuse_residual.py --model llama --sizes 768x12 --generate 32 --seq 16
 """
 
 from __future__ import annotations
@@ -62,19 +65,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--backend", default="auto")
+    parser.add_argument(
+        "--generate", type=int, default=0, metavar="N", help="time greedy generation of N tokens (batch 1) instead"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
-    ids = torch.randint(0, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    batch = 1 if args.generate else args.batch
+    ids = torch.randint(0, 1024, (batch, args.seq), generator=torch.Generator().manual_seed(1))
+    new = dict(max_new_tokens=args.generate, min_new_tokens=args.generate, do_sample=False, pad_token_id=0)
 
     def step(model):
+        if args.generate:
+            with torch.no_grad():
+                model.generate(ids, **new)
+            return
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
     runs = {}
     for width, layers in sizes:
-        hf = build(args.model, width, layers, args.seq).train()
+        hf = build(args.model, width, layers, args.seq + args.generate)
+        hf.train(not args.generate)
         patched, fused = copy.deepcopy(hf), copy.deepcopy(hf)
         addnorm.patch(patched, backend=args.backend)
         report = addnorm.patch(fused, fuse_residual=True, backend=args.backend)
@@ -84,15 +97,17 @@ def main() -> None:
             runs[width, layers, name] = lambda model=model: step(model)
     times = measure(runs, args.rounds)
 
+    what = f"greedy generation of {args.generate} tokens, per token" if args.generate else "forward+backward"
     print(
-        f"{args.model} batch={args.batch} seq={args.seq} fp32 threads={args.threads} backend={args.backend} "
-        f"rounds={args.rounds}, forward+backward, all sizes interleaved"
+        f"{args.model} batch={batch} seq={args.seq} fp32 threads={args.threads} backend={args.backend} "
+        f"rounds={args.rounds}, {what}, all sizes interleaved"
     )
+    per = max(args.generate, 1)
     for (width, layers, name), (med, p20, p80) in times.items():
         base = times[width, layers, "hf"][0]
         print(
-            f"  width={width:<4d} layers={layers}  {name:8s} median {med * 1e3:8.2f} ms  p20 {p20 * 1e3:8.2f}  "
-            f"p80 {p80 * 1e3:8.2f}  x{base / med:.3f} speed of hf"
+            f"  width={width:<4d} layers={layers}  {name:8s} median {med / per * 1e3:8.2f} ms  "
+            f"p20 {p20 / per * 1e3:8.2f}  p80 {p80 / per * 1e3:8.2f}  x{base / med:.3f} speed of hf"
         )
 
 
