@@ -235,6 +235,14 @@ _DETR_MLP = Step("mlp", "final_layer_norm")
 _DETR_CROSS = (("encoder_hidden_states", "key_value_states"), ("encoder_attention_mask", "attention_mask"))
 _DETR_CROSS += (("object_queries_position_embeddings", "position_embeddings"),)
 _DETR_CROSS += (("spatial_position_embeddings", "encoder_position_embeddings"),)
+_DEFORMABLE = ("reference_points", "spatial_shapes", "spatial_shapes_list", "level_start_index")
+
+
+def deformable_encoder_attention(block: nn.Module, h, s, named: dict):
+    """Deformable DETR's encoder attention (:attr:`Step.run`): the layer's input is its memory too."""
+    return block.self_attn(h, encoder_hidden_states=h, encoder_attention_mask=named.get("attention_mask"), **named)
+
+
 DETR = {
     hf_path("detr", "DetrEncoderLayer"): Family(
         (_DETR_ATTENTION, _DETR_MLP), norm_after=True, rename=(("spatial_position_embeddings", "position_embeddings"),)
@@ -255,6 +263,37 @@ DETR = {
         norm_after=True,
         rename=(("object_queries_position_embeddings", "position_embeddings"),),
         drop=("spatial_position_embeddings", "encoder_hidden_states", "encoder_attention_mask"),
+    ),
+    # Deformable DETR's: the same layout, its multi-scale attentions given the feature maps' shapes
+    # and reference points, without the layer's **kwargs (but the decoder's self-attention)
+    hf_path("deformable_detr", "DeformableDetrEncoderLayer"): Family(
+        (dataclasses.replace(_DETR_ATTENTION, run=deformable_encoder_attention), _DETR_MLP),
+        norm_after=True,
+        rename=(("spatial_position_embeddings", "position_embeddings"),),
+        kwargs=False,
+    ),
+    hf_path("deformable_detr", "DeformableDetrDecoderLayer"): Family(
+        (
+            _DETR_ATTENTION,
+            Step(
+                "encoder_attn",
+                "encoder_attn_layer_norm",
+                dropout="dropout",
+                first=True,
+                kwargs=False,
+                call=(
+                    ("encoder_attention_mask", "attention_mask"),
+                    ("encoder_hidden_states", "encoder_hidden_states"),
+                    ("encoder_attention_mask", "encoder_attention_mask"),
+                    ("object_queries_position_embeddings", "position_embeddings"),
+                    *((a, a) for a in _DEFORMABLE),
+                ),
+            ),
+            _DETR_MLP,
+        ),
+        norm_after=True,
+        rename=(("object_queries_position_embeddings", "position_embeddings"),),
+        drop=("encoder_hidden_states", "encoder_attention_mask", *_DEFORMABLE),
     ),
 }
 
