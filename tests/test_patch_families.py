@@ -1706,6 +1706,11 @@ _MERGED = {
 }
 
 
+# DETR and its kind: the prefix of each one's model classes (Conditional DETR's decoder gives its
+# cross-attention the queries' positions in its first layer alone)
+_DETRS = {"detr": "Detr", "conditional_detr": "ConditionalDetr", "deformable_detr": "DeformableDetr"}
+
+
 def _headless(name: str):
     """A tiny encoder without a head: the model, its inputs, and the adds not fused (each case says
     what its layout shows)."""
@@ -1758,20 +1763,20 @@ def _headless(name: str):
     if name == "sapiens2":  # DINOv3's layer (RoPE; a layer scale on the attention, an identity on the MLP)
         config = tf.Sapiens2Config(**heads, image_size=8, patch_size=4)
         return tf.Sapiens2Model(config), dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g)), []
-    if name in ("detr", "deformable_detr"):  # post-norm layers with position embeddings, on a tiny ResNet's
-        # features (Deformable DETR's: two feature maps, multi-scale attention)
+    if name in _DETRS:  # post-norm layers with position embeddings, on a tiny ResNet's features
+        # (Deformable DETR's: two feature maps, multi-scale attention)
         deformable = name == "deformable_detr"
         stages = ["stage1", "stage2"] if deformable else ["stage2"]
         backbone = tf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], out_features=stages)
         layout = dict(num_feature_levels=2, encoder_n_points=2, decoder_n_points=2) if deformable else {}
-        config = (tf.DeformableDetrConfig if deformable else tf.DetrConfig)(
+        config = getattr(tf, f"{_DETRS[name]}Config")(
             use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone, d_model=WIDTH,
             encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=2 * WIDTH, decoder_ffn_dim=2 * WIDTH, num_queries=5, dropout=0.0, **layout,
         )  # fmt: skip
         mask = torch.ones(2, 32, 32, dtype=torch.long)
         mask[1, :, 24:] = 0  # (the second image narrower)
-        model = (tf.DeformableDetrModel if deformable else tf.DetrModel)(config)
+        model = getattr(tf, f"{_DETRS[name]}Model")(config)
         return model, dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g), pixel_mask=mask), []
     if name == "pixio":  # dropout, then drop path, on each step
         config = tf.PixioConfig(**heads, image_size=8, patch_size=4, drop_path_rate=0.0, hidden_dropout_prob=0.0)
@@ -1942,8 +1947,8 @@ def _headless(name: str):
 _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "llama4", "internvl"]
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 _ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "kosmos2_5", "sapiens2", "paddleocr_vl"]
-_ENCODERS += ["detr", "pixio", "vjepa2", "glm_image", "ernie4_5_vl_moe", "voxtral_realtime", "omniasr", "glmasr"]
-_ENCODERS += ["cosmos3_edge", "mlcd", "vitpose", "deformable_detr", *_MERGED]
+_ENCODERS += [*_DETRS, "pixio", "vjepa2", "glm_image", "ernie4_5_vl_moe", "voxtral_realtime", "omniasr", "glmasr"]
+_ENCODERS += ["cosmos3_edge", "mlcd", "vitpose", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

@@ -87,11 +87,10 @@ RETURNING_WEIGHTS = {
 # (``cu_seqlens``), the stack's last add read by its patch merger's norm (``FINALS``: where others).
 # PaddleOCR-VL's (and VideoLLaMA3's, Cosmos 3 Edge's): CLIP's steps on packed patches. AIMv2's (and Ovis2's):
 # RMSNorm before each sublayer. Pix2Struct's: returning its attention's weights (Kosmos-2.5's: not).
+_QWEN_VL = (Step("attn", "norm1"), Step("mlp", "norm2"))
 _PIX2STRUCT = (Step("attention", "pre_attention_layer_norm"), Step("mlp", "pre_mlp_layer_norm"))
 VISION = {
-    hf_path("qwen2_5_vl", "Qwen2_5_VLVisionBlock"): Family(
-        (Step("attn", "norm1"), Step("mlp", "norm2")), final="merger.ln_q"
-    ),
+    hf_path("qwen2_5_vl", "Qwen2_5_VLVisionBlock"): Family(_QWEN_VL, final="merger.ln_q"),
     hf_path("paddleocr_vl", "PaddleOCRVisionEncoderLayer"): Family(CLIP, final="post_layernorm"),
     hf_path("cosmos3_edge", "Cosmos3EdgeVisionEncoderLayer"): Family(CLIP, final="post_layernorm"),
     # MLCD's: CLIP's steps, each attention given its positions; its norm after the stack reads the
@@ -110,7 +109,7 @@ VISION = {
     hf_path("pix2struct", "Pix2StructVisionLayer"): Family(_PIX2STRUCT, final="layernorm", extras=True),
     hf_path("kosmos2_5", "Kosmos2_5VisionLayer"): Family(_PIX2STRUCT, final="layernorm"),  # (its stream alone)
     # GLM-Image's vision encoder: Qwen2-VL's blocks, no norm after them
-    hf_path("glm_image", "GlmImageVisionBlock"): Family((Step("attn", "norm1"), Step("mlp", "norm2"))),
+    hf_path("glm_image", "GlmImageVisionBlock"): Family(_QWEN_VL),
     # V-JEPA 2's: drop path on each step, its attention given the position mask alone, returning its weights
     hf_path("vjepa2", "VJEPA2Layer"): Family(
         (Step("attention", "norm1", drop_path="drop_path"), Step("mlp", "norm2", drop_path="drop_path")),
@@ -238,6 +237,15 @@ _DETR_CROSS += (("spatial_position_embeddings", "encoder_position_embeddings"),)
 _DEFORMABLE = ("reference_points", "spatial_shapes", "spatial_shapes_list", "level_start_index")
 
 
+def conditional_detr_cross_attention(block: nn.Module, h, s, call: dict):
+    """Conditional DETR's cross-attention (:attr:`Step.run`): given the object queries' positions
+    in the first layer alone (``is_first``), as its layers call it."""
+    call = dict(call)
+    if not call.pop("is_first"):
+        call["query_position_embeddings"] = None
+    return block.encoder_attn(hidden_states=h, **call)
+
+
 def deformable_encoder_attention(block: nn.Module, h, s, named: dict):
     """Deformable DETR's encoder attention (:attr:`Step.run`): the layer's input is its memory too."""
     return block.self_attn(h, encoder_hidden_states=h, encoder_attention_mask=named.get("attention_mask"), **named)
@@ -263,6 +271,33 @@ DETR = {
         norm_after=True,
         rename=(("object_queries_position_embeddings", "position_embeddings"),),
         drop=("spatial_position_embeddings", "encoder_hidden_states", "encoder_attention_mask"),
+    ),
+    # Conditional DETR's decoder: the same layout, its cross-attention given the query sine
+    # embedding, and the queries' positions in the first layer alone
+    hf_path("conditional_detr", "ConditionalDetrDecoderLayer"): Family(
+        (
+            _DETR_ATTENTION,
+            Step(
+                "encoder_attn",
+                "encoder_attn_layer_norm",
+                dropout="dropout",
+                first=True,
+                run=conditional_detr_cross_attention,
+                call=(
+                    ("encoder_hidden_states", "encoder_hidden_states"),
+                    ("encoder_attention_mask", "attention_mask"),
+                    ("query_sine_embed", "query_sine_embed"),
+                    ("spatial_position_embeddings", "encoder_position_embeddings"),
+                    ("query_position_embeddings", "query_position_embeddings"),
+                    ("is_first", "is_first"),
+                ),
+                needs="encoder_hidden_states",
+            ),
+            _DETR_MLP,
+        ),
+        norm_after=True,
+        drop=("spatial_position_embeddings", "query_sine_embed", "encoder_hidden_states", "encoder_attention_mask")
+        + ("is_first",),
     ),
     # Deformable DETR's: the same layout, its multi-scale attentions given the feature maps' shapes
     # and reference points, without the layer's **kwargs (but the decoder's self-attention)
