@@ -251,51 +251,35 @@ def deformable_encoder_attention(block: nn.Module, h, s, named: dict):
     return block.self_attn(h, encoder_hidden_states=h, encoder_attention_mask=named.get("attention_mask"), **named)
 
 
+def _detr_decoder(call, *, run=None, needs="encoder_hidden_states", kwargs=True, **family) -> Family:
+    """A decoder layer of DETR's kind: self-attention, cross-attention (given ``call``'s block
+    arguments, or run by ``run``) and MLP, each add then its norm."""
+    options = dict(dropout="dropout", first=True, call=call, run=run, needs=needs, kwargs=kwargs)
+    cross = Step("encoder_attn", "encoder_attn_layer_norm", **options)
+    return Family((_DETR_ATTENTION, cross, _DETR_MLP), norm_after=True, **family)
+
+
 DETR = {
     hf_path("detr", "DetrEncoderLayer"): Family(
         (_DETR_ATTENTION, _DETR_MLP), norm_after=True, rename=(("spatial_position_embeddings", "position_embeddings"),)
     ),
-    hf_path("detr", "DetrDecoderLayer"): Family(
-        (
-            _DETR_ATTENTION,
-            Step(
-                "encoder_attn",
-                "encoder_attn_layer_norm",
-                dropout="dropout",
-                first=True,
-                call=_DETR_CROSS,
-                needs="encoder_hidden_states",
-            ),
-            _DETR_MLP,
-        ),
-        norm_after=True,
+    hf_path("detr", "DetrDecoderLayer"): _detr_decoder(
+        _DETR_CROSS,
         rename=(("object_queries_position_embeddings", "position_embeddings"),),
         drop=("spatial_position_embeddings", "encoder_hidden_states", "encoder_attention_mask"),
     ),
     # Conditional DETR's decoder: the same layout, its cross-attention given the query sine
     # embedding, and the queries' positions in the first layer alone
-    hf_path("conditional_detr", "ConditionalDetrDecoderLayer"): Family(
+    hf_path("conditional_detr", "ConditionalDetrDecoderLayer"): _detr_decoder(
         (
-            _DETR_ATTENTION,
-            Step(
-                "encoder_attn",
-                "encoder_attn_layer_norm",
-                dropout="dropout",
-                first=True,
-                run=conditional_detr_cross_attention,
-                call=(
-                    ("encoder_hidden_states", "encoder_hidden_states"),
-                    ("encoder_attention_mask", "attention_mask"),
-                    ("query_sine_embed", "query_sine_embed"),
-                    ("spatial_position_embeddings", "encoder_position_embeddings"),
-                    ("query_position_embeddings", "query_position_embeddings"),
-                    ("is_first", "is_first"),
-                ),
-                needs="encoder_hidden_states",
-            ),
-            _DETR_MLP,
+            ("encoder_hidden_states", "encoder_hidden_states"),
+            ("encoder_attention_mask", "attention_mask"),
+            ("query_sine_embed", "query_sine_embed"),
+            ("spatial_position_embeddings", "encoder_position_embeddings"),
+            ("query_position_embeddings", "query_position_embeddings"),
+            ("is_first", "is_first"),
         ),
-        norm_after=True,
+        run=conditional_detr_cross_attention,
         drop=("spatial_position_embeddings", "query_sine_embed", "encoder_hidden_states", "encoder_attention_mask")
         + ("is_first",),
     ),
@@ -307,26 +291,16 @@ DETR = {
         rename=(("spatial_position_embeddings", "position_embeddings"),),
         kwargs=False,
     ),
-    hf_path("deformable_detr", "DeformableDetrDecoderLayer"): Family(
+    hf_path("deformable_detr", "DeformableDetrDecoderLayer"): _detr_decoder(
         (
-            _DETR_ATTENTION,
-            Step(
-                "encoder_attn",
-                "encoder_attn_layer_norm",
-                dropout="dropout",
-                first=True,
-                kwargs=False,
-                call=(
-                    ("encoder_attention_mask", "attention_mask"),
-                    ("encoder_hidden_states", "encoder_hidden_states"),
-                    ("encoder_attention_mask", "encoder_attention_mask"),
-                    ("object_queries_position_embeddings", "position_embeddings"),
-                    *((a, a) for a in _DEFORMABLE),
-                ),
-            ),
-            _DETR_MLP,
+            ("encoder_attention_mask", "attention_mask"),
+            ("encoder_hidden_states", "encoder_hidden_states"),
+            ("encoder_attention_mask", "encoder_attention_mask"),
+            ("object_queries_position_embeddings", "position_embeddings"),
+            *((a, a) for a in _DEFORMABLE),
         ),
-        norm_after=True,
+        needs=None,
+        kwargs=False,
         rename=(("object_queries_position_embeddings", "position_embeddings"),),
         drop=("encoder_hidden_states", "encoder_attention_mask", *_DEFORMABLE),
     ),
@@ -335,8 +309,9 @@ DETR = {
 
 # Llama's steps under other names, or with a sublayer called otherwise. ERNIE 4.5 VL's text layers:
 # its MoE layers' experts are given the token types (text or image) and return their router's
-# outputs too. GLM-ASR's and VoxtralRealtime's audio encoders. Dia's encoder and decoder (its self-attention given
-# the self-attention part of the cache, its cross-attention the encoder's states positionally).
+# outputs too. GLM-ASR's and VoxtralRealtime's audio encoders. Dia's encoder and decoder (its
+# self-attention given the self-attention part of the cache, its cross-attention the encoder's
+# states positionally).
 def _ernie_vl(block: nn.Module) -> Family:
     moe = type(block.mlp).__name__.endswith("MoeBlock")
     call = (("moe_mm_token_type_ids", "moe_mm_token_type_ids"),) if moe else ()
