@@ -859,6 +859,28 @@ def test_layers_return_their_attention_weights_as_the_model_does(name):
     assert len(report.fused_adds) == len(report.adds) > 0
 
 
+def test_table_transformer_s_decoder_layers_return_the_weights_and_need_encoder_states():
+    """Table Transformer's fused decoder layers return both attentions' weights when asked, within
+    float32 rounding of the unpatched model's; a layer called without encoder states (whose MLP
+    then reads the cross-attention's norm) runs its own forward: the bits of the layer with its
+    norms alone patched."""
+    original, inputs, _ = _headless("table_transformer")
+    fused, norms_only = copy.deepcopy(original), copy.deepcopy(original)
+    assert len(addnorm.patch(fused, fuse_residual=True).fused_adds) == 6
+    addnorm.patch(norms_only)
+    original.eval(), fused.eval()
+    with torch.no_grad():
+        want, got = (m(**inputs, output_attentions=True) for m in (original, fused))
+        for field in ("decoder_attentions", "cross_attentions"):
+            assert len(getattr(got, field)) == 2
+            for a, b in zip(getattr(want, field), getattr(got, field), strict=True):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        h, queries = torch.randn(2, 5, WIDTH), torch.randn(2, 5, WIDTH)
+        layers = (m.decoder.layers[0] for m in (norms_only.eval(), fused))
+        want, got = (layer(h, query_position_embeddings=queries)[0] for layer in layers)
+        assert torch.equal(got, want)
+
+
 def test_vitpose_plus_layers_with_experts_keep_their_own_forward():
     """ViTPose+'s layers (an MLP of experts chosen by each image's dataset) are left to their own
     forward, and reported; their norms are replaced."""
@@ -1709,6 +1731,7 @@ _MERGED = {
 # DETR and its kind: the prefix of each one's model classes (Conditional DETR's decoder gives its
 # cross-attention the queries' positions in its first layer alone)
 _DETRS = {"detr": "Detr", "conditional_detr": "ConditionalDetr", "deformable_detr": "DeformableDetr"}
+_DETRS |= {"table_transformer": "TableTransformer"}  # (pre-norm decoder layers)
 
 
 def _headless(name: str):

@@ -282,6 +282,7 @@ def block_forward(self, *args, **kwargs):
     extras_asked = family.extras_if is None or bool(named.get(family.extras_if))
     if (
         any(named.get(name) is not None for name in family.fallback)
+        or (family.requires is not None and named.get(family.requires) is None)
         or (family.clamp16 and hidden_states.dtype == torch.float16)
         or not _owners_intact(self)
     ):

@@ -97,6 +97,9 @@ class Family:
     rename: tuple[tuple[str, str], ...] = ()  # block argument -> attention argument
     drop: tuple[str, ...] = ()  # block arguments the attention does not take
     fallback: tuple[str, ...] = ()  # arguments which, when given, make the block run its own forward
+    # an argument which, when not given (None), makes the block run its own forward (Table
+    # Transformer's decoder layers without encoder states: their MLP then reads another norm)
+    requires: str | None = None
     extras: bool = False  # the block returns (stream, *the attention's other outputs)
     # with extras, the attention's outputs from this index on (GLM-5's and Mistral Large 4's
     # top-k indices: 2, past the attention weights the block drops)

@@ -283,6 +283,37 @@ DETR = {
         drop=("spatial_position_embeddings", "query_sine_embed", "encoder_hidden_states", "encoder_attention_mask")
         + ("is_first",),
     ),
+    # Table Transformer's decoder: pre-norm, the self-attention given the queries' positions as
+    # ``object_queries``, the cross-attention the image's too, returning both attentions' weights
+    # when asked; without encoder states its MLP reads the cross-attention's norm: its own forward
+    hf_path("table_transformer", "TableTransformerDecoderLayer"): Family(
+        (
+            Step("self_attn", "self_attn_layer_norm", dropout="dropout"),
+            Step(
+                "encoder_attn",
+                "encoder_attn_layer_norm",
+                dropout="dropout",
+                first=True,
+                extras=True,
+                kwargs=False,
+                call=(
+                    ("query_position_embeddings", "object_queries"),
+                    ("encoder_hidden_states", "key_value_states"),
+                    ("encoder_attention_mask", "attention_mask"),
+                    ("object_queries", "spatial_position_embeddings"),
+                    ("output_attentions", "output_attentions"),
+                ),
+            ),
+            Step("fc1 activation_fn activation_dropout fc2", "final_layer_norm", dropout="dropout"),
+        ),
+        final="layernorm",
+        rename=(("query_position_embeddings", "object_queries"),),
+        drop=("object_queries", "encoder_hidden_states", "encoder_attention_mask"),
+        extras=True,
+        extras_if="output_attentions",
+        kwargs=False,
+        requires="encoder_hidden_states",
+    ),
     # Deformable DETR's: the same layout, its multi-scale attentions given the feature maps' shapes
     # and reference points, without the layer's **kwargs (but the decoder's self-attention)
     hf_path("deformable_detr", "DeformableDetrEncoderLayer"): Family(
