@@ -168,13 +168,15 @@ def _nllb_moe_ffn(block: nn.Module) -> Step:
 # sublayer (NLLB-MoE's clamp a float16 stream: in float16 they run their own forward).
 _SEAMLESS_ATTENTION = Step("self_attn", "self_attn_layer_norm", dropout="attn_dropout")
 _SEAMLESS_FFN = Step("ffn", "ffn_layer_norm", dropout="ffn_dropout")
+# (the cross-attention given the encoder's states and mask by those names, and the whole cache)
 _CROSS = (("encoder_hidden_states", "encoder_hidden_states"), ("encoder_attention_mask", "attention_mask"))
+_CROSS += (("cache", "cache"),)
 _SEAMLESS_CROSS = Step(
     "cross_attention",
     "cross_attention_layer_norm",
     dropout="attn_dropout",
     first=True,
-    call=(*_CROSS, ("cache", "cache")),
+    call=_CROSS,
     needs="encoder_hidden_states",
 )
 CROSS_ATTENTION = {
@@ -192,7 +194,7 @@ CROSS_ATTENTION = {
                 "encoder_attn",
                 "post_attention_layernorm",
                 first=True,
-                call=(*_CROSS, ("cache", "cache")),
+                call=_CROSS,
                 needs="encoder_hidden_states",
                 kwargs=False,
             ),
