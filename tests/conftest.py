@@ -155,6 +155,18 @@ def assert_matches_oracle(
     )
 
 
+_BLOCKS = importlib.import_module("addnorm.patch.blocks")
+INFERENCE_FUSE_MIN_ELEMENTS = _BLOCKS.INFERENCE_FUSE_MIN_ELEMENTS  # the shipped value
+
+
+@pytest.fixture(autouse=True)
+def fuse_every_size(monkeypatch):
+    """Fused blocks take their fused forward in inference calls of any size: the tests' models
+    are tiny, and would otherwise run their blocks' own forward there
+    (``INFERENCE_FUSE_MIN_ELEMENTS``; its own tests set it back)."""
+    monkeypatch.setattr(_BLOCKS, "INFERENCE_FUSE_MIN_ELEMENTS", 0)
+
+
 @pytest.fixture
 def parallel_cpu_kernels(monkeypatch):
     """Split even small inputs over threads in the CPU kernels (normally only inputs of

@@ -10,6 +10,7 @@ also runs through inductor, which plans buffers from the fake kernels' shapes an
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -53,6 +54,33 @@ def test_patched_hf_model_compiles_fullgraph_and_matches_eager(name):
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-6)
     for (name, pc), pe in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(pc.grad, pe.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_block_called_with_its_stream_by_name_compiles_from_cold_caches(monkeypatch):
+    """A fused block called with its stream by name binds its arguments with ``inspect``, whose
+    signature objects torch.compile traces only where nothing in the graph writes a dict: the
+    per-class lookups the fused forward keeps (norm styles, parameter names) are written outside
+    tracing alone, so a graph traced before any eager call has no break."""
+    norms = importlib.import_module("addnorm.patch.norms")
+    monkeypatch.setattr(norms, "_STYLE_OF", {})
+    monkeypatch.setattr(norms, "_CLASS_ATTRIBUTES", {})
+    torch._dynamo.reset()
+    model = hf_model("llama")
+    addnorm.patch(model, fuse_residual=True)
+    norms._STYLE_OF.clear()  # (as after a fresh import: patch() filled it)
+    layers, rotary = model.model.layers, model.model.rotary_emb
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    position = rotary(x, torch.arange(8)[None])
+
+    def call(x):  # (the second layer binds its call after the first has run)
+        for layer in layers:
+            x = layer(hidden_states=x, position_embeddings=position)
+        return x
+
+    graphs = []
+    got = torch.compile(call, fullgraph=True, backend=recording("aot_eager", graphs))(x)
+    assert len(graphs) == 1 and addnorm_calls(graphs) == 4  # each layer's two norms
+    torch.testing.assert_close(got, call(x), rtol=1e-6, atol=1e-6)
 
 
 class Small(nn.Module):

@@ -32,3 +32,13 @@ def test_readme_counts_the_classes_patch_knows():
     readme = " ".join((DOC.parent.parent / "README.md").read_text().split())
     assert int(re.search(r"(\d+) Hugging Face norm classes", readme).group(1)) == len(HF_NORMS)
     assert int(re.search(r"\((\d+) block classes", readme).group(1)) == len(FAMILIES)
+
+
+def test_docs_state_the_inference_fusion_threshold():
+    """The README and docs/integrations.md give the size below which inference calls run a fused
+    block's own forward as the value the library ships (tests run with it set to 0: conftest)."""
+    from conftest import INFERENCE_FUSE_MIN_ELEMENTS
+
+    for path in (DOC, DOC.parent.parent / "README.md"):
+        text = " ".join(path.read_text().split())
+        assert [int(n) for n in re.findall(r"fewer than (\d+) elements", text)] == [INFERENCE_FUSE_MIN_ELEMENTS], path

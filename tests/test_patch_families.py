@@ -810,6 +810,69 @@ def test_inference_mode_runs_and_steering_in_place_is_seen(name):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, s=steered: f"steered {s}: {m}")
 
 
+def _stream_size(model: torch.nn.Module, block: str, inputs: dict) -> int:
+    """The number of elements of the stream entering ``block`` on ``inputs``."""
+    sizes = []
+    hook = model.get_submodule(block).register_forward_pre_hook(
+        lambda m, args, kwargs: sizes.append((args[0] if args else next(iter(kwargs.values()))).numel()),
+        with_kwargs=True,
+    )
+    with torch.no_grad():
+        model(**inputs)
+    hook.remove()
+    return sizes[0]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "dinov2"])
+def test_small_inference_calls_run_the_blocks_own_forward_with_the_same_bits(name, fused_calls, monkeypatch):
+    """In eval mode without autograd, a stream of fewer than ``INFERENCE_FUSE_MIN_ELEMENTS``
+    elements runs each block's own forward, its norms patched: no add fused, the norms-only
+    model's logits bit for bit, as from the threshold on (fused). In training mode, with autograd,
+    or in a block that scales its output (DINOv2's layer scale), the adds stay fused."""
+    original, patched, report = fused_copy(name)
+    norms_only = copy.deepcopy(original)
+    addnorm.patch(norms_only)
+    inputs = {k: v for k, v in hf_inputs(name).items() if k != "labels"}
+    size = _stream_size(patched, report.fused_adds[0].block, inputs)
+    norms_only.eval(), patched.eval()
+    with torch.no_grad():
+        want = norms_only(**inputs).logits
+    fused_everywhere = name == "dinov2"
+    for threshold, fused in ((size + 1, fused_everywhere), (size, True)):
+        monkeypatch.setattr(blocks_module, "INFERENCE_FUSE_MIN_ELEMENTS", threshold)
+        fused_calls.clear()
+        with torch.no_grad():
+            got = patched(**inputs).logits
+        assert torch.equal(got, want)
+        assert any(with_residual for with_residual, _ in fused_calls) == fused, threshold
+    for training, grad in ((False, True), (True, False)):  # below the threshold still
+        patched.train(training)
+        fused_calls.clear()
+        with torch.set_grad_enabled(grad):
+            patched(**inputs)
+        assert any(with_residual for with_residual, _ in fused_calls), (training, grad)
+
+
+def test_a_decode_step_of_the_shipped_threshold_runs_the_block_s_own_forward(fused_calls, monkeypatch):
+    """With the shipped ``INFERENCE_FUSE_MIN_ELEMENTS``, a Llama stream of that many elements
+    fuses its adds in inference, and one row fewer (a decode step's size) runs the blocks' own
+    forward, with the same logits for the rows both share."""
+    from conftest import INFERENCE_FUSE_MIN_ELEMENTS as shipped
+
+    monkeypatch.setattr(blocks_module, "INFERENCE_FUSE_MIN_ELEMENTS", shipped)
+    original, patched, _ = fused_copy("llama")
+    patched.eval()
+    rows = shipped // WIDTH
+    embeds = torch.randn(1, rows, WIDTH, generator=torch.Generator().manual_seed(3))
+    logits = []
+    for n, fused in ((rows, True), (rows - 1, False)):
+        fused_calls.clear()
+        with torch.no_grad():
+            logits.append(patched(inputs_embeds=embeds[:, :n]).logits)
+        assert any(with_residual for with_residual, _ in fused_calls) == fused, n
+    assert torch.equal(logits[1], logits[0][:, : rows - 1])
+
+
 @pytest.mark.parametrize("name,norm", [("llama", "post_attention_layernorm"), ("gpt2", "ln_2"), ("bert", None)])
 def test_a_hooked_norm_inside_a_block_is_called(name, norm):
     """A norm the block would compute inside its fused op runs as a module when hooked (each

@@ -28,7 +28,18 @@ from torch import Tensor, nn
 from .. import nn as addnorm_nn
 from ..checks import check_backend
 from ..compat import flash_attn as flash_attn_compat
-from .blocks import FAMILY, NEXT, NEXT_IF, ORIGINAL, OWNERS, attribute, block_forward, owners, renamed_arguments
+from .blocks import (
+    FAMILY,
+    NEXT,
+    NEXT_IF,
+    ORIGINAL,
+    OWNERS,
+    attribute,
+    bindings,
+    block_forward,
+    owners,
+    renamed_arguments,
+)
 from .families import FAMILIES, family_of
 from .hf_norms import HF_NORMS
 from .layout import Family, modules
@@ -69,12 +80,15 @@ def _subclass(cls: type, kind: str) -> type:
         elif kind == _HANDOFF:
             body = {"forward": torch_norm_forward}
         else:
+            signature = inspect.signature(cls.forward)
             body = {
                 "forward": block_forward,
-                "_addnorm_signature": inspect.signature(cls.forward),
+                "_addnorm_signature": signature,
                 # the stream's name: the first argument after self
-                "_addnorm_stream": list(inspect.signature(cls.forward).parameters)[1],
+                "_addnorm_stream": list(signature.parameters)[1],
                 "_addnorm_renamed": renamed_arguments(cls.forward),
+                "_addnorm_bindings": bindings(cls.forward),
+                "_addnorm_spreads": any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()),
             }
         body |= {"__module__": __name__, "__reduce_ex__": _reduce_ex, "_addnorm_made_from": (cls, kind)}
         _SUBCLASSES[cls, kind] = type(f"Addnorm{cls.__name__}", (cls,), body)

@@ -21,15 +21,20 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..ops import Sublayer
+from ..ops import NO_SUBLAYER, Sublayer
 from .layout import NO_RESIDUAL, Family, Step, modules
-from .norms import PARAMETERS, add_norm_forward, fusable, hand_off
+from .norms import add_norm_forward, fusable, hand_off, tensors
 
 ORIGINAL = "_addnorm_original_class"
 NEXT = "_addnorm_next"  # the norms the block's last add feeds, set by patch()
 NEXT_IF = "_addnorm_next_if"  # a block argument without which the next block is skipped, set by patch()
 FAMILY = "_addnorm_family"  # the block's Family, set by patch() (some depend on the block's config)
 OWNERS = "_addnorm_owners"  # {name: class} of the modules of owners(family), set by patch()
+# In eval mode without autograd, a block whose stream has fewer elements than this runs its own
+# forward (its norms patched), where that gives the same bits (:attr:`Family.unfused_same_bits`):
+# a decode step's one row per sequence moves too few bytes for a fused add to save anything, and
+# the fused forward's Python costs more than the add it saves (docs/integrations.md, "Generation").
+INFERENCE_FUSE_MIN_ELEMENTS = 1 << 16
 
 
 # --------------------------------------------------------------------------- the fused forward
@@ -52,25 +57,66 @@ def renamed_arguments(forward) -> frozenset[str]:
     return frozenset(names)
 
 
+def bindings(forward) -> tuple[tuple[str, ...], dict, frozenset] | None:
+    """The arguments after the stream of a block's ``forward``: the names that may come by
+    position, in order, the defaults, and the names without one, for :func:`_arguments` to bind
+    a call without ``inspect``'s ``bind`` (a large share of the fused forward's Python on a
+    one-row call); None where a parameter is positional-only or ``*args``, or ``**`` has another
+    name than ``kwargs``: those calls bind with ``inspect``."""
+    P = inspect.Parameter
+    positional, defaults, required = [], {}, set()
+    for p in list(inspect.signature(forward).parameters.values())[2:]:
+        if p.kind == P.VAR_KEYWORD and p.name == "kwargs":
+            continue
+        if p.kind not in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY):
+            return None
+        if p.kind == P.POSITIONAL_OR_KEYWORD:
+            positional.append(p.name)
+        if p.default is P.empty:
+            required.add(p.name)
+        else:
+            defaults[p.name] = p.default
+    return tuple(positional), defaults, frozenset(required)
+
+
 def _arguments(self, args, kwargs) -> tuple[Tensor, dict, dict]:
     """The stream (the original block forward's first argument, whatever its name: Llama 4's
     vision layers take ``hidden_state``), the arguments after it by name, with its defaults filled
     in and its ``**kwargs`` spread (passed on as the original does, whichever name its cache
     argument has); and those ``**kwargs`` alone."""
     cls = type(self)
+    spreads = self.__dict__[FAMILY].kwargs
+    if args and cls._addnorm_bindings is not None:  # the stream, then arguments it names: the usual call
+        positional, defaults, required = cls._addnorm_bindings
+        named, spread = dict(defaults), {}
+        given = dict(zip(positional, args[1:]))
+        if len(args) - 1 <= len(positional) and not any(key in kwargs for key in given):  # (as torch.compile traces it)
+            named.update(given)
+            for key, value in kwargs.items():
+                if key in named or key in required:
+                    named[key] = value
+                elif cls._addnorm_spreads and key not in (cls._addnorm_stream, "self"):
+                    spread[key] = value
+                else:  # (an unknown name: inspect's error)
+                    break
+            else:
+                if all(key in named for key in required):
+                    return args[0], named | spread if spreads else named, spread if spreads else {}
     bound = cls._addnorm_signature.bind(self, *args, **kwargs)
     bound.apply_defaults()
     named = dict(bound.arguments)
     del named["self"]
     stream = named.pop(cls._addnorm_stream)
     spread = named.pop("kwargs", {})  # (popped either way: the sublayer gets no argument 'kwargs')
-    if not self.__dict__[FAMILY].kwargs:
+    if not spreads:
         spread = {}
     return stream, named | spread, spread
 
 
 def attribute(block: nn.Module, path: str):
     """The attribute at dotted ``path`` of ``block`` (``"mlp.dense_4h_to_h"``; ``""``: the block)."""
+    if "." not in path:
+        return getattr(block, path) if path else block
     value = block
     for name in filter(None, path.split(".")):
         value = getattr(value, name)
@@ -149,6 +195,8 @@ def _layer_scale(module: nn.Module) -> Tensor | None:
 
 
 def _sublayer(block: nn.Module, step: Step, x: Tensor) -> Sublayer:
+    if not (step.layer_scale or step.multiplier or step.dropout or step.drop_path):
+        return NO_SUBLAYER
     scale = _layer_scale(getattr(block, step.layer_scale)) if step.layer_scale else None
     multiplier = getattr(block, step.multiplier) if step.multiplier else None
     if isinstance(multiplier, Tensor):  # a learned scale per channel: the layer scale itself
@@ -180,8 +228,13 @@ def _computable(norm: nn.Module, x: Tensor) -> bool:
     (:func:`.norms.fusable`), its parameters are plain tensors on ``x``'s device (not sharded away by
     FSDP, not offloaded), and calling it runs its class's forward alone (no forward set on the
     module itself, as accelerate's hooks set one to load the weights first)."""
-    for w in (getattr(norm, n, None) for n in PARAMETERS):
-        if isinstance(w, Tensor) and (type(w.data) is not Tensor or w.device != x.device):
+    for w in tensors(norm):
+        if not isinstance(w, Tensor):
+            continue
+        # (a parameter of a plain tensor is one: only a subclass's ``.data``, a new tensor each
+        # time, needs asking)
+        plain = type(w) is nn.Parameter or type(w) is Tensor or type(w.data) is Tensor
+        if not plain or w.device != x.device:
             return False
     return "forward" not in norm.__dict__ and fusable(norm, x)
 
@@ -274,8 +327,8 @@ def _call_first(
 def block_forward(self, *args, **kwargs):
     """The forward of every block of ``FAMILIES``: the original's steps with each add fused."""
     family = self.__dict__[FAMILY]
-    if kwargs and not type(self)._addnorm_renamed.isdisjoint(kwargs):  # (renamed_arguments)
-        return self.__dict__[ORIGINAL].forward(self, *args, **kwargs)
+    if (kwargs and not type(self)._addnorm_renamed.isdisjoint(kwargs)) or _too_small(self, family, args, kwargs):
+        return self.__dict__[ORIGINAL].forward(self, *args, **kwargs)  # (renamed_arguments, _too_small)
     if family.post_norm:
         return _post_norm_forward(self, family, *args, **kwargs)
     hidden_states, named, spread = _arguments(self, args, kwargs)
@@ -307,6 +360,19 @@ def block_forward(self, *args, **kwargs):
     if not extras_asked:
         return (s,)
     return (s, *extras, *(None,) * (family.padded - len(extras)))
+
+
+def _too_small(block: nn.Module, family: Family, args: tuple, kwargs: dict) -> bool:
+    """Whether the call is an inference call too small to gain from fusing, which its block's own
+    forward computes with the same bits (``INFERENCE_FUSE_MIN_ELEMENTS``)."""
+    if block.training or torch.is_grad_enabled() or not family.unfused_same_bits:
+        return False
+    if family.post_norm:  # (BERT's output: the stream is the residual it adds, the second argument)
+        stream = args[1] if len(args) > 1 else kwargs.get("input_tensor")
+    else:
+        stream = args[0] if args else kwargs.get(type(block)._addnorm_stream)
+    small = isinstance(stream, Tensor) and stream.numel() < INFERENCE_FUSE_MIN_ELEMENTS
+    return small and not torch.compiler.is_compiling()
 
 
 def _norm(block: nn.Module, name: str | None) -> nn.Module | None:

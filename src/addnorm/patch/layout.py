@@ -144,6 +144,13 @@ class Family:
         return (self.final,) if isinstance(self.final, str) else self.final or ()
 
     @property
+    def unfused_same_bits(self) -> bool:
+        """Whether the block's own forward, its norms patched, gives the fused forward's bits in
+        every dtype: no step scales its output or the stream (a half-precision block multiplies in
+        its dtype, the fused op in float32)."""
+        return not any(step.layer_scale or step.multiplier or step.residual_scale for step in self.steps)
+
+    @property
     def entry_norms(self) -> tuple[str | None, ...]:
         """The norms the stream entering the block goes through first (both of a parallel block's)."""
         if self.post_norm or self.norm_after:

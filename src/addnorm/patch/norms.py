@@ -79,17 +79,35 @@ def flash_attn_style(module: nn.Module) -> str | None:
 
 def eps_of(norm: nn.Module) -> float | None:
     """The epsilon of a Hugging Face RMSNorm: ``variance_epsilon`` (Llama) or ``eps`` (Gemma)."""
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    eps = norm.__dict__.get("variance_epsilon", norm.__dict__.get("eps"))
+    if eps is None:  # (not a plain attribute: a property, or a buffer)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
+
+
+_STYLE_OF: dict[type, str | None] = {}  # a module's class -> its style (a fused call asks several times)
 
 
 def norm_style(module: nn.Module | None) -> str | None:
     """The style addnorm runs ``module`` with (one of ``STYLES``), or ``None`` if it is not addnorm's."""
-    if isinstance(module, addnorm_nn.LayerNorm):
-        return "layer"
-    if isinstance(module, addnorm_nn.RMSNorm):
-        return "rms"
-    return getattr(type(module), "addnorm_style", None)
+    cls = type(module)
+    if cls in _STYLE_OF:
+        return _STYLE_OF[cls]
+    if issubclass(cls, addnorm_nn.LayerNorm):
+        style = "layer"
+    elif issubclass(cls, addnorm_nn.RMSNorm):
+        style = "rms"
+    else:
+        style = getattr(cls, "addnorm_style", None)
+    return remember(_STYLE_OF, cls, style)
+
+
+def remember(cache: dict, key, value):
+    """``value``, kept in ``cache`` under ``key`` unless torch.compile is tracing (which would
+    take the write for a change of the model's state: a graph break)."""
+    if not torch.compiler.is_compiling():
+        cache[key] = value
+    return value
 
 
 def _t5_dtype(norm: nn.Module, x: Tensor) -> torch.dtype:
@@ -238,10 +256,28 @@ def _autograd_context() -> tuple:
     return torch.is_grad_enabled(), torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+_CLASS_ATTRIBUTES: dict[type, bool] = {}  # norm class -> whether it defines one of PARAMETERS itself
+
+
+def tensors(norm: nn.Module) -> list:
+    """The tensors ``norm`` computes with (its attributes named in ``PARAMETERS``, None where
+    unset), looked up in the module's dicts as ``nn.Module.__getattr__`` does, without the
+    exception a missing name costs there: the fused forward asks for them several times a call."""
+    cls = type(norm)
+    named = _CLASS_ATTRIBUTES.get(cls)
+    if named is None:
+        named = remember(_CLASS_ATTRIBUTES, cls, any(hasattr(cls, n) for n in PARAMETERS))
+    if named:  # (a property, say: the attribute lookup itself)
+        return [getattr(norm, n, None) for n in PARAMETERS]
+    d = norm.__dict__
+    params, buffers = d["_parameters"], d["_buffers"]
+    return [params[n] if n in params else d[n] if n in d else buffers.get(n) for n in PARAMETERS]
+
+
 def _parameters(norm: nn.Module) -> tuple:
     """The tensors ``norm`` computes with, and their versions: an output made with them is stale
     once one is replaced or changed in place (an optimizer step, an edit between two calls)."""
-    return tuple((t, t._version) for t in (getattr(norm, n, None) for n in PARAMETERS) if t is not None)
+    return tuple((t, t._version) for t in tensors(norm) if t is not None)
 
 
 def hand_off(norm: nn.Module, stream: Tensor, output: Tensor) -> None:
