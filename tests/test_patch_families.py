@@ -38,6 +38,7 @@ _BLOOM_MLP = "mlp.dense_h_to_4h mlp.gelu_impl mlp.dense_4h_to_h"  # its module's
 _GATED = "per_layer_input_gate act_fn *per_layer_input per_layer_projection"  # Gemma 4's per-layer input
 _SCALED = "the layer scales the stream after its last add (layer_scalar)"  # Gemma 4's layer_scalar
 # family -> (norms replaced, {block class: {add: "fused" or why not}}), counted in each model's code
+_CONFORMER = {"feed_forward1": "fused", "self_attn": "fused", "conv": "fused", "feed_forward2": "fused"}
 COVERAGE = {
     **{
         name: (count, {f"{cls}DecoderLayer": {"self_attn": "fused", "mlp": "fused"}})
@@ -258,7 +259,14 @@ COVERAGE = {
         12, "BigBirdPegasus", ("self_attn", "fc1 activation_fn fc2"), ("self_attn", "encoder_attn", _MLP)
     ),
     "prophetnet": (12, {"ProphetNetEncoderLayer": {"self_attn": "fused", "feed_forward": "fused"}}),
-    "canary": (13, {"CanaryDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", "mlp": "fused"}}),
+    "canary": (
+        13,
+        {
+            "CanaryDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", "mlp": "fused"},
+            "ParakeetEncoderBlock": _CONFORMER,
+        },
+    ),
+    "parakeet": (10, {"ParakeetEncoderBlock": _CONFORMER}),
     "trocr": (7, {"TrOCRDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"}}),
     "led": (12, {"LEDEncoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # (its decoder's: plain)
     "speecht5": _encoder_decoder(
@@ -343,7 +351,6 @@ SKIPPED = {
     # LED's decoder layers: their attentions return their cache, which the layer returns last
     "led": {"LEDDecoderLayer"},
     "prophetnet": {"ProphetNetDecoderLayer"},  # (its n-gram streams: one norm reads several)
-    "canary": {"ParakeetEncoderBlock"},  # (a conformer: a convolution module and two half-step MLPs)
 }
 # Gemma 4's norms scale by pow(ms + eps, -0.5), a rounding from addnorm's 1 / sqrt: through the
 # per-layer inputs the embedding's gradient differs from the unpatched model's by a few float32
@@ -445,7 +452,8 @@ LABELS = {
     "bart": "BART (post-norm)",
     "marian": "Marian (post-norm)",
     "seamless_m4t": "SeamlessM4T (text: encoder-decoder, dropout modules)",
-    "canary": "Canary (decoder: cross-attention between Llama's steps)",
+    "canary": "Canary (Parakeet's Conformer encoder; decoder: cross-attention between Llama's steps)",
+    "parakeet": "Parakeet (CTC; Conformer blocks, each ending with its own norm)",
     "dia": "Dia (encoder-decoder: Llama's steps, cross-attention)",
     "musicgen_melody": "MusicGen-Melody (decoder, returning its attention's weights)",
     "nllb_moe": "NLLB-MoE (encoder-decoder, sparse and dense layers)",
@@ -2173,3 +2181,30 @@ def test_an_output_beside_a_step_needs_a_plain_last_add():
     for last, layout in [(Step("mlp2", "norm3", dropout="dropout"), {}), (Step("mlp2", "norm3"), dict(parallel="x1"))]:
         with pytest.raises(ValueError, match="beside output is added at a plain last add"):
             Family((*steps, last), **layout)
+
+
+def test_a_block_s_own_last_norm_ends_sequential_pre_norm_steps():
+    """``Family.out_norm`` (a Conformer block's ``norm_out``, which its last add goes through and
+    whose output it returns) is refused with the layouts whose last add goes elsewhere."""
+    from addnorm.patch.layout import Family, Step
+
+    steps = (Step("attn", "norm1"), Step("mlp", "norm2"))
+    assert Family(steps, out_norm="norm_out").out_norm == "norm_out"
+    for layout in (dict(parallel="x1"), dict(post_norm=True), dict(norm_after=True), dict(scale="layer_scalar")):
+        with pytest.raises(ValueError, match="an out_norm ends sequential pre-norm steps"):
+            Family(steps, out_norm="norm_out", **layout)
+
+
+def test_a_conformer_block_returns_its_own_norm_s_output_and_a_hook_there_runs():
+    """Parakeet's blocks fuse their last add with their own ``norm_out`` and return its output: the
+    unpatched model's logits; a hook on that norm runs as the block's own call would run it."""
+    original, patched, _ = fused_copy("parakeet")
+    inputs = {k: v for k, v in hf_inputs("parakeet").items() if k != "labels"}
+    seen = []
+    for model in (original, patched):
+        model.eval()
+        model.encoder.layers[0].norm_out.register_forward_hook(lambda m, args, out: seen.append(out.clone()))
+        with torch.no_grad():
+            seen.append(model(**inputs).logits)
+    torch.testing.assert_close(seen[2], seen[0], rtol=1e-6, atol=1e-6)  # the hooked norm's output
+    torch.testing.assert_close(seen[3], seen[1], rtol=1e-5, atol=1e-5)  # the logits

@@ -466,6 +466,16 @@ OTHERS = {
             dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0
         ),
     ),
+    "parakeet": (  # a Conformer encoder (the Canary's) with a CTC head
+        "ParakeetCTCConfig",
+        "ParakeetForCTC",
+        dict(vocab_size=VOCAB, pad_token_id=0)
+        | dict(
+            encoder_config=dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4)
+            | dict(intermediate_size=2 * WIDTH, num_mel_bins=16, subsampling_conv_channels=8, subsampling_factor=4)
+            | dict(dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, conv_kernel_size=3, layerdrop=0.0)
+        ),
+    ),
     "canary": (
         "CanaryConfig",
         "CanaryForConditionalGeneration",
@@ -473,7 +483,7 @@ OTHERS = {
         | dict(
             encoder_config=dict(hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
             | dict(intermediate_size=2 * WIDTH, num_mel_bins=16, subsampling_conv_channels=8, subsampling_factor=4)
-            | dict(dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, conv_kernel_size=3),
+            | dict(dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, conv_kernel_size=3, layerdrop=0.0),
             decoder_config=dict(
                 **SMALL, num_key_value_heads=4, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16
             )
@@ -724,6 +734,11 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         return dict(input_ids=codes.reshape(4, SEQ), labels=codes.transpose(1, 2))
     if name == "canary":  # 32 frames of 16 log-mel bins (8 encoder positions)
         return dict(input_features=torch.randn(2, 32, 16, generator=g).to(dtype), labels=ids)
+    if name == "parakeet":  # the same frames, the second clip's last 8 padding; 5 CTC labels
+        mask = torch.ones(2, 32, dtype=torch.long)
+        mask[1, 24:] = 0
+        features = torch.randn(2, 32, 16, generator=g).to(dtype)
+        return dict(input_features=features, attention_mask=mask, labels=torch.randint(1, VOCAB, (2, 5), generator=g))
     if name == "trocr":  # five image states of width 16 for its cross-attention
         return dict(input_ids=ids, labels=ids, encoder_hidden_states=torch.randn(2, 5, 16, generator=g).to(dtype))
     if name == "whisper":  # log-mel features: 8 bins, two frames per encoder position

@@ -291,6 +291,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
         if family is None:
             continue
         names = [a for s in family.steps for a in (*modules(s.sublayer), s.norm, s.post, s.layer_scale, s.beside) if a]
+        names += [family.out_norm] if family.out_norm else []
         missing = [a for a in dict.fromkeys(names) if not _has(m, a)]
         if missing:
             report.skipped.append((name, type(m).__name__, f"has no {', '.join(missing)}: not the layout fused"))
@@ -315,7 +316,7 @@ def _fuse_blocks(model: nn.Module, report: PatchReport) -> None:
                 following = f"the stage's {family.then} changes the stream after this layer"
             elif family.scale:
                 following = f"the layer scales the stream after its last add ({family.scale})"
-            elif not (family.post_norm or family.norm_after):  # (those hand nothing on)
+            elif not (family.post_norm or family.norm_after or family.out_norm):  # (those hand nothing on)
                 following = _runs_next(model, name, following, by_name)
             _wire(model, report, following, name, m, family)
     for name, m, family in blocks:
@@ -424,6 +425,10 @@ def _wire(model, report: PatchReport, following, name: str, m: nn.Module, family
             why = _why_not_norm(attribute(m, nxt.norm), f"{name}.{nxt.norm}")
         report.adds.append(Add(name, cls, step.sublayer, None if why else f"{name}.{nxt.norm}", why or ""))
     last = "+".join(s.sublayer for s in steps[:2]) if parallel else steps[-1].sublayer
+    if family.out_norm:  # the block's own norm reads its last add
+        why = _why_not_norm(attribute(m, family.out_norm), f"{name}.{family.out_norm}")
+        report.adds.append(Add(name, cls, last, None if why else f"{name}.{family.out_norm}", why or ""))
+        return
     if isinstance(following, str):
         targets, where = [(None, None)], following
     elif following is not None:

@@ -180,7 +180,7 @@ def _branch(block: nn.Module, step: Step, out: Tensor) -> Tensor:
     if step.layer_scale:
         out = getattr(block, step.layer_scale)(out)
     if step.multiplier:
-        out = out * getattr(block, step.multiplier)
+        out = out * _multiplier(block, step)
     if step.drop_path:
         out = getattr(block, step.drop_path)(out)
     return out
@@ -194,11 +194,16 @@ def _layer_scale(module: nn.Module) -> Tensor | None:
     return module.lambda1 if hasattr(module, "lambda1") else module.scale
 
 
+def _multiplier(block: nn.Module, step: Step):
+    """What :attr:`Step.multiplier` scales the output by: the block's attribute it names, or itself."""
+    return step.multiplier if isinstance(step.multiplier, float) else getattr(block, step.multiplier)
+
+
 def _sublayer(block: nn.Module, step: Step, x: Tensor) -> Sublayer:
     if not (step.layer_scale or step.multiplier or step.dropout or step.drop_path):
         return NO_SUBLAYER
     scale = _layer_scale(getattr(block, step.layer_scale)) if step.layer_scale else None
-    multiplier = getattr(block, step.multiplier) if step.multiplier else None
+    multiplier = _multiplier(block, step) if step.multiplier else None
     if isinstance(multiplier, Tensor):  # a learned scale per channel: the layer scale itself
         scale = multiplier
     elif multiplier is not None:  # a constant layer scale, in float32 (float64 for float64) as torch
@@ -419,6 +424,8 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
         elif i + 1 < len(steps):
             h, s = _add(self, step, out, s, _norm(self, steps[i + 1].norm))
             s = h if family.normed_residual else s
+        elif family.out_norm:  # (the block returns the norm's output: the stream ends here)
+            s, _ = _add(self, step, out, s, attribute(self, family.out_norm))
         elif nxt and not family.scale and fusable(nxt[0], out) and _reads_the_stream(family, nxt[0], s, out):
             # (the next norm is called by the model: its hooks run there)
             if later is None:

@@ -10,6 +10,7 @@ import dataclasses
 
 from torch import nn
 
+from . import tables
 from .copies import ALONE, COPIES, FINALS
 from .hf_norms import hf_path, pairs
 from .layout import Family, Step
@@ -53,19 +54,19 @@ from .steps import (
     molmo2,
     nemotron_h,
 )
-from .tables import CROSS_ATTENTION, DBRX, DETR, ENCODERS, LLAMA_RENAMED, RETURNING_WEIGHTS, VISION, WAV2VEC2
 
 # block class path -> Family: the short per-family table (docs/integrations.md, section 3)
 FAMILIES: dict[str, Family] = {
     **ZAMBA,  # Zamba and Zamba 2: Mamba layers, and hybrid layers around a shared transformer
     # the tables of patch/tables.py, by kind of model
-    **WAV2VEC2,  # speech encoders: wav2vec 2.0's layers, post-norm and pre-norm, WavLM's, OmniASR's
-    **RETURNING_WEIGHTS,  # BART's layers returning their attentions' weights: MVP, TrOCR, SpeechT5, ...
-    **VISION,  # vision encoders: Qwen2-VL's blocks (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...), AIMv2, V-JEPA 2, ...
-    **ENCODERS,  # ModernBERT's, DistilBERT's and OpenAI's privacy filter's layers
-    **CROSS_ATTENTION,  # Canary's, SeamlessM4T's and NLLB-MoE's layers, BigBird-Pegasus's encoder
-    **DETR,  # DETR's encoder and decoder layers (post-norm, position embeddings)
-    **LLAMA_RENAMED,  # Llama's steps under other names: ERNIE 4.5 VL's text layers, Dia's, ...
+    **tables.WAV2VEC2,  # speech encoders: wav2vec 2.0's layers, post-norm and pre-norm, WavLM's, OmniASR's
+    **tables.CONFORMERS,  # Parakeet's encoder blocks: four pre-norm steps, then the block's own norm
+    **tables.RETURNING_WEIGHTS,  # BART's layers returning their attentions' weights: MVP, TrOCR, SpeechT5, ...
+    **tables.VISION,  # vision encoders: Qwen2-VL's blocks (Qwen2.5-VL, Qwen3-VL, GLM-4V, ...), AIMv2, V-JEPA 2, ...
+    **tables.ENCODERS,  # ModernBERT's, DistilBERT's and OpenAI's privacy filter's layers
+    **tables.CROSS_ATTENTION,  # Canary's, SeamlessM4T's and NLLB-MoE's layers, BigBird-Pegasus's encoder
+    **tables.DETR,  # DETR's encoder and decoder layers (post-norm, position embeddings)
+    **tables.LLAMA_RENAMED,  # Llama's steps under other names: ERNIE 4.5 VL's text layers, Dia's, ...
     **dict(llama(m, c, PRE) for m, c in [("llama", "Llama"), ("mistral", "Mistral"), ("mixtral", "Mixtral")]),
     **dict(llama(m, c, PRE) for m, c in [("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("gemma", "Gemma")]),
     **dict(
@@ -86,7 +87,7 @@ FAMILIES: dict[str, Family] = {
         hf_path(m, c): Family(POST, final="norm")
         for m, c in [("olmo2", "Olmo2DecoderLayer"), ("flex_olmo", "FlexOlmoDecoderLayer")]
     },
-    hf_path("dbrx", "DbrxBlock"): DBRX,
+    hf_path("dbrx", "DbrxBlock"): tables.DBRX,
     hf_path("gpt_oss", "GptOssDecoderLayer"): Family(
         (PRE[0], Step("mlp", "post_attention_layernorm", first=True)), final="norm"
     ),

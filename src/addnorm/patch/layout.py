@@ -43,8 +43,9 @@ class Step:
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
     layer_scale: str | None = None  # a module whose ``lambda1`` (DINOv2) or ``scale`` (Mimi) scales the output
     # an attribute of the block scaling the output: a float (Granite), or a tensor of one scale per
-    # channel (BEiT's and InternVL's ``lambda_1``)
-    multiplier: str | None = None
+    # channel (BEiT's and InternVL's ``lambda_1``); or a float itself, a constant of the block's
+    # forward (the Conformer's half-step feed-forwards: 0.5)
+    multiplier: str | float | None = None
     # an attribute of the block the output is divided by before the add, a float (ESM C's
     # ``scaling_factor``): divided as the block divides, then added by the fused op
     divisor: str | None = None
@@ -137,6 +138,9 @@ class Family:
     # (Swin) a module of the stage holding the block's list, run after the list's last block when
     # the stage has one (patch merging): that block's last add then hands nothing on
     then: str | None = None
+    # (Conformer) a norm of the block that its last add goes through, whose output the block
+    # returns (Parakeet's ``norm_out``): the last add is fused with it and hands nothing on
+    out_norm: str | None = None
 
     @property
     def final_names(self) -> tuple[str, ...]:
@@ -165,5 +169,9 @@ class Family:
             or last.multiplier or last.drop_path or last.divisor or last.residual_scale
         ):  # fmt: skip
             raise ValueError("Family: a step's beside output is added at a plain last add of sequential steps")
+        if self.out_norm and (self.parallel or self.post_norm or self.norm_after or self.scale):
+            raise ValueError(
+                "Family: an out_norm ends sequential pre-norm steps (not parallel, post_norm, norm_after, scale)"
+            )
         if (self.parallel or self.post_norm) and any(step.divisor for step in self.steps):
             raise ValueError("Family: a step's divisor needs sequential steps (not parallel or post_norm)")

@@ -1,7 +1,7 @@
 """Tables of ``FAMILIES`` (:mod:`.families`) by kind of model, each written with the steps of
-:mod:`.steps`: speech encoders, BART's layers as first written (returning their attentions'
-weights), vision encoders, encoders of BERT's kind, decoders with a cross-attention step, DETR's
-layers, DBRX's blocks, and Llama's steps under other names."""
+:mod:`.steps`: speech encoders (wav2vec 2.0's kind, Conformers), BART's layers as first written
+(returning their attentions' weights), vision encoders, encoders of BERT's kind, decoders with a
+cross-attention step, DETR's layers, DBRX's blocks, and Llama's steps under other names."""
 
 from __future__ import annotations
 
@@ -29,6 +29,33 @@ WAV2VEC2 = {
     # OmniASR's: pre-norm, dropout after each sublayer, the final norm after the last layer
     hf_path("omniasr", "OmniASREncoderLayer"): Family(
         (_W2V[0], dataclasses.replace(_W2V[1], dropout="dropout")), final="layer_norm"
+    ),
+}
+
+
+def _first_feed_forward(block: nn.Module, h, s, named: dict):
+    """A Conformer block's first sublayer, its feed-forward module, which takes none of the block's
+    arguments (those go to the attention after it)."""
+    return block.feed_forward1(h)
+
+
+# Conformer blocks (Parakeet's encoder): a half-step feed-forward, self-attention, convolution and
+# a second half-step feed-forward, each pre-norm, then the block's own norm of the stream, which
+# it returns: every add is read by a norm, the last by that one (``Family.out_norm``)
+CONFORMERS = {
+    hf_path("parakeet", "ParakeetEncoderBlock"): Family(
+        (
+            Step("feed_forward1", "norm_feed_forward1", multiplier=0.5, run=_first_feed_forward),
+            Step(
+                "self_attn",
+                "norm_self_att",
+                first=True,
+                call=(("attention_mask", "attention_mask"), ("position_embeddings", "position_embeddings")),
+            ),
+            Step("conv", "norm_conv", call=(("attention_mask", "attention_mask"),), kwargs=False),
+            Step("feed_forward2", "norm_feed_forward2", multiplier=0.5),
+        ),
+        out_norm="norm_out",
     ),
 }
 
