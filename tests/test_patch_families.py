@@ -39,6 +39,9 @@ _GATED = "per_layer_input_gate act_fn *per_layer_input per_layer_projection"  # 
 _SCALED = "the layer scales the stream after its last add (layer_scalar)"  # Gemma 4's layer_scalar
 # family -> (norms replaced, {block class: {add: "fused" or why not}}), counted in each model's code
 _CONFORMER = {"feed_forward1": "fused", "self_attn": "fused", "conv": "fused", "feed_forward2": "fused"}
+_W2V_CONFORMER = {"ffn1": "fused", "conv_module": "fused", "ffn2": "fused"} | {
+    "self_attn": "no norm reads the sum: conv_module takes the stream itself"
+}
 COVERAGE = {
     **{
         name: (count, {f"{cls}DecoderLayer": {"self_attn": "fused", "mlp": "fused"}})
@@ -267,6 +270,13 @@ COVERAGE = {
         },
     ),
     "parakeet": (10, {"ParakeetEncoderBlock": _CONFORMER}),
+    **{  # (their convolution module normalizes the stream inside: the attention's add stays plain)
+        name: (norms, {f"{prefix}EncoderLayer": _W2V_CONFORMER})
+        for name, prefix, norms in (
+            ("wav2vec2_conformer", "Wav2Vec2Conformer", 12),
+            ("wav2vec2_bert", "Wav2Vec2Bert", 13),
+        )
+    },
     "trocr": (7, {"TrOCRDecoderLayer": {"self_attn": "fused", "encoder_attn": "fused", _MLP: "fused"}}),
     "led": (12, {"LEDEncoderLayer": {"self_attn": "fused", _MLP: "fused"}}),  # (its decoder's: plain)
     "speecht5": _encoder_decoder(
@@ -454,6 +464,8 @@ LABELS = {
     "seamless_m4t": "SeamlessM4T (text: encoder-decoder, dropout modules)",
     "canary": "Canary (Parakeet's Conformer encoder; decoder: cross-attention between Llama's steps)",
     "parakeet": "Parakeet (CTC; Conformer blocks, each ending with its own norm)",
+    "wav2vec2_conformer": "wav2vec2-Conformer (its convolution module's own norm reads the attention's add)",
+    "wav2vec2_bert": "wav2vec2-BERT (SeamlessM4T's speech encoder: the same Conformer layers)",
     "dia": "Dia (encoder-decoder: Llama's steps, cross-attention)",
     "musicgen_melody": "MusicGen-Melody (decoder, returning its attention's weights)",
     "nllb_moe": "NLLB-MoE (encoder-decoder, sparse and dense layers)",
@@ -578,6 +590,8 @@ def test_family_report_outputs_and_gradients(name, fused_calls):
         assert [a.norm for a in report.fused_adds] == ["model.norm"]
     elif name == "swin":  # the first stage's last add: its patch merging changes the stream after it
         assert [(a.block, a.add) for a in report.adds if not a.fused] == [("swin.encoder.layers.0.blocks.1", "mlp")]
+    elif name in ("wav2vec2_conformer", "wav2vec2_bert"):  # (each convolution module's own norm reads it)
+        assert [a.add for a in report.adds if not a.fused] == ["self_attn", "self_attn"]
     elif name == "clip":  # the last add: no final norm above
         assert report.fused_adds == report.adds[:-1]
     elif name.startswith("gemma4"):  # the attention's add alone: a norm reads it
@@ -1833,6 +1847,27 @@ def _headless(name: str):
         mask[1, 300:] = 0  # (the second clip shorter)
         inputs = dict(input_features=torch.randn(2, 16, 400, generator=g), input_features_mask=mask)
         return modeling_qwen3_asr.Qwen3ASREncoder(config), inputs, []
+    if name == "nemotron_asr_streaming":  # Parakeet's Conformer blocks, with a cache and a sliding window
+        config = tf.NemotronAsrStreamingEncoderConfig(
+            **heads, num_mel_bins=16, subsampling_conv_channels=8, subsampling_factor=4, dropout=0.0,
+            activation_dropout=0.0, attention_dropout=0.0, conv_kernel_size=3, layerdrop=0.0, sliding_window=5,
+            default_num_lookahead_tokens=1,
+        )  # fmt: skip
+        inputs = dict(input_features=torch.randn(2, 32, 16, generator=g), num_lookahead_tokens=1)
+        return tf.NemotronAsrStreamingEncoder(config), inputs, []
+    if name == "seamless_m4t_v2":  # its speech encoder: wav2vec2-BERT's layers, no relative positions
+        from transformers.models.seamless_m4t_v2 import modeling_seamless_m4t_v2
+
+        config = tf.SeamlessM4Tv2Config(
+            hidden_size=WIDTH, speech_encoder_layers=2, speech_encoder_attention_heads=4, add_adapter=False,
+            speech_encoder_intermediate_size=2 * WIDTH, feature_projection_input_dim=16, speech_encoder_dropout=0.0,
+            speech_encoder_layerdrop=0.0, conv_depthwise_kernel_size=3, dropout=0.0, activation_dropout=0.0,
+            attention_dropout=0.0,
+        )  # fmt: skip
+        # (each convolution module normalizes the stream itself: the attention's add stays plain)
+        unfused = [(f"encoder.layers.{i}", "self_attn") for i in range(2)]
+        features = dict(input_features=torch.randn(2, 8, 16, generator=g))
+        return modeling_seamless_m4t_v2.SeamlessM4Tv2SpeechEncoder(config), features, unfused
     if name == "aimv2":  # RMSNorm before each sublayer, the stack's final norm after the last
         config = tf.Aimv2VisionConfig(**heads, image_size=8, patch_size=4)
         return tf.Aimv2VisionModel(config), dict(pixel_values=torch.randn(2, 3, 8, 8, generator=g)), []
@@ -2042,7 +2077,7 @@ _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "ll
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 _ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "kosmos2_5", "sapiens2", "paddleocr_vl"]
 _ENCODERS += [*_DETRS, "pixio", "vjepa2", "glm_image", "ernie4_5_vl_moe", "voxtral_realtime", "omniasr", "glmasr"]
-_ENCODERS += ["cosmos3_edge", "mlcd", "vitpose", *_MERGED]
+_ENCODERS += ["cosmos3_edge", "mlcd", "vitpose", "nemotron_asr_streaming", "seamless_m4t_v2", *_MERGED]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)

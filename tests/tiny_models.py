@@ -573,6 +573,23 @@ OTHERS = {
             ("wavlm_stable", "WavLM", True),
         ]
     },
+    "wav2vec2_conformer": (  # Conformer layers on wav2vec 2.0's feature encoder (relative positions)
+        "Wav2Vec2ConformerConfig",
+        "Wav2Vec2ConformerForCTC",
+        dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH)
+        | dict(conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=16, pad_token_id=0)
+        | dict(num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, layerdrop=0.0)
+        | dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0)
+        | dict(position_embeddings_type="relative", conv_depthwise_kernel_size=3, conformer_conv_dropout=0.0),
+    ),
+    "wav2vec2_bert": (  # Conformer layers on log-mel features (SeamlessM4T's speech encoder)
+        "Wav2Vec2BertConfig",
+        "Wav2Vec2BertForCTC",
+        dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH)
+        | dict(feature_projection_input_dim=16, vocab_size=16, pad_token_id=0, mask_time_prob=0.0, layerdrop=0.0)
+        | dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0)
+        | dict(conv_depthwise_kernel_size=3, conformer_conv_dropout=0.0),
+    ),
     "t5gemma": (  # sandwich norms and dropout; the decoder's self-attention and cross-attention
         "T5GemmaConfig",
         "T5GemmaForConditionalGeneration",
@@ -649,6 +666,7 @@ OTHERS = {
 }
 IMAGES = ("vit", "beit", "dinov2", "swin", "clip", "siglip")
 SPEECH = ("wav2vec2", "hubert", "wav2vec2_stable", "hubert_stable", "wavlm", "wavlm_stable", "speecht5")
+SPEECH += ("wav2vec2_conformer",)
 
 
 def hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.0) -> nn.Module:
@@ -732,6 +750,11 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
     if name == "musicgen_melody":  # each prompt's codes, one row per codebook; labels (prompt, position, codebook)
         codes = torch.randint(0, VOCAB - 2, (2, 2, SEQ), generator=g)
         return dict(input_ids=codes.reshape(4, SEQ), labels=codes.transpose(1, 2))
+    if name == "wav2vec2_bert":  # 8 frames of 16 features (stacked log-mel bins), the second clip's last 2 padding
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 6:] = 0
+        features = torch.randn(2, 8, 16, generator=g).to(dtype)
+        return dict(input_features=features, attention_mask=mask, labels=torch.randint(1, 16, (2, 5), generator=g))
     if name == "canary":  # 32 frames of 16 log-mel bins (8 encoder positions)
         return dict(input_features=torch.randn(2, 32, 16, generator=g).to(dtype), labels=ids)
     if name == "parakeet":  # the same frames, the second clip's last 8 padding; 5 CTC labels

@@ -201,6 +201,8 @@ COPIES: dict[str, str] = {
     hubert.HubertEncoderLayerStableLayerNorm unispeech.UniSpeechEncoderLayerStableLayerNorm
     unispeech_sat.UniSpeechSatEncoderLayerStableLayerNorm
     """,
+    "parakeet.ParakeetEncoderBlock": "granite_speech5.GraniteSpeech5EncoderBlock",
+    "wav2vec2_bert.Wav2Vec2BertEncoderLayer": "seamless_m4t.SeamlessM4TConformerEncoderLayer",
 }
 
 

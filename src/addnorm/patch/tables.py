@@ -6,6 +6,7 @@ cross-attention step, DETR's layers, DBRX's blocks, and Llama's steps under othe
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from torch import nn
 
@@ -33,29 +34,71 @@ WAV2VEC2 = {
 }
 
 
-def _first_feed_forward(block: nn.Module, h, s, named: dict):
-    """A Conformer block's first sublayer, its feed-forward module, which takes none of the block's
-    arguments (those go to the attention after it)."""
-    return block.feed_forward1(h)
+def _alone(name: str, block: nn.Module, h, s, named: dict):
+    """The block's module ``name`` on ``h`` alone: a first sublayer that takes none of the block's
+    arguments (a Conformer's feed-forward; those go to the attention after it)."""
+    return getattr(block, name)(h)
 
 
-# Conformer blocks (Parakeet's encoder): a half-step feed-forward, self-attention, convolution and
-# a second half-step feed-forward, each pre-norm, then the block's own norm of the stream, which
-# it returns: every add is read by a norm, the last by that one (``Family.out_norm``)
-CONFORMERS = {
-    hf_path("parakeet", "ParakeetEncoderBlock"): Family(
+def _conformer(names: tuple, attention: tuple, conv: tuple = (), dropout: str | None = None) -> Family:
+    """A Conformer block: a half-step feed-forward, self-attention (``dropout`` after it), a
+    convolution and a second half-step feed-forward, each pre-norm (``names``: each sublayer and
+    its norm, then the block's last norm), the attention and convolution given the block
+    arguments of ``attention`` and ``conv``; then the block's own norm of the stream, which it
+    returns (``Family.out_norm``). A convolution module that starts with a norm of its own reads
+    the stream itself (norm None): the attention's add is not fused."""
+    (ffn1, norm1), (attn, norm2), (conv_module, norm3), (ffn2, norm4), out = names
+    return Family(
         (
-            Step("feed_forward1", "norm_feed_forward1", multiplier=0.5, run=_first_feed_forward),
-            Step(
-                "self_attn",
-                "norm_self_att",
-                first=True,
-                call=(("attention_mask", "attention_mask"), ("position_embeddings", "position_embeddings")),
-            ),
-            Step("conv", "norm_conv", call=(("attention_mask", "attention_mask"),), kwargs=False),
-            Step("feed_forward2", "norm_feed_forward2", multiplier=0.5),
+            Step(ffn1, norm1, multiplier=0.5, run=functools.partial(_alone, ffn1)),
+            Step(attn, norm2, first=True, dropout=dropout, call=attention),
+            Step(conv_module, norm3, call=conv, kwargs=False),
+            Step(ffn2, norm4, multiplier=0.5),
         ),
-        out_norm="norm_out",
+        out_norm=out,
+    )
+
+
+# Conformer blocks: a half-step feed-forward, self-attention, convolution and a second half-step
+# feed-forward, each pre-norm, then the block's own norm of the stream, which it returns: each add
+# is read by the next step's norm (but the attention's, in the wav2vec2 kind, whose convolution
+# module normalizes inside), the last by that one. Parakeet's (Canary's encoder, Granite Speech 5's)
+# and Nemotron's streaming ASR's (a cache); wav2vec2-BERT's (SeamlessM4T's speech encoder),
+# SeamlessM4T v2's (its attention without relative positions) and wav2vec2-Conformer's (its
+# convolution without the mask).
+_PARAKEET = (
+    ("feed_forward1", "norm_feed_forward1"),
+    ("self_attn", "norm_self_att"),
+    ("conv", "norm_conv"),
+    ("feed_forward2", "norm_feed_forward2"),
+    "norm_out",
+)
+_W2V_CONFORMER = (
+    ("ffn1", "ffn1_layer_norm"),
+    ("self_attn", "self_attn_layer_norm"),
+    ("conv_module", None),
+    ("ffn2", "ffn2_layer_norm"),
+    "final_layer_norm",
+)
+_MASK = ("attention_mask", "attention_mask")
+_W2V_ATTENTION = (_MASK, ("relative_position_embeddings", "relative_position_embeddings"))
+CONFORMERS = {
+    hf_path("parakeet", "ParakeetEncoderBlock"): _conformer(
+        _PARAKEET, (_MASK, ("position_embeddings", "position_embeddings")), (_MASK,)
+    ),
+    hf_path("nemotron_asr_streaming", "NemotronAsrStreamingEncoderBlock"): _conformer(
+        _PARAKEET,
+        (_MASK, ("position_embeddings", "position_embeddings"), ("cache", "cache")),
+        (("all_masked_rows", "all_masked_rows"), ("padding_cache", "padding_cache")),
+    ),
+    hf_path("wav2vec2_bert", "Wav2Vec2BertEncoderLayer"): _conformer(
+        _W2V_CONFORMER, _W2V_ATTENTION, (("conv_attention_mask", "attention_mask"),), dropout="self_attn_dropout"
+    ),
+    hf_path("seamless_m4t_v2", "SeamlessM4Tv2ConformerEncoderLayer"): _conformer(
+        _W2V_CONFORMER, (_MASK,), (("conv_attention_mask", "attention_mask"),), dropout="self_attn_dropout"
+    ),
+    hf_path("wav2vec2_conformer", "Wav2Vec2ConformerEncoderLayer"): _conformer(
+        _W2V_CONFORMER, _W2V_ATTENTION, dropout="self_attn_dropout"
     ),
 }
 
