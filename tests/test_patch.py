@@ -484,6 +484,30 @@ def test_fused_residual_gives_identical_outputs(name, dtype, monkeypatch):
     assert calls.count(True) == 4  # both adds of each block, the last into the final norm, forward only
 
 
+def test_generation_fuses_the_prompt_and_runs_decode_steps_unfused(monkeypatch):
+    """With ``INFERENCE_FUSE_MIN_ELEMENTS`` between a prompt's stream and a decode step's, cached
+    greedy generation fuses the prompt's adds and runs each decode step through the blocks' own
+    forward: the unpatched model's tokens either way."""
+    blocks = sys.modules["addnorm.patch.blocks"]
+    norms = sys.modules["addnorm.patch.norms"]
+    llama = hf_model("llama").eval()
+    fused = copy.deepcopy(llama)
+    addnorm.patch(fused, fuse_residual=True)
+    prompt = hf_inputs("llama")["input_ids"][:, :5]  # a stream of 2 x 5 x 32 elements; a step's, 2 x 1 x 32
+    monkeypatch.setattr(blocks, "INFERENCE_FUSE_MIN_ELEMENTS", 2 * 5 * 32)
+    calls, real = [], norms.add_norm
+
+    def spy(x, residual, *args, **kwargs):  # (the fused adds: the calls with a residual)
+        if residual is not None:
+            calls.append(x.shape)
+        return real(x, residual, *args, **kwargs)
+
+    monkeypatch.setattr(norms, "add_norm", spy)
+    kwargs = dict(max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(fused.generate(prompt, **kwargs), llama.generate(prompt, **kwargs))
+    assert calls and all(shape[1] == 5 for shape in calls)  # (the prompt's rows alone)
+
+
 def test_fused_blocks_generate_with_cache_and_cross_attention():
     import transformers as tf
 
