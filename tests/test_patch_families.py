@@ -1855,6 +1855,12 @@ def _headless(name: str):
         )  # fmt: skip
         inputs = dict(input_features=torch.randn(2, 32, 16, generator=g), num_lookahead_tokens=1)
         return tf.NemotronAsrStreamingEncoder(config), inputs, []
+    if name == "granite_speech5":  # Parakeet's blocks around one that pools time by 2 (its own forward)
+        config = tf.GraniteSpeech5EncoderConfig(
+            **heads | dict(num_hidden_layers=3), num_key_value_heads=4, num_mel_bins=16, head_dim=8,
+            conv_kernel_size=3, attention_dropout=0.0, activation_dropout=0.0, subsample_layers=[1], context_size=8,
+        )  # fmt: skip
+        return tf.GraniteSpeech5Encoder(config), dict(input_features=torch.randn(2, 16, 64, generator=g)), []
     if name == "seamless_m4t_v2":  # its speech encoder: wav2vec2-BERT's layers, no relative positions
         from transformers.models.seamless_m4t_v2 import modeling_seamless_m4t_v2
 
@@ -2077,7 +2083,15 @@ _ENCODERS = ["gemma4", "dinov3", "dinov3_drop_path", "pixtral", "qwen3_asr", "ll
 _ENCODERS += ["mllama", "videomae", "yolos", "yolos_no_mid", "dpt", "flava", "vilt", "mimi", "qianfan_ocr", "step3p7"]
 _ENCODERS += ["sam", "donut_swin", "maskformer_swin", "aimv2", "pix2struct", "kosmos2_5", "sapiens2", "paddleocr_vl"]
 _ENCODERS += [*_DETRS, "pixio", "vjepa2", "glm_image", "ernie4_5_vl_moe", "voxtral_realtime", "omniasr", "glmasr"]
-_ENCODERS += ["cosmos3_edge", "mlcd", "vitpose", "nemotron_asr_streaming", "seamless_m4t_v2", *_MERGED]
+_ENCODERS += [
+    "cosmos3_edge",
+    "mlcd",
+    "vitpose",
+    "nemotron_asr_streaming",
+    "seamless_m4t_v2",
+    "granite_speech5",
+    *_MERGED,
+]
 
 
 @pytest.mark.parametrize("name", _ENCODERS)
