@@ -18,7 +18,20 @@ import torch
 import addnorm
 from addnorm.patch.hf_norms import hf_path, pairs
 from conftest import SAME_BITS_AS_TORCH
-from tiny_models import OTHERS, SEQ, SPEECH, SWIN, VOCAB, WIDTH, assert_same_step, hf_inputs, hf_model, round_trip, step
+from tiny_models import (
+    CONFORMER_ENCODER,
+    OTHERS,
+    SEQ,
+    SPEECH,
+    SWIN,
+    VOCAB,
+    WIDTH,
+    assert_same_step,
+    hf_inputs,
+    hf_model,
+    round_trip,
+    step,
+)
 
 pytest.importorskip("transformers")
 norms_module = sys.modules["addnorm.patch.norms"]
@@ -1849,10 +1862,8 @@ def _headless(name: str):
         return modeling_qwen3_asr.Qwen3ASREncoder(config), inputs, []
     if name == "nemotron_asr_streaming":  # Parakeet's Conformer blocks, with a cache and a sliding window
         config = tf.NemotronAsrStreamingEncoderConfig(
-            **heads, num_mel_bins=16, subsampling_conv_channels=8, subsampling_factor=4, dropout=0.0,
-            activation_dropout=0.0, attention_dropout=0.0, conv_kernel_size=3, layerdrop=0.0, sliding_window=5,
-            default_num_lookahead_tokens=1,
-        )  # fmt: skip
+            **CONFORMER_ENCODER, sliding_window=5, default_num_lookahead_tokens=1
+        )
         inputs = dict(input_features=torch.randn(2, 32, 16, generator=g), num_lookahead_tokens=1)
         return tf.NemotronAsrStreamingEncoder(config), inputs, []
     if name == "granite_speech5":  # Parakeet's blocks around one that pools time by 2 (its own forward)

@@ -248,6 +248,14 @@ _IMAGE = dict(**_ENCODER, image_size=8, patch_size=4, num_channels=3, num_labels
 # grid, windows of 2 x 2, each stage's second layer shifted
 SWIN = dict(image_size=8, patch_size=2, num_channels=3, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=2)
 _VISION = dict(**SMALL, image_size=8, patch_size=4, num_channels=3)
+# Parakeet's Conformer encoder (Canary's, Nemotron's streaming one): 16 log-mel bins, time subsampled by 4
+CONFORMER_ENCODER = dict(SMALL, num_mel_bins=16, subsampling_conv_channels=8, subsampling_factor=4, conv_kernel_size=3)
+CONFORMER_ENCODER |= dict(dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, layerdrop=0.0)
+# wav2vec 2.0's kind: its layers without dropout, masking or LayerDrop, and its feature encoder
+_SPEECH_LAYERS = dict(SMALL, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0)
+_SPEECH_LAYERS |= dict(mask_time_prob=0.0, layerdrop=0.0, vocab_size=16, pad_token_id=0)
+_WAV2VEC2_FEATURES = dict(conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3))
+_WAV2VEC2_FEATURES |= dict(num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4)
 _IDS = dict(bos_token_id=0, eos_token_id=0)
 _GEMMA_TEXT = dict(**SMALL, num_key_value_heads=2, head_dim=WIDTH // 4, vocab_size=VOCAB)
 _TOWER = dict(hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=1, num_attention_heads=4)
@@ -469,21 +477,14 @@ OTHERS = {
     "parakeet": (  # a Conformer encoder (the Canary's) with a CTC head
         "ParakeetCTCConfig",
         "ParakeetForCTC",
-        dict(vocab_size=VOCAB, pad_token_id=0)
-        | dict(
-            encoder_config=dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4)
-            | dict(intermediate_size=2 * WIDTH, num_mel_bins=16, subsampling_conv_channels=8, subsampling_factor=4)
-            | dict(dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, conv_kernel_size=3, layerdrop=0.0)
-        ),
+        dict(vocab_size=VOCAB, pad_token_id=0, encoder_config=CONFORMER_ENCODER),
     ),
     "canary": (
         "CanaryConfig",
         "CanaryForConditionalGeneration",
         dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
         | dict(
-            encoder_config=dict(hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)
-            | dict(intermediate_size=2 * WIDTH, num_mel_bins=16, subsampling_conv_channels=8, subsampling_factor=4)
-            | dict(dropout=0.0, activation_dropout=0.0, attention_dropout=0.0, conv_kernel_size=3, layerdrop=0.0),
+            encoder_config=CONFORMER_ENCODER | dict(num_hidden_layers=1, num_key_value_heads=4),
             decoder_config=dict(
                 **SMALL, num_key_value_heads=4, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16
             )
@@ -557,10 +558,8 @@ OTHERS = {
         name: (
             f"{prefix}Config",
             f"{prefix}ForCTC",
-            dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH)
-            | dict(conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=16, pad_token_id=0)
-            | dict(num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, layerdrop=0.0)
-            | dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0)
+            _SPEECH_LAYERS
+            | _WAV2VEC2_FEATURES
             | dict(do_stable_layer_norm=stable)
             | (dict(num_buckets=8, max_bucket_distance=16) if prefix == "WavLM" else {}),
         )
@@ -576,19 +575,15 @@ OTHERS = {
     "wav2vec2_conformer": (  # Conformer layers on wav2vec 2.0's feature encoder (relative positions)
         "Wav2Vec2ConformerConfig",
         "Wav2Vec2ConformerForCTC",
-        dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH)
-        | dict(conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), vocab_size=16, pad_token_id=0)
-        | dict(num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4, mask_time_prob=0.0, layerdrop=0.0)
-        | dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0)
+        _SPEECH_LAYERS
+        | _WAV2VEC2_FEATURES
         | dict(position_embeddings_type="relative", conv_depthwise_kernel_size=3, conformer_conv_dropout=0.0),
     ),
     "wav2vec2_bert": (  # Conformer layers on log-mel features (SeamlessM4T's speech encoder)
         "Wav2Vec2BertConfig",
         "Wav2Vec2BertForCTC",
-        dict(hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=4, intermediate_size=2 * WIDTH)
-        | dict(feature_projection_input_dim=16, vocab_size=16, pad_token_id=0, mask_time_prob=0.0, layerdrop=0.0)
-        | dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0)
-        | dict(conv_depthwise_kernel_size=3, conformer_conv_dropout=0.0),
+        _SPEECH_LAYERS
+        | dict(feature_projection_input_dim=16, conv_depthwise_kernel_size=3, conformer_conv_dropout=0.0),
     ),
     "t5gemma": (  # sandwich norms and dropout; the decoder's self-attention and cross-attention
         "T5GemmaConfig",

@@ -88,7 +88,6 @@ def _subclass(cls: type, kind: str) -> type:
                 "_addnorm_stream": list(signature.parameters)[1],
                 "_addnorm_renamed": renamed_arguments(cls.forward),
                 "_addnorm_bindings": bindings(cls.forward),
-                "_addnorm_spreads": any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()),
             }
         body |= {"__module__": __name__, "__reduce_ex__": _reduce_ex, "_addnorm_made_from": (cls, kind)}
         _SUBCLASSES[cls, kind] = type(f"Addnorm{cls.__name__}", (cls,), body)

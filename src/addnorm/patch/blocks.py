@@ -57,16 +57,17 @@ def renamed_arguments(forward) -> frozenset[str]:
     return frozenset(names)
 
 
-def bindings(forward) -> tuple[tuple[str, ...], dict, frozenset] | None:
+def bindings(forward) -> tuple[tuple[str, ...], dict, frozenset, bool] | None:
     """The arguments after the stream of a block's ``forward``: the names that may come by
-    position, in order, the defaults, and the names without one, for :func:`_arguments` to bind
-    a call without ``inspect``'s ``bind`` (a large share of the fused forward's Python on a
-    one-row call); None where a parameter is positional-only or ``*args``, or ``**`` has another
-    name than ``kwargs``: those calls bind with ``inspect``."""
+    position, in order, the defaults, the names without one, and whether it takes ``**kwargs``,
+    for :func:`_arguments` to bind a call without ``inspect``'s ``bind`` (a large share of the
+    fused forward's Python on a one-row call); None where a parameter is positional-only or
+    ``*args``, or ``**`` has another name than ``kwargs``: those calls bind with ``inspect``."""
     P = inspect.Parameter
-    positional, defaults, required = [], {}, set()
+    positional, defaults, required, spreads = [], {}, set(), False
     for p in list(inspect.signature(forward).parameters.values())[2:]:
         if p.kind == P.VAR_KEYWORD and p.name == "kwargs":
+            spreads = True
             continue
         if p.kind not in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY):
             return None
@@ -76,7 +77,7 @@ def bindings(forward) -> tuple[tuple[str, ...], dict, frozenset] | None:
             required.add(p.name)
         else:
             defaults[p.name] = p.default
-    return tuple(positional), defaults, frozenset(required)
+    return tuple(positional), defaults, frozenset(required), spreads
 
 
 def _arguments(self, args, kwargs) -> tuple[Tensor, dict, dict]:
@@ -87,7 +88,7 @@ def _arguments(self, args, kwargs) -> tuple[Tensor, dict, dict]:
     cls = type(self)
     spreads = self.__dict__[FAMILY].kwargs
     if args and cls._addnorm_bindings is not None:  # the stream, then arguments it names: the usual call
-        positional, defaults, required = cls._addnorm_bindings
+        positional, defaults, required, takes_kwargs = cls._addnorm_bindings
         named, spread = dict(defaults), {}
         given = dict(zip(positional, args[1:]))
         if len(args) - 1 <= len(positional) and not any(key in kwargs for key in given):  # (as torch.compile traces it)
@@ -95,7 +96,7 @@ def _arguments(self, args, kwargs) -> tuple[Tensor, dict, dict]:
             for key, value in kwargs.items():
                 if key in named or key in required:
                     named[key] = value
-                elif cls._addnorm_spreads and key not in (cls._addnorm_stream, "self"):
+                elif takes_kwargs and key not in (cls._addnorm_stream, "self"):
                     spread[key] = value
                 else:  # (an unknown name: inspect's error)
                     break
@@ -372,10 +373,8 @@ def _too_small(block: nn.Module, family: Family, args: tuple, kwargs: dict) -> b
     forward computes with the same bits (``INFERENCE_FUSE_MIN_ELEMENTS``)."""
     if block.training or torch.is_grad_enabled() or not family.unfused_same_bits:
         return False
-    if family.post_norm:  # (BERT's output: the stream is the residual it adds, the second argument)
-        stream = args[1] if len(args) > 1 else kwargs.get("input_tensor")
-    else:
-        stream = args[0] if args else kwargs.get(type(block)._addnorm_stream)
+    at = 1 if family.post_norm else 0  # (BERT's output: the stream is the residual it adds, its second argument)
+    stream = args[at] if len(args) > at else kwargs.get(list(type(block)._addnorm_signature.parameters)[at + 1])
     small = isinstance(stream, Tensor) and stream.numel() < INFERENCE_FUSE_MIN_ELEMENTS
     return small and not torch.compiler.is_compiling()
 
