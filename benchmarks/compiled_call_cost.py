@@ -4,7 +4,7 @@
 
 At a small shape the call's time is its host cost: Python, dispatch, launches. Compiled, each
 addnorm norm stays a custom op that Inductor calls as it is, with addnorm's Python and
-torch.library's around the kernels (docs/benchmarks.md, "On an NVIDIA H200: `patch()` on CUDA,
+torch.library's around the kernels (docs/performance-log.md, "On an NVIDIA H200: `patch()` on CUDA,
 training steps under `torch.compile`"). Two rows bound the eager call from below: an
 ``autograd.Function`` with the same inputs and output that only allocates (the Python autograd
 layer every eager call pays, whatever its kernels), and the backend's forward and backward called

@@ -1,5 +1,6 @@
 """docs/benchmarks.md: its tables are what benchmarks/bench_table.py makes of the saved rows,
-and the links and section names other docs and the code point at are there."""
+and the links and section names other docs and the code point at are there (and in
+docs/performance-log.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "benchmarks.md"
+LOG = ROOT / "docs" / "performance-log.md"  # the changes and runs behind the figures
 RESULTS = ROOT / "benchmarks" / "results" / "bench.jsonl"
 
 
@@ -100,26 +102,28 @@ def test_each_table_is_its_machines_latest_covering_run():
 
 
 @pytest.mark.parametrize("source", ["README.md", *(p.name for p in (ROOT / "docs").glob("*.md"))])
-def test_links_into_the_page_resolve(source):
+@pytest.mark.parametrize("page", [PAGE, LOG], ids=lambda p: p.name)
+def test_links_into_the_pages_resolve(source, page):
     path = ROOT / source if source == "README.md" else ROOT / "docs" / source
     text = path.read_text(encoding="utf-8")
-    anchors = _anchors(PAGE.read_text(encoding="utf-8"))
-    targets = re.findall(r"benchmarks\.md#([\w-]+)", text)
-    if path == PAGE:
+    anchors = _anchors(page.read_text(encoding="utf-8"))
+    targets = re.findall(re.escape(page.name) + r"#([\w-]+)", text)
+    if path == page:
         targets += re.findall(r"\]\(#([\w-]+)\)", text)
     for target in targets:
-        assert target in anchors, f"{source}: #{target} is not a heading of docs/benchmarks.md"
+        assert target in anchors, f"{source}: #{target} is not a heading of docs/{page.name}"
 
 
-def test_sections_the_code_names_exist():
-    page = PAGE.read_text(encoding="utf-8")
-    headings_and_bold = re.findall(r"^#+ (.+)$", page, re.M) + re.findall(r"\*\*(.+?)\*\*", page, re.S)
+@pytest.mark.parametrize("page", [PAGE, LOG], ids=lambda p: p.name)
+def test_sections_the_code_names_exist(page):
+    text = page.read_text(encoding="utf-8")
+    headings_and_bold = re.findall(r"^#+ (.+)$", text, re.M) + re.findall(r"\*\*(.+?)\*\*", text, re.S)
     named = []
-    for path in (ROOT / "src").rglob("*.py"):
-        text = path.read_text(encoding="utf-8")
-        comments = re.sub(r"\s*#\s*", " ", text)  # a name may run over two comment lines
-        named += re.findall(r'docs/benchmarks\.md, "([^"]+)"', comments)
+    for path in [*(ROOT / "src").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+        source = path.read_text(encoding="utf-8")
+        comments = re.sub(r"\s*#\s*", " ", source)  # a name may run over two comment lines
+        named += re.findall(r"docs/" + re.escape(page.name) + r', "([^"]+)"', comments)
     assert named
     for name in named:
         name = " ".join(name.split())
-        assert any(h.startswith(name) for h in headings_and_bold), f"no section {name!r} in docs/benchmarks.md"
+        assert any(h.startswith(name) for h in headings_and_bold), f"no section {name!r} in docs/{page.name}"

@@ -55,7 +55,7 @@ from .launch import (
 # s and y. Same bytes over forward + backward, one fresh output fewer, and fresh outputs are what
 # cost most there (see docs/benchmarks.md, "Fresh outputs page-fault"). 16-bit streams save s:
 # their backward is bound by its arithmetic, of which the recomputed add and its rounding are a
-# large part (docs/benchmarks.md, "CPU backward: where the time goes").
+# large part (docs/performance-log.md, "CPU backward: where the time goes").
 CAPABILITIES = Capabilities(
     device_types=("cpu",), recomputes_stream=(torch.float32, torch.float64), second_norm=True, adds_x1=True
 )

@@ -73,11 +73,11 @@ class Settings:
     # A call that moves at least this many bytes (its inputs and outputs together) writes y, or
     # ds, with non-temporal stores, which skip reading each cache line in before writing it: by
     # the end of such a call the cache holds little of its output anyway. Four times a core's
-    # L2 (docs/benchmarks.md, "Non-temporal stores").
+    # L2 (docs/performance-log.md, "Non-temporal stores").
     streaming_min_bytes: int = dataclasses.field(default_factory=streaming_threshold_bytes)
     # Rows at least this wide take the backward's second pass two rows at a time, which loads
     # and stores dweight/dbias once per pair; narrower rows one at a time, where the pair loop's
-    # setup weighs more. Where pairs start to pay depends on the machine (docs/benchmarks.md,
+    # setup weighs more. Where pairs start to pay depends on the machine (docs/performance-log.md,
     # "CPU backward: where the time goes"): from 128 on the Intel Xeon, from 2048 on the EPYC.
     pair_min_cols: int = 128
 

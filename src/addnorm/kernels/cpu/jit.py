@@ -6,7 +6,7 @@ vectors, a guard against the clock drop of the first AVX-512 CPUs, so numba's lo
 the registers' width there. Every function of the kernels is compiled with the function
 attribute ``"prefer-vector-width"`` (clang's ``-mprefer-vector-width``) instead: on the Intel
 Xeon (Emerald Rapids) 512 bits made the bf16 kernels faster and the fp32 ones no slower
-(docs/benchmarks.md, "CPU: 512-bit vectors"). Measured there alone: on Skylake or Cascade Lake
+(docs/performance-log.md, "CPU: 512-bit vectors"). Measured there alone: on Skylake or Cascade Lake
 servers, whose clocks drop with 512-bit code, and on the AMD EPYC it was not timed. On a CPU
 without AVX-512 the attribute changes nothing: the vectors stay the widest it has.
 

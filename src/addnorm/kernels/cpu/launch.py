@@ -116,7 +116,7 @@ def streamed(out: Tensor, moved_bytes: int) -> bool:
     the call moves at least ``streaming_min_bytes`` (:mod:`.config`), ``out``'s rows are contiguous,
     start on 64 bytes and span a multiple of 64 bytes, as the stores' alignment requires, and its elements
     are float32 or float64, whose vector stores fill whole cache lines (16-bit rows were slower
-    with them: docs/benchmarks.md, "Non-temporal stores")."""
+    with them: docs/performance-log.md, "Non-temporal stores")."""
     return (
         moved_bytes >= config.SETTINGS.streaming_min_bytes
         and out.element_size() >= 4

@@ -5,7 +5,7 @@ unless post-norm needs no ``s``), the row in the statistics dtype (``x`` or ``s`
 already in it, else widened into a buffer), then the statistics (:mod:`.numerics`) and the
 output. float32 and float64 rows with a residual run one row ahead: the loop that writes a
 row's output adds the next row's stream, so that reading the next row overlaps writing this
-one (:func:`_forward_rows_pipelined`; docs/benchmarks.md, "CPU forward: one row ahead").
+one (:func:`_forward_rows_pipelined`; docs/performance-log.md, "CPU forward: one row ahead").
 
 Backward, per row: the row sums (of ``s - mean``, whose mean re-centres the row about the
 rounded saved mean as the forward centred it, of ``g = dy * weight`` and of ``g * xhat``) in one
@@ -145,7 +145,7 @@ def _forward_rows_pipelined(
     computed as without the overlap (the same loops, the same operations on the same values):
     the same bits. Rows whose stream is not written take the plain loop, one row at a time:
     there the overlap, through two alternating scratch rows, measured slower on two threads
-    (docs/benchmarks.md, "CPU forward: one row ahead")."""
+    (docs/performance-log.md, "CPU forward: one row ahead")."""
     m = x.shape[0]
     if m == 0:
         return

@@ -403,7 +403,7 @@ def _sum_partials(partials: Tensor, dtypes: list[torch.dtype], strip: int = 16) 
     """The sums over the programs of ``(k, programs, n)`` partials, ``k`` tensors of ``n`` in
     ``dtypes`` (one each): every parameter gradient of a backward in one launch, in column
     strips of ``strip``: n / 16 programs sum 1056 partial rows of 768 three times as fast as
-    n / 64 on an H200 (docs/benchmarks.md, "On an NVIDIA H200: the backward's prefetch")."""
+    n / 64 on an H200 (docs/performance-log.md, "On an NVIDIA H200: the backward's prefetch")."""
     grads, programs, n = partials.shape
     outs = [torch.empty((n,), dtype=dt, device=partials.device) for dt in dtypes]
     block_n = min(config.next_power_of_2(n), strip)  # narrow column strips: n / strip programs

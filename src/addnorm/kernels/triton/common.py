@@ -155,7 +155,7 @@ def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> No
     current CUDA device must be the tensors'). On a GPU, once a specialization has compiled, the
     next launch of it calls the compiled kernel directly: Triton's own launcher binds, specializes
     and hashes every argument in Python on each call, several times the cost of the launch
-    itself, and a call of a few rows is bound by it (docs/benchmarks.md, "On an NVIDIA H200: the
+    itself, and a call of a few rows is bound by it (docs/performance-log.md, "On an NVIDIA H200: the
     direct launcher"). The key holds everything Triton's specialization reads (:func:`_spec`) and
     the settings its own key holds (:func:`_settings`), so a launch reuses only the kernel Triton
     itself would have picked. Hooks (a profiler's, a kernel's pre-run hooks) and Triton before

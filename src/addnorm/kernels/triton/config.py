@@ -22,9 +22,9 @@ of four rows of 768 given as many warps as four rows' bytes ran 4-10 times slowe
 The plain backward counts its bytes per thread in the statistics dtype (``stats_bytes``: fp32
 for 16-bit inputs, where its tiles live) and holds one row per tile (N >= 768): 16 fp32 values per thread
 at 64 bytes, for bf16 as for fp32, was the fastest setting timed at N = 768 to 8192 on an H200,
-or within 3 % of it (docs/benchmarks.md, "On an NVIDIA H200: bf16 rounded by the cast").
+or within 3 % of it (docs/performance-log.md, "On an NVIDIA H200: bf16 rounded by the cast").
 The values come from ``python benchmarks/triton_tune.py`` (docs/gpu.md, "Launch heuristics"; the
-timings are in docs/benchmarks.md, "On an NVIDIA H100" and the H200 sections after it).
+timings are in docs/performance-log.md, "On an NVIDIA H100" and the H200 sections after it).
 
 The tile shape and warps depend on ``N``, the dtype, the kind and the device type alone, so a
 row's results never depend on the batch (the number of rows sets only how the dweight/dbias
@@ -60,7 +60,7 @@ class KernelLaunch:
     stats_bytes: bool = False
     # backward kinds: each program issues the loads of its next tile of rows before reducing
     # the current one, so a program's memory latency overlaps its own row reductions, at the
-    # cost of registers (on for the branch backward alone: docs/benchmarks.md, "On an NVIDIA
+    # cost of registers (on for the branch backward alone: docs/performance-log.md, "On an NVIDIA
     # H200: the backward's prefetch")
     prefetch: bool = False
 
