@@ -283,6 +283,7 @@ COVERAGE = {
         },
     ),
     "parakeet": (10, {"ParakeetEncoderBlock": _CONFORMER}),
+    "lasr": (11, {"LasrEncoderBlock": _CONFORMER}),
     **{  # (their convolution module normalizes the stream inside: the attention's add stays plain)
         name: (norms, {f"{prefix}EncoderLayer": _W2V_CONFORMER})
         for name, prefix, norms in (
@@ -477,6 +478,7 @@ LABELS = {
     "seamless_m4t": "SeamlessM4T (text: encoder-decoder, dropout modules)",
     "canary": "Canary (Parakeet's Conformer encoder; decoder: cross-attention between Llama's steps)",
     "parakeet": "Parakeet (CTC; Conformer blocks, each ending with its own norm)",
+    "lasr": "LASR / MedASR (CTC; Parakeet's blocks, the stream and each output weighted)",
     "wav2vec2_conformer": "wav2vec2-Conformer (its convolution module's own norm reads the attention's add)",
     "wav2vec2_bert": "wav2vec2-BERT (SeamlessM4T's speech encoder: the same Conformer layers)",
     "dia": "Dia (encoder-decoder: Llama's steps, cross-attention)",

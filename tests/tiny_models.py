@@ -479,6 +479,11 @@ OTHERS = {
         "ParakeetForCTC",
         dict(vocab_size=VOCAB, pad_token_id=0, encoder_config=CONFORMER_ENCODER),
     ),
+    "lasr": (  # Parakeet's encoder with weighted adds (MedASR's), its own subsampling
+        "LasrCTCConfig",
+        "LasrForCTC",
+        dict(vocab_size=VOCAB, pad_token_id=0, encoder_config=CONFORMER_ENCODER | dict(num_hidden_layers=2)),
+    ),
     "canary": (
         "CanaryConfig",
         "CanaryForConditionalGeneration",
@@ -752,7 +757,7 @@ def hf_inputs(name: str, dtype: torch.dtype = torch.float32, seed: int = 1) -> d
         return dict(input_features=features, attention_mask=mask, labels=torch.randint(1, 16, (2, 5), generator=g))
     if name == "canary":  # 32 frames of 16 log-mel bins (8 encoder positions)
         return dict(input_features=torch.randn(2, 32, 16, generator=g).to(dtype), labels=ids)
-    if name == "parakeet":  # the same frames, the second clip's last 8 padding; 5 CTC labels
+    if name in ("parakeet", "lasr"):  # the same frames, the second clip's last 8 padding; 5 CTC labels
         mask = torch.ones(2, 32, dtype=torch.long)
         mask[1, 24:] = 0
         features = torch.randn(2, 32, 16, generator=g).to(dtype)

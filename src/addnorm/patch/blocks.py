@@ -115,12 +115,13 @@ def _arguments(self, args, kwargs) -> tuple[Tensor, dict, dict]:
 
 
 def attribute(block: nn.Module, path: str):
-    """The attribute at dotted ``path`` of ``block`` (``"mlp.dense_4h_to_h"``; ``""``: the block)."""
+    """The attribute at dotted ``path`` of ``block`` (``"mlp.dense_4h_to_h"``; ``""``: the block); a
+    number after a list or tuple is its item (``"conv_residual_weights.1"``)."""
     if "." not in path:
         return getattr(block, path) if path else block
     value = block
     for name in filter(None, path.split(".")):
-        value = getattr(value, name)
+        value = value[int(name)] if isinstance(value, (list, tuple)) else getattr(value, name)
     return value
 
 
@@ -197,7 +198,7 @@ def _layer_scale(module: nn.Module) -> Tensor | None:
 
 def _multiplier(block: nn.Module, step: Step):
     """What :attr:`Step.multiplier` scales the output by: the block's attribute it names, or itself."""
-    return step.multiplier if isinstance(step.multiplier, float) else getattr(block, step.multiplier)
+    return step.multiplier if isinstance(step.multiplier, float) else attribute(block, step.multiplier)
 
 
 def _sublayer(block: nn.Module, step: Step, x: Tensor) -> Sublayer:
@@ -417,7 +418,7 @@ def _sequential_forward(self, family, steps, s: Tensor, named: dict, calls: list
         if step.divisor:
             out = out / attribute(self, step.divisor)
         if step.residual_scale:
-            s = s * getattr(self, step.residual_scale)
+            s = s * attribute(self, step.residual_scale)
         if family.norm_after:
             h = s = _add_then_norm(self, step, out, s)
         elif i + 1 < len(steps):

@@ -42,14 +42,16 @@ class Step:
     post: str | None = None  # a norm of the sublayer's output before the add (sandwich norms)
     dropout: str | None = None  # an nn.Dropout (module) or a float attribute path ("config.p")
     layer_scale: str | None = None  # a module whose ``lambda1`` (DINOv2) or ``scale`` (Mimi) scales the output
-    # an attribute of the block scaling the output: a float (Granite), or a tensor of one scale per
-    # channel (BEiT's and InternVL's ``lambda_1``); or a float itself, a constant of the block's
-    # forward (the Conformer's half-step feed-forwards: 0.5)
+    # an attribute of the block scaling the output: a float (Granite; an item of a list of floats,
+    # "conv_residual_weights.1": LASR), or a tensor of one scale per channel (BEiT's and InternVL's
+    # ``lambda_1``); or a float itself, a constant of the block's forward (the Conformer's
+    # half-step feed-forwards: 0.5)
     multiplier: str | float | None = None
     # an attribute of the block the output is divided by before the add, a float (ESM C's
     # ``scaling_factor``): divided as the block divides, then added by the fused op
     divisor: str | None = None
-    # an attribute of the block scaling the stream before the add: a float (MiniMax) or a tensor (Doge)
+    # an attribute of the block scaling the stream before the add: a float (MiniMax; LASR's item of a
+    # list, "conv_residual_weights.0") or a tensor (Doge)
     residual_scale: str | None = None
     drop_path: str | None = None  # a per-sample drop path module with ``drop_prob``
     first: bool = False  # the sublayer returns a tuple whose first item is its output (GPT-OSS's MoE)

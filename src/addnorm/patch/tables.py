@@ -40,20 +40,27 @@ def _alone(name: str, block: nn.Module, h, s, named: dict):
     return getattr(block, name)(h)
 
 
-def _conformer(names: tuple, attention: tuple, conv: tuple = (), dropout: str | None = None) -> Family:
+def _conformer(
+    names: tuple, attention: tuple, conv: tuple = (), dropout: str | None = None, weights: tuple[str, str] = ()
+) -> Family:
     """A Conformer block: a half-step feed-forward, self-attention (``dropout`` after it), a
     convolution and a second half-step feed-forward, each pre-norm (``names``: each sublayer and
     its norm, then the block's last norm), the attention and convolution given the block
     arguments of ``attention`` and ``conv``; then the block's own norm of the stream, which it
     returns (``Family.out_norm``). A convolution module that starts with a norm of its own reads
-    the stream itself (norm None): the attention's add is not fused."""
+    the stream itself (norm None): the attention's add is not fused. ``weights``: the block's
+    lists ``(stream weight, output weight)`` of the feed-forwards' adds and of the convolution's
+    (LASR: ``w0 * s + w1 * out``), where the feed-forwards' are otherwise ``s + 0.5 * out``."""
     (ffn1, norm1), (attn, norm2), (conv_module, norm3), (ffn2, norm4), out = names
+    half = dict(multiplier=0.5)
+    ffn = dict(multiplier=f"{weights[0]}.1", residual_scale=f"{weights[0]}.0") if weights else half
+    conv_weights = dict(multiplier=f"{weights[1]}.1", residual_scale=f"{weights[1]}.0") if weights else {}
     return Family(
         (
-            Step(ffn1, norm1, multiplier=0.5, run=functools.partial(_alone, ffn1)),
+            Step(ffn1, norm1, run=functools.partial(_alone, ffn1), **ffn),
             Step(attn, norm2, first=True, dropout=dropout, call=attention),
-            Step(conv_module, norm3, call=conv, kwargs=False),
-            Step(ffn2, norm4, multiplier=0.5),
+            Step(conv_module, norm3, call=conv, kwargs=False, **conv_weights),
+            Step(ffn2, norm4, **ffn),
         ),
         out_norm=out,
     )
@@ -90,6 +97,13 @@ CONFORMERS = {
         _PARAKEET,
         (_MASK, ("position_embeddings", "position_embeddings"), ("cache", "cache")),
         (("all_masked_rows", "all_masked_rows"), ("padding_cache", "padding_cache")),
+    ),
+    # LASR's (MedASR's): Parakeet's, each feed-forward's and the convolution's add weighted
+    hf_path("lasr", "LasrEncoderBlock"): _conformer(
+        _PARAKEET,
+        (_MASK, ("position_embeddings", "position_embeddings")),
+        (_MASK,),
+        weights=("feed_forward_residual_weights", "conv_residual_weights"),
     ),
     hf_path("wav2vec2_bert", "Wav2Vec2BertEncoderLayer"): _conformer(
         _W2V_CONFORMER, _W2V_ATTENTION, (("conv_attention_mask", "attention_mask"),), dropout="self_attn_dropout"
