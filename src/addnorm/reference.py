@@ -283,6 +283,11 @@ def forward_rows(sf: Tensor, w: Tensor | None, b: Tensor | None, eps: float, rms
         mean = ((mean + correction) / k)[:, 0]
     var_k = row_mean(centered * centered)  # the variance of s, times k**2
     rstd_k = torch.rsqrt(var_k + eps * k * k)  # = rstd / k
+    # A constant row far from zero (its centered values all 0) would lose eps to underflow in
+    # eps * k * k (beyond 2**55), and 0 * rsqrt(0) is NaN: its rstd is the unscaled row's,
+    # 1/sqrt(eps) (for every constant row, and the same bits where k is 1). Finite while
+    # 1/sqrt(eps) / k is (rows below 2**119 at eps 1e-5).
+    rstd_k = torch.where(var_k == 0, torch.rsqrt(var_k + eps) / k, rstd_k)
     xhat = centered * rstd_k
     y = xhat
     if w is not None:

@@ -193,6 +193,8 @@ def _row_statistics(row, total, eps, nf, rms, scaled, kbuf):
                 scaled[j] = row[j] * k
             row = scaled
             mu, c, var = row_stats(row, nf, rms)
+            if var == 0:  # a constant row: the unscaled row's rstd (reference.forward_rows)
+                return row, mu, c, one / np.sqrt(var + eps) / k, k
     return row, mu, c, one / np.sqrt(var + eps * k * k), k
 
 

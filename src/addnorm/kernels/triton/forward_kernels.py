@@ -286,7 +286,9 @@ def _forward_kernel(
             c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
             m3 += tl.sum(c * c, axis=1)
         var_k = tl.where(redo, m3 / N, var_k)
-    rstd_k = _rsqrt(var_k + tl.load(EPS) * k * k)  # = rstd / k (eps in CD: a float argument is fp32)
+    eps = tl.load(EPS)  # (in CD: a float argument is fp32)
+    rstd_k = _rsqrt(var_k + eps * k * k)  # = rstd / k
+    rstd_k = tl.where(var_k == 0, _rsqrt(var_k + eps) / k, rstd_k)  # a constant row: reference.forward_rows
     if not IS_RMS:
         tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
     tl.store(RSTD + rows, rstd_k * k, mask=row_ok)
