@@ -165,6 +165,18 @@ FUNCTION_CASES = [
         r"^eps must be.*NoneType",
     ),
     ("eps bool", lambda b: addnorm.add_rms_norm(X, X, 8, eps=True, backend=b), TypeError, r"^eps must be.*bool"),
+    (
+        "eps an int beyond float",
+        lambda b: addnorm.layer_norm(X, 8, eps=10**400, backend=b),
+        ValueError,
+        r"^eps must be at most",
+    ),
+    (
+        "dropout_p a tensor",
+        lambda b: addnorm.add_layer_norm(X, X, 8, dropout_p=torch.tensor(0.1), backend=b),
+        ValueError,
+        r"^dropout_p must be a probability in \[0, 1\] \(a Python number\), got Tensor$",
+    ),
     # residual
     (
         "x1 of another shape",

@@ -54,6 +54,40 @@ def test_requires_grad_is_refused_but_no_grad_is_fine():
     torch.testing.assert_close(out, torch.nn.functional.layer_norm(x + r, (96,), w.detach(), b))
 
 
+@pytest.mark.parametrize("buffer", ["out", "residual_out"])
+def test_a_buffer_written_counts_as_changed_in_place(backend, buffer):
+    """A buffer a kernel writes through its pointer counts up its version, as an in-place op does:
+    a graph that saved it before refuses to run on the new values (it ran silently, with a wrong
+    gradient, on the CPU kernels)."""
+    x, r, w, b = _inputs()
+    a = torch.randn(x.shape, requires_grad=True)
+    buf = torch.randn(x.shape)
+    z = a * buf  # saves buf for a's gradient
+    with torch.no_grad():
+        addnorm.add_layer_norm(x, r, 96, w, b, prenorm=True, backend=backend, **{buffer: buf})
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
+def test_buffers_torch_would_not_write_are_refused(backend):
+    """An inference tensor outside inference mode, and a buffer that requires grad under grad
+    mode: torch refuses to write either in place, and so does addnorm, by name."""
+    x, r, w, b = _inputs()
+    with torch.inference_mode():
+        frozen = torch.empty_like(x)
+    with pytest.raises(ValueError, match="out is an inference tensor"):
+        addnorm.add_layer_norm(x, r, 96, w, b, out=frozen, backend=backend)
+    with torch.inference_mode():  # where it may be written
+        out = addnorm.add_layer_norm(x, r, 96, w, b, out=frozen, backend=backend)
+    assert out is frozen
+    leaf = torch.empty_like(x).requires_grad_()
+    with pytest.raises(ValueError, match="residual_out requires grad"):
+        addnorm.add_layer_norm(x, r, 96, w, b, residual_out=leaf, backend=backend)
+    with torch.no_grad():
+        addnorm.add_layer_norm(x, r, 96, w, b, residual_out=leaf, backend=backend)
+    assert torch.equal(leaf.detach(), x + r)
+
+
 @pytest.mark.parametrize(
     "bad,match",
     [

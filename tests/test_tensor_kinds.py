@@ -145,6 +145,69 @@ def test_fake_tensors_get_shapes_and_dtypes_without_running_a_kernel(backend):
     assert y.shape == (1100, 1024) and y.dtype == torch.bfloat16 and s.dtype == torch.float32
 
 
+def test_fake_mode_over_real_tensors_and_make_fx_see_the_op(backend):
+    """Under a Python dispatch mode (make_fx, FakeTensorMode over real inputs, FlopCounterMode,
+    selective checkpointing) a call goes through the custom op, which the mode sees: make_fx
+    records it, FakeTensorMode returns fake results (the CPU kernels ran on real pointers there,
+    out of the mode's sight: a wrong graph, or a crash on a fake output)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = torch.Generator().manual_seed(0)
+    x, r, w = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(8, generator=g)
+    gm = make_fx(lambda x, r, w: addnorm.add_layer_norm(x, r, 8, w, backend=backend))(x, r, w)
+    assert "addnorm.forward" in gm.code
+    assert torch.equal(gm(x, r, w), addnorm.add_layer_norm(x, r, 8, w, backend=backend))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        y = addnorm.add_layer_norm(x, r, 8, w, backend=backend)
+    assert isinstance(y, FakeTensor) and y.shape == x.shape
+
+
+def test_negated_views_and_zero_tensors_are_read_as_their_values(backend):
+    """A lazily negated view (its negation a bit of the tensor, not in memory) and autograd's
+    ZeroTensor (no memory at all) give the values they stand for, as torch's ops read them."""
+    g = torch.Generator().manual_seed(0)
+    x, r, w, b = (torch.randn(*s, generator=g) for s in ((4, 8), (4, 8), (8,), (8,)))
+    expected = TF.layer_norm(-x + r, (8,), -w, -b)
+    got = addnorm.add_layer_norm(torch._neg_view(x), r, 8, torch._neg_view(w), torch._neg_view(b), backend=backend)
+    torch.testing.assert_close(got, expected)
+    xg = x.clone().requires_grad_()
+    y = addnorm.add_layer_norm(xg, r, 8, w, backend=backend)
+    y.backward(torch._efficientzerotensor((4, 8)))
+    assert torch.equal(xg.grad, torch.zeros(4, 8))
+    zero_weight = torch._efficientzerotensor(8)
+    assert torch.equal(addnorm.layer_norm(x, 8, zero_weight, b, backend=backend), b.expand(4, 8))
+
+
+def test_a_default_device_changes_no_allocation_of_a_cpu_call(backend):
+    """``torch.set_default_device`` (or a ``with torch.device(...)`` block) changes where
+    device-less factory calls allocate: a CPU call's outputs, statistics and gradients stay on the
+    CPU (the kernels wrote through a meta tensor's null pointer)."""
+    g = torch.Generator().manual_seed(0)
+    x, r = torch.randn(4, 8, generator=g, requires_grad=True), torch.randn(4, 8, generator=g)
+    w = torch.randn(8, generator=g, requires_grad=True)
+    expected = TF.layer_norm(x + r, (8,), w)
+    with torch.device("meta"):
+        y = addnorm.add_layer_norm(x, r, 8, w, backend=backend)
+        dx, dw = torch.autograd.grad(y, (x, w), torch.ones(4, 8, device="cpu"))
+        plain = addnorm.layer_norm(x.detach(), 8, backend=backend)  # (no weight: a constant row of ones)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close((dx, dw), torch.autograd.grad(expected, (x, w), torch.ones(4, 8)))
+    torch.testing.assert_close(plain, TF.layer_norm(x.detach(), (8,)))
+
+
+def test_a_subclass_buffer_overlapping_its_input_is_refused(backend):
+    """A subclass viewing the same memory (``as_subclass``) is checked for overlap as a plain
+    tensor is: the kernels would overwrite rows they have yet to read."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    base = torch.randn(5, 8)
+    with pytest.raises(ValueError, match="out overlaps x"):
+        addnorm.layer_norm(base[:-1].as_subclass(Sub), 8, out=base[1:].as_subclass(Sub), backend=backend)
+
+
 @pytest.mark.parametrize("backend_name", ["cpu", "auto"])
 def test_jit_trace_at_size_records_the_custom_op(backend_name):
     """1100 x 1024 (past 2**20 elements): traced shapes never reach a kernel as pointers."""

@@ -83,7 +83,7 @@ def check_param(name: str, p: Tensor | None, shape: tuple[int, ...], x: Tensor) 
 def check_eps(eps: object) -> float:
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         raise TypeError(f"eps must be a non-negative finite number, got {type(eps).__name__} {eps!r}")
-    if not math.isfinite(eps) or eps < 0:  # eps=inf would silently turn every output into bias
+    if isinstance(eps, float) and not math.isfinite(eps) or eps < 0:  # eps=inf: every output its bias
         raise ValueError(f"eps must be a non-negative finite number, got {eps!r}")
     if eps > _FLOAT32_MAX:  # as inf, in the float32 statistics
         raise ValueError(f"eps must be at most float32's largest value {_FLOAT32_MAX:.7g}, got {eps!r}")
@@ -197,6 +197,11 @@ def check_out(x, residual, out, residual_out, sd, needs_grad) -> None:
             continue
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name} requires grad: write into it under torch.no_grad(), or pass a buffer without")
+        # (under torch.compile the graph copies into the buffer, which checks it: dynamo cannot ask)
+        if not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled():
+            raise ValueError(f"{name} is an inference tensor: it can be written only under torch.inference_mode()")
         if t.shape != x.shape or t.dtype != dtype or t.device != x.device or not t.is_contiguous():
             raise ValueError(
                 f"{name} must be a contiguous {dtype} tensor of shape {tuple(x.shape)} on "
@@ -222,12 +227,23 @@ def _span(t: Tensor) -> tuple[int, int]:
 
 
 def overlaps(a: Tensor, b: Tensor) -> bool:
-    """Whether two plain tensors' memory spans intersect (tensor subclasses: never checked; nor
-    under torch.compile, whose graphs write buffers by copying results made whole first)."""
-    if type(a) not in PLAIN or type(b) not in PLAIN or a.device != b.device or torch.compiler.is_compiling():
+    """Whether two tensors' memory spans intersect: plain tensors, and subclasses that have memory
+    of their own (``as_subclass``); not wrappers without (DTensor, FakeTensor), nor under
+    torch.compile, whose graphs write buffers by copying results made whole first."""
+    if a.device != b.device or torch.compiler.is_compiling():
+        return False
+    if not (type(a) in PLAIN and type(b) in PLAIN or _has_memory(a) and _has_memory(b)):
         return False
     (a0, a1), (b0, b1) = _span(a), _span(b)
     return a0 < b1 and b0 < a1
+
+
+def _has_memory(t: Tensor) -> bool:
+    try:
+        t.data_ptr()
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass, a fake or meta tensor
+        return False
+    return t.device.type != "meta"
 
 
 def _same_view(a: Tensor, b: Tensor) -> bool:
@@ -238,7 +254,9 @@ def check_sublayer(x: Tensor, residual: Tensor | None, shape: tuple[int, ...], w
     """The keyword-only arguments of the sublayer branch (:class:`addnorm.ops.Sublayer`)."""
     p, generator, layer_scale, rowscale, zero_centered, return_mask = sublayer
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 1:  # NaN fails too
-        raise ValueError(f"dropout_p must be a probability in [0, 1], got {p!r}")
+        if isinstance(p, numbers.Real):
+            raise ValueError(f"dropout_p must be a probability in [0, 1], got {p!r}")
+        raise ValueError(f"dropout_p must be a probability in [0, 1] (a Python number), got {type(p).__name__}")
     check_flag("zero_centered_weight", zero_centered)
     check_flag("return_dropout_mask", return_mask)
     if generator is not None:

@@ -71,6 +71,9 @@ from .dropped import dropped_add, keep_mask_of
 from .kernels import torch as torch_kernels
 
 _is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_exporting
+# Python dispatch modes active (make_fx, FakeTensorMode, FlopCounterMode, selective activation
+# checkpointing): they see ops, so a call goes through the custom op, never a kernel called directly
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 _tracing_state = torch._C._get_tracing_state
 # RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype
 _RMS_DEFAULT_EPS = {
@@ -204,10 +207,8 @@ def add_norm(
     )
     y, s = _route(a, traced, needs_grad)(a, out, residual_out)
     if buffers:  # routes that make fresh outputs (compiled, transforms): copied into the buffers
-        if out is not None and y is not out:
-            y = out.copy_(y)
-        if residual_out is not None and s is not residual_out:
-            s = residual_out.copy_(s)
+        y = _into(out, y) if out is not None else y
+        s = _into(residual_out, s) if residual_out is not None else s
     if len(shape) == 1 and not prenorm and not sublayer.return_dropout_mask:
         return y  # the common case, without the tuple below
     result = (y, s) if prenorm else (y,)
@@ -225,6 +226,16 @@ def add_norm(
 Route = Callable[[OpArgs, "Tensor | None", "Tensor | None"], tuple]
 
 
+def _into(buffer: Tensor, result: Tensor) -> Tensor:
+    """``buffer`` holding ``result``: copied in, unless a kernel wrote it there through its data
+    pointer, which autograd does not see: its version is then counted up here, as an in-place op
+    would, so that a graph that saved the buffer before refuses to use it."""
+    if result is not buffer:
+        return buffer.copy_(result)
+    torch.autograd.graph.increment_version(buffer)
+    return buffer
+
+
 def _route(a: OpArgs, traced: bool, needs_grad: bool) -> Route:
     """The route of a call (module docstring), from its tensors' types and what torch is doing
     (``traced``: exporting or ``torch.jit.trace``; ONNX export has been routed already)."""
@@ -236,7 +247,7 @@ def _route(a: OpArgs, traced: bool, needs_grad: bool) -> Route:
         and (residual is None or type(residual) in PLAIN)
         and (weight is None or type(weight) in PLAIN)
         and (bias is None or type(bias) in PLAIN)
-        and not (traced or compiling or transformed)
+        and not (traced or compiling or transformed or _dispatch_modes())
     ):
         return _training if needs_grad else _inference
     if transformed:  # (first: the custom op cannot run under a transform, compiled or not)
@@ -471,7 +482,9 @@ def _eager_plain(*tensors) -> bool:
     inference routes."""
     if any(t is not None and type(t) not in PLAIN for t in tensors):
         return False
-    return not (_is_compiling() or _is_exporting() or _tracing_state() is not None or is_transformed())
+    if _is_compiling() or _is_exporting() or _tracing_state() is not None or is_transformed():
+        return False
+    return not _dispatch_modes()
 
 
 def _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer) -> bool:

@@ -31,6 +31,8 @@ float64 streams); 16-bit floats are widened to float32 and rounded back to neare
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -75,8 +77,8 @@ def keep_mask(seed: Tensor, rows: int, n: int, p: float) -> Tensor:
     bits from the kernels' hash: one compiled loop instead of a dozen int64 torch ops."""
     threshold = reference.keep_threshold(p)
     if threshold >= 1 << 32:  # p = 1: nothing kept
-        return torch.zeros((rows, n), dtype=torch.bool)
-    out = torch.empty((rows, n), dtype=torch.bool)
+        return torch.zeros((rows, n), dtype=torch.bool, device="cpu")
+    out = torch.empty((rows, n), dtype=torch.bool, device="cpu")
     keep_rows(int(seed), threshold, out.numpy())
     return out
 
@@ -166,8 +168,7 @@ def forward(
             raise ValueError(f"x1 is added to the residual: it needs one, and x's shape {tuple(x.shape)}")
         x1 = contiguous_rows(x1)
     cd = torch.float64 if sd is torch.float64 else torch.float32
-    if not x.is_contiguous():
-        x = x.contiguous()
+    x = contiguous_rows(x)
     m = x.numel() // n if n else 0
     direct = sd is y_dtype  # else y is computed in the statistics dtype, then cast once
     y = out if out is not None and direct else empty_output(x, y_dtype if direct else cd)
@@ -177,8 +178,8 @@ def forward(
         s = residual_out if residual_out is not None else empty_output(x, sd)
     mean = rstd = None
     if write_stats:
-        mean = None if rms else torch.empty(m, dtype=cd)
-        rstd = torch.empty(m, dtype=cd)
+        mean = None if rms else torch.empty(m, dtype=cd, device="cpu")
+        rstd = torch.empty(m, dtype=cd, device="cpu")
     y1, second_args = None, _NO_SECOND
     if second is not None:
         y1 = empty_output(x, y.dtype)
@@ -271,7 +272,7 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
     od = param_dtype if param_dtype is cd or param_dtype is sd else cd
     # separate tensors: the custom op's outputs may not alias. The kernel zeroes each block's row
     # before it sums into it: zeros only where it does not run
-    alloc = torch.empty if m else torch.zeros
+    alloc = partial(torch.empty if m else torch.zeros, device="cpu")  # (never the default device)
     if blocks == 1:
         dw = alloc(n, dtype=od) if weight is not None else None
         db = alloc(n, dtype=od) if has_bias else None

@@ -127,28 +127,31 @@ def streamed(out: Tensor, moved_bytes: int) -> bool:
 
 
 def contiguous_rows(t: Tensor) -> Tensor:
-    """``t`` with its rows contiguous and its lazy negation, if any, applied (``t`` itself when
-    both hold already)."""
+    """``t`` as the kernels read it, through its data pointer: rows contiguous, a lazy negation
+    applied, a ZeroTensor (autograd's zeros with no memory) made real zeros; ``t`` itself when all
+    hold already."""
     if t.is_neg():
         t = t.resolve_neg()
+    if t._is_zerotensor():
+        t = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t if t.is_contiguous() else t.contiguous()
 
 
 @functools.lru_cache(maxsize=64)
 def _constant_row(n: int, dtype: torch.dtype, value: float) -> Tensor:
     """A weight of ones or a bias of zeros, made once per width (never written)."""
-    return torch.full((n,), value, dtype=dtype)
+    return torch.full((n,), value, dtype=dtype, device="cpu")  # (never the default device)
 
 
 def param_row(p: Tensor | None, n: int, dtype: torch.dtype, fill: float) -> Tensor:
     """``p`` as ``n`` contiguous values of ``dtype`` (``fill`` when None)."""
     if p is None:
         return _constant_row(n, dtype, fill)
-    if p.dtype is dtype and p.is_contiguous():
+    if p.dtype is dtype and p.is_contiguous() and not p.is_neg() and not p._is_zerotensor():
         return p
     # (.to() of the same dtype returns a strided or expanded 1-D tensor as it is, whatever its
     # memory_format: the kernels read n contiguous values)
-    return p.detach().to(dtype).contiguous()
+    return contiguous_rows(p.detach().to(dtype))
 
 
 def kernel_param_dtype(sd: torch.dtype, cd: torch.dtype, *params: Tensor | None) -> torch.dtype:

@@ -204,12 +204,15 @@ def _current_stream(index: int) -> int:
 
 
 def _rows(t: Tensor | None) -> Tensor | None:
-    """``t`` with unit column stride (rows may keep any stride) and its lazy negation, if any,
-    applied: copy only when needed."""
+    """``t`` with unit column stride (rows may keep any stride), its lazy negation, if any,
+    applied, and a ZeroTensor (autograd's zeros, with no memory) made real zeros: copy only when
+    needed."""
     if t is None:
         return t
     if t.is_neg():
         t = t.resolve_neg()
+    if t._is_zerotensor():
+        t = torch.zeros(t.shape, dtype=t.dtype, device=t.device)
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
