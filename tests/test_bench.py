@@ -200,6 +200,29 @@ def test_plot_of_this_run(tmp_path, capsys):
     assert image.shape[0] > 300 and image.shape[1] > 600
 
 
+def test_the_plot_is_drawn_when_the_table_cannot_be_printed(tmp_path, monkeypatch, capsys):
+    """``addnorm bench --plot p.png | head``: the reader went away before the table; the plot of
+    what was measured is drawn all the same, and the run ends quietly (exit 1). (capsys: a stdout
+    without a file descriptor, which the quiet exit leaves alone.)"""
+
+    def reader_gone(*args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(bench, "render", reader_gone)
+    assert main([*TINY, "--impl", "torch-eager", "--plot", str(tmp_path / "p.png")]) == 1
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rows_appended_after_a_last_line_without_its_newline_start_a_line(tmp_path):
+    """A results file whose last line lost its newline (edited by hand) gets the new rows on
+    lines of their own: every line stays one JSON object."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"a": 1}')
+    bench.rows.append_rows(path, [{"b": 2}, {"c": 3}])
+    bench.rows.append_rows(path, [{"d": 4}])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"a": 1}, {"b": 2}, {"c": 3}, {"d": 4}]
+
+
 def test_ctrl_c_shows_saves_and_draws_what_had_finished(tmp_path, capsys, monkeypatch):
     """Ctrl-C during the second configuration: the first one's rows are printed, kept in
     --results and drawn, then the command stops with status 130 and says how far it got."""

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import pathlib
+import subprocess
 import sys
 
 import numpy as np
@@ -570,6 +571,20 @@ def test_results_survive_a_failed_write(tmp_path, capsys, monkeypatch):
     results = json.loads(open(saved).read())
     assert list(results["arms"]) == ["pre"] and results["command"].startswith("addnorm train --arms pre")
     assert cli.main(["plot", "train", "--results", saved, "--out", str(tmp_path / "figs")]) == 0
+
+
+def test_a_reader_going_away_loses_no_finished_run(tmp_path):
+    """``addnorm train | head -1``: stdout closes while the runs train; the runs' files are still
+    written (rich's console exited at its next print, before any file was)."""
+    out = tmp_path / "run"
+    argv = ["train", "--quick", "--arms", "pre", "--epochs", "1", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "addnorm", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"addnorm train:")
+    proc.stdout.close()  # the reader goes away
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and err == b""  # quietly, as any command whose reader left
+    assert list(json.loads((out / "results.json").read_text())["arms"]) == ["pre"]
+    assert (out / "report.md").exists() and (out / "curves.png").exists()
 
 
 def test_data_on_the_exact_corners_has_no_floor(tmp_path, capsys, no_training):

@@ -490,7 +490,8 @@ def patch(model: nn.Module, *, norm_types=None, fuse_residual: bool = False, bac
         fuse_residual: also run the residual adds of the blocks of ``FAMILIES`` inside the norms
             that follow them (opt-in; same outputs; ``report.adds`` says which).
         backend: the ``backend=`` of the patched norms (``"auto"``, ``"reference"``, ...); patching
-            a patched model again gives its norms this backend.
+            a patched model again gives its norms this backend (and fuses the adds with
+            ``fuse_residual=True``; blocks fused before stay fused: :func:`unpatch` undoes both).
 
     Parameters, buffers, hooks and ``state_dict`` keys are kept (the module objects are the
     same, only their class changes). Patch before wrapping with DDP/FSDP or ``torch.compile``.

@@ -252,18 +252,20 @@ def run(args) -> int:
         stopped = f"interrupted: {finished} of {len(configs)} configurations had finished"
     else:
         stopped = None
-    print(render(results, skipped, args.format))
-    if args.format in ("markdown", "csv") and skipped:  # (table and json show them themselves)
-        say("", *(f"- {name}: {reason}" for name, reason in sorted(skipped.items())))
-    if path is not None:
-        say(f"appended {len(results)} rows to {path}")
-    if args.plot and not results:
-        say(f"no implementation ran: nothing to draw in {plot_path}")
-    elif args.plot:
-        from ..plot import draw_bench
+    try:
+        print(render(results, skipped, args.format))
+        if args.format in ("markdown", "csv") and skipped:  # (table and json show them themselves)
+            say("", *(f"- {name}: {reason}" for name, reason in sorted(skipped.items())))
+        if path is not None:
+            say(f"appended {len(results)} rows to {path}")
+        if args.plot and not results:
+            say(f"no implementation ran: nothing to draw in {plot_path}")
+    finally:  # drawn even when the table could not be printed (`addnorm bench --plot p.png | head`)
+        if args.plot and results:
+            from ..plot import draw_bench
 
-        with contextlib.redirect_stdout(for_people):  # it prints where it wrote
-            draw_bench(results, plot_path, "this run")
+            with contextlib.redirect_stdout(for_people):  # it prints where it wrote
+                draw_bench(results, plot_path, "this run")
     if stopped:
         raise Interrupted(stopped + ("; their rows are shown above" if results else ""))
     if configs and not results:  # (every --impl asked for skipped: nothing was measured)

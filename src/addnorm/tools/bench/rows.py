@@ -121,9 +121,12 @@ def make_row(run: dict, result: dict) -> dict:
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append ``rows`` (from :func:`make_row`) to ``path``, one JSON object per line."""
-    with path.open("a", encoding="utf-8") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+    """Append ``rows`` (from :func:`make_row`) to ``path``, one JSON object per line (on a line
+    of its own after a last line without its newline, as an editor may leave it)."""
+    with path.open("a+b") as f:
+        if f.tell() and (f.seek(-1, os.SEEK_END), f.read(1))[1] != b"\n":
+            f.write(b"\n")
+        f.writelines((json.dumps(row) + "\n").encode() for row in rows)
 
 
 def run_key(row: dict) -> tuple:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pathlib
+import sys
 
 from ..cli import CommandError, Interrupted, UsageError, check_threads, output_dir
 from .config import ARMS, DEFAULT_ARMS, Config
@@ -71,8 +73,6 @@ def config_from_args(args) -> tuple[Config, list[int] | None]:
 
 def default_workers() -> int:
     """One worker process per CPU this process may run on."""
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -95,7 +95,6 @@ def command_line(args) -> str:
 
 
 def run(args) -> int:
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     cfg, depths = config_from_args(args)
@@ -121,7 +120,7 @@ def run(args) -> int:
         )
     jobs = jobs_of(cfg, depths)
     workers = min(args.jobs or default_workers(), len(jobs))
-    console = Console()
+    console = _console()
     layers = f"depth {','.join(map(str, depths))}" if depths else f"{cfg.depth}+{cfg.depth} layers"
     console.print(
         f"[bold]addnorm train[/]: {len(cfg.arms)} arm(s) x {len(cfg.seeds)} seed(s), {layers}, "
@@ -136,26 +135,20 @@ def run(args) -> int:
         TextColumn("last test MSE {task.fields[mse]}"),
         TimeElapsedColumn(),
     )
-    epochs_done: dict[Job, int] = {}
-    # no refresh thread: the training processes are forked from this one (see training._train_in_pool)
-    with Progress(*columns, console=console, auto_refresh=False) as bar:
-        tasks = {}
-        for name, _, depth in jobs:
-            label = ARMS[name].title(cfg.norm) + (f", depth {depth}" if depths else "")
-            if (name, depth) not in tasks:
-                tasks[name, depth] = bar.add_task(label, total=cfg.epochs * len(cfg.seeds), mse="—")
-
-        def progress(job: Job, done: int, mse: float) -> None:
-            epochs_done[job] = done
-            name, _, depth = job
-            total = sum(n for (a, _, d), n in epochs_done.items() if (a, d) == (name, depth))
-            bar.update(tasks[name, depth], completed=total, mse=three_digits(mse))
-            bar.refresh()
-
-        results = run_experiment(cfg, progress, workers, depths)
+    results = _train(cfg, depths, workers, jobs, Progress(*columns, console=console, auto_refresh=False))
     stopped = results.interrupted
     if stopped and not stopped.finished:
         raise Interrupted("interrupted before any run finished; nothing written")
+    # written before anything is printed: a closed or full stdout loses no finished run
+    results = dataclasses.replace(results, command=command_line(args))
+    failed, written = None, []
+    try:
+        written = write_outputs(results, out_dir)
+    except OSError as err:  # the folder was checked at the start; keep the results if it went away since
+        failed = CommandError(f"--out: cannot write into {args.out!r} ({err}); {_rescue(results)}")
+    for stale in (out_dir / name for name in _OUTPUTS):  # (a replaced run's files this one does not write)
+        if not failed and stale not in written and stale.exists():
+            stale.unlink()
     console.print(rich_table(results))
     if smaller_than_default(cfg) and not depths:
         console.print(
@@ -168,20 +161,59 @@ def run(args) -> int:
     colours = dict(zip(VERDICTS, ("green", "yellow", "red"), strict=True))
     for prediction, held, _ in readings(results):
         console.print(f"[{colours[held]}]{held.lower()}[/]: {prediction}")
-    results = dataclasses.replace(results, command=command_line(args))
-    try:
-        written = write_outputs(results, out_dir)
-    except OSError as err:  # the folder was checked at the start; keep the results if it went away since
-        raise CommandError(f"--out: cannot write into {args.out!r} ({err}); {_rescue(results)}") from None
-    for stale in (out_dir / name for name in _OUTPUTS):  # (a replaced run's files this one does not write)
-        if stale not in written and stale.exists():
-            stale.unlink()
+    if failed:
+        raise failed
     console.print(f"wrote {', '.join(str(p) for p in written)} ({results.seconds:.0f} s)")
     if stopped:
         raise Interrupted(
             f"interrupted: {stopped.finished} of {stopped.planned} runs had finished; {out_dir} holds those"
         )
-    return 0
+    return 1 if console.quiet else 0  # (quiet: the reader went away, as `addnorm explain | head` ends)
+
+
+def _console():
+    """rich's Console, except that a reader going away (``addnorm train | head``) silences it
+    instead of exiting: the runs go on and their files are written (rich's own handler raises
+    SystemExit, which would lose them)."""
+    from rich.console import Console
+
+    class QuietOnBrokenPipe(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):  # stdout is not a real file
+                pass
+
+    return QuietOnBrokenPipe()
+
+
+def _train(cfg: Config, depths, workers: int, jobs, bars) -> Results:
+    """Every run of ``jobs``, one progress bar per arm (and depth). A stdout closed or full as
+    the bars are drawn (at the end, when it is not a terminal) loses none of the runs."""
+    epochs_done: dict[Job, int] = {}
+    results = None
+    try:
+        # no refresh thread: the training processes are forked from this one (training._train_in_pool)
+        with bars as bar:
+            tasks = {}
+            for name, _, depth in jobs:
+                label = ARMS[name].title(cfg.norm) + (f", depth {depth}" if depths else "")
+                if (name, depth) not in tasks:
+                    tasks[name, depth] = bar.add_task(label, total=cfg.epochs * len(cfg.seeds), mse="—")
+
+            def progress(job: Job, done: int, mse: float) -> None:
+                epochs_done[job] = done
+                name, _, depth = job
+                total = sum(n for (a, _, d), n in epochs_done.items() if (a, d) == (name, depth))
+                bar.update(tasks[name, depth], completed=total, mse=three_digits(mse))
+                bar.refresh()
+
+            results = run_experiment(cfg, progress, workers, depths)
+    except OSError:  # stdout full (rich's own error: a closed one silences the console instead)
+        if results is None:
+            raise
+    return results
 
 
 _OUTPUTS = ("results.json", "report.md", "curves.png", "grad_norms.png", "depth.png")  # what a run may write
@@ -248,6 +280,7 @@ def register(sub) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"tiny run for a smoke test: {QUICK['depth']}+{QUICK['depth']} layers, {QUICK['epochs']} epochs",
+        help=f"tiny run for a smoke test: {QUICK['depth']}+{QUICK['depth']} layers, {QUICK['epochs']} epochs, "
+        f"{len(QUICK['seeds'])} seed (with --sweep depth: depths {','.join(map(str, QUICK_DEPTHS))})",
     )
     p.set_defaults(func=run)

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 import re
 import warnings
 from dataclasses import dataclass
@@ -134,6 +135,11 @@ def _load_file(path: Path, what: str) -> Tensor:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "sparse/nested tensors are in beta": rejected below anyway
             t = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError:  # (torch's message advises loading it as pickled code: never here)
+        raise UsageError(
+            f"{what}: {str(path)!r} holds more than tensors (pickled Python objects, which are never "
+            "loaded here); save one tensor: torch.save(t, path)"
+        ) from None
     except Exception as err:  # any reader's complaint becomes one line
         raise UsageError(f"{what}: cannot read {str(path)!r}: {str(err).splitlines()[0]}") from None
     if not isinstance(t, Tensor):
