@@ -161,6 +161,13 @@ def test_fake_mode_over_real_tensors_and_make_fx_see_the_op(backend):
     with FakeTensorMode(allow_non_fake_inputs=True):
         y = addnorm.add_layer_norm(x, r, 8, w, backend=backend)
     assert isinstance(y, FakeTensor) and y.shape == x.shape
+    # parallel blocks: x1 and the second norm
+    parallel = lambda x, r, w: addnorm.add_layer_norm(  # noqa: E731
+        x, r, 8, w, x1=x.flip(0), weight1=w.flip(0), prenorm=True, backend=backend
+    )
+    gm = make_fx(parallel)(x, r, w)
+    assert "addnorm.forward" in gm.code
+    assert all(torch.equal(a, b) for a, b in zip(gm(x, r, w), parallel(x, r, w), strict=True))
 
 
 def test_negated_views_and_zero_tensors_are_read_as_their_values(backend):
