@@ -24,7 +24,7 @@ def table_rows(results: Results) -> list[list[str]]:
     rows = []
     for arm in results.arms.values():
         s = arm.summary
-        lr = f"{arm.lr:.2g}"
+        lr = f"{arm.lr:g}"
         first = "never" if s.first_within is None else f"{s.first_within:g}"
         failed = ("yes" if s.failed else "no") if s.runs == 1 else f"{s.failed}/{s.runs}"
         final, best, ratio = three_digits(s.final), three_digits(s.best), three_digits(s.ratio)
@@ -196,7 +196,7 @@ def sweep_rows(results: Results) -> tuple[list[str], list[list[str]]]:
             f"{three_digits(by_depth[d].summary.ratio)}x ({_failed(by_depth[d])} failed)" if d in by_depth else "—"
             for d in depths
         ]
-        rows.append([first.label, f"{first.lr:.2g}", *cells])
+        rows.append([first.label, f"{first.lr:g}", *cells])
     return header, rows
 
 
