@@ -504,8 +504,13 @@ CLI_CASES = [
     ([], None),  # no command: help, status 2
     (["frobnicate"], r"^addnorm: error: argument COMMAND: invalid choice: 'frobnicate'"),
     (["--no-such-option"], r"^addnorm: error: unrecognized arguments: --no-such-option"),
-    (["info", "extra"], r"^addnorm: error: unrecognized arguments: extra"),
-    (["info", "--threads", "2"], r"^addnorm: error: unrecognized arguments: --threads 2"),
+    # arguments no parser took: reported by the subcommand given them, pointing to its own help
+    (["info", "extra"], r"^addnorm info: error: unrecognized arguments: extra \(see 'addnorm info --help'\)$"),
+    (["info", "--threads", "2"], r"^addnorm info: error: unrecognized arguments: --threads 2"),
+    (
+        ["plot", "hist", "--bogus"],
+        r"^addnorm plot hist: error: unrecognized arguments: --bogus \(see 'addnorm plot hist",
+    ),
     (["explain", "--input", "[[1,2],[3]]"], r"^addnorm explain: error: --input: ragged rows"),
     (["explain", "--input", "[[1,a]]"], r"^addnorm explain: error: --input: non-numeric value 'a'"),
     (["explain", "--input", "missing.npy"], r"^addnorm explain: error: --input: file 'missing.npy' not found"),

@@ -72,6 +72,22 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(f"{message} (see '{self.prog} --help')", prog=self.prog)
 
+    def parse_args(self, args=None, namespace=None):
+        """argparse's, but arguments no parser took are reported by the subcommand given them
+        (``addnorm info --bogus``: ``addnorm info: error: ...``), not by ``addnorm`` itself."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            _innermost(self, parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+
+def _innermost(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest subcommand's parser that ``parsed`` went through (``addnorm plot hist``'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(parsed, action.dest, None) in action.choices:
+            return _innermost(action.choices[getattr(parsed, action.dest)], parsed)
+    return parser
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
