@@ -186,21 +186,25 @@ def test_negated_views_and_zero_tensors_are_read_as_their_values(backend):
     assert torch.equal(addnorm.layer_norm(x, 8, zero_weight, b, backend=backend), b.expand(4, 8))
 
 
-def test_a_default_device_changes_no_allocation_of_a_cpu_call(backend):
+@pytest.mark.parametrize("rows", [4, pytest.param(1100, marks=pytest.mark.large)])  # 1100 x 96: threaded blocks
+def test_a_default_device_changes_no_allocation_of_a_cpu_call(backend, rows):
     """``torch.set_default_device`` (or a ``with torch.device(...)`` block) changes where
-    device-less factory calls allocate: a CPU call's outputs, statistics and gradients stay on the
-    CPU (the kernels wrote through a meta tensor's null pointer)."""
+    device-less factory calls allocate: a CPU call's outputs, statistics and gradients (the
+    threaded backward's partial rows too) stay on the CPU (the kernels wrote through a meta
+    tensor's null pointer)."""
     g = torch.Generator().manual_seed(0)
-    x, r = torch.randn(4, 8, generator=g, requires_grad=True), torch.randn(4, 8, generator=g)
-    w = torch.randn(8, generator=g, requires_grad=True)
-    expected = TF.layer_norm(x + r, (8,), w)
+    x, r = torch.randn(rows, 96, generator=g, requires_grad=True), torch.randn(rows, 96, generator=g)
+    w = torch.randn(96, generator=g, requires_grad=True)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    expected = TF.layer_norm(xd + r.double(), (96,), wd)  # float64: dweight sums 1100 rows
     with torch.device("meta"):
-        y = addnorm.add_layer_norm(x, r, 8, w, backend=backend)
-        dx, dw = torch.autograd.grad(y, (x, w), torch.ones(4, 8, device="cpu"))
-        plain = addnorm.layer_norm(x.detach(), 8, backend=backend)  # (no weight: a constant row of ones)
-    torch.testing.assert_close(y, expected)
-    torch.testing.assert_close((dx, dw), torch.autograd.grad(expected, (x, w), torch.ones(4, 8)))
-    torch.testing.assert_close(plain, TF.layer_norm(x.detach(), (8,)))
+        y = addnorm.add_layer_norm(x, r, 96, w, backend=backend)
+        dx, dw = torch.autograd.grad(y, (x, w), torch.ones(rows, 96, device="cpu"))
+        plain = addnorm.layer_norm(x.detach(), 96, backend=backend)  # (no weight: a constant row of ones)
+    torch.testing.assert_close(y, expected.float())
+    oracle = torch.autograd.grad(expected, (xd, wd), torch.ones(rows, 96, dtype=torch.float64))
+    torch.testing.assert_close((dx.double(), dw.double()), oracle, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain, TF.layer_norm(x.detach(), (96,)))
 
 
 def test_a_subclass_buffer_overlapping_its_input_is_refused(backend):

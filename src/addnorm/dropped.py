@@ -101,13 +101,13 @@ def keep_mask_of(t: Tensor, n: int, p: float, seed: Tensor) -> Tensor:
 
 def _eager(*tensors: Tensor) -> bool:
     """Whether compiled kernels may take ``tensors``: plain tensors (no subclass, no lazy
-    negation, no ZeroTensor), in eager mode (not compiling, no torch.func transform, no Python
-    dispatch mode, which sees torch's ops but not a kernel's)."""
+    negation), in eager mode (not compiling, no torch.func transform, no Python dispatch mode,
+    which sees torch's ops but not a kernel's)."""
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False
     if torch._C._len_torch_dispatch_stack():
         return False
-    return all(type(t) is Tensor and not t.is_neg() and not t._is_zerotensor() for t in tensors)
+    return all(type(t) is Tensor and not t.is_neg() for t in tensors)
 
 
 def _eager_cpu(*tensors: Tensor) -> bool:

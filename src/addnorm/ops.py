@@ -71,8 +71,7 @@ from .dropped import dropped_add, keep_mask_of
 from .kernels import torch as torch_kernels
 
 _is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_exporting
-# Python dispatch modes active (make_fx, FakeTensorMode, FlopCounterMode, selective activation
-# checkpointing): they see ops, so a call goes through the custom op, never a kernel called directly
+# Python dispatch modes (make_fx, FakeTensorMode, selective checkpointing) see ops, not kernels: the op route
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _tracing_state = torch._C._get_tracing_state
 # RMSNorm's default eps per input dtype, as torch: the machine epsilon of the statistics dtype
@@ -227,9 +226,7 @@ Route = Callable[[OpArgs, "Tensor | None", "Tensor | None"], tuple]
 
 
 def _into(buffer: Tensor, result: Tensor) -> Tensor:
-    """``buffer`` holding ``result``: copied in, unless a kernel wrote it there through its data
-    pointer, which autograd does not see: its version is then counted up here, as an in-place op
-    would, so that a graph that saved the buffer before refuses to use it."""
+    """``buffer`` holding ``result``: copied in, or (written by a kernel) its version counted up as by an op."""
     if result is not buffer:
         return buffer.copy_(result)
     torch.autograd.graph.increment_version(buffer)
@@ -484,7 +481,7 @@ def _eager_plain(*tensors) -> bool:
         return False
     if _is_compiling() or _is_exporting() or _tracing_state() is not None or is_transformed():
         return False
-    return not _dispatch_modes()
+    return not _dispatch_modes()  # (asked only in eager mode: while compiling it breaks the graph)
 
 
 def _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer) -> bool:
