@@ -31,7 +31,12 @@ Writing a backend, the checklist:
    in the call, where the row sits, or how many threads run.
 7. The sublayer :class:`Branch`: dropout's keep mask is :func:`addnorm.reference.keep_mask`, bit
    for bit, recomputed in the backward (never stored).
-8. ``register("mine", "my_package.my_backend", device_types_for_auto=("xpu",))`` makes
+8. Optional: ``plain_forward(x, residual, weight, bias, eps, rms, write_stream)``, the commonest
+   call without ``forward``'s options (:mod:`addnorm.shortcut` hands it plain calls without
+   gradients: tensors of one dtype, ``residual`` or ``bias`` may be None), returning ``(y, s)``
+   (``s`` None unless ``write_stream`` with a residual) with ``forward``'s bits, or None to
+   decline, as for a layout or a size its shortest path does not take.
+9. ``register("mine", "my_package.my_backend", device_types_for_auto=("xpu",))`` makes
    ``backend="mine"`` work everywhere (and ``"auto"`` pick it on those device types);
    ``addnorm.testing.check_backend("mine")`` runs the conformance check that every backend of
    this package passes in its test suite: forward and backward against a float64 oracle on the
@@ -297,6 +302,13 @@ def unavailable_reason(name: str, x: Tensor | None = None) -> str | None:
 _BUILT_IN_AUTO = {"cpu": "cpu", "cuda": "triton"}
 _AUTO_PREFERENCE = dict(_BUILT_IN_AUTO)
 _AUTO: dict[str, str] = {}
+
+
+def auto_plain_forward(device_type: str):
+    """The optional ``plain_forward`` of the backend ``"auto"`` runs on ``device_type``
+    (:mod:`addnorm.shortcut`), once its first call there has chosen it; else None."""
+    name = _AUTO.get(device_type)
+    return None if name is None else getattr(_LOADED.get(name), "plain_forward", None)
 
 
 def auto_name(x: Tensor) -> str:

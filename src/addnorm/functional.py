@@ -28,6 +28,22 @@ from .ops import NO_PARALLEL, NO_SUBLAYER, Parallel, Sublayer, add_norm
 Shape = int | Sequence[int]
 
 
+def _sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask) -> Sublayer:
+    """The sublayer arguments as :func:`~addnorm.ops.add_norm` takes them: ``NO_SUBLAYER`` itself
+    when all are off (a plain call, recognized by identity), else a :class:`~addnorm.ops.Sublayer`."""
+    if (
+        type(dropout_p) in (int, float)
+        and dropout_p == 0
+        and generator is None
+        and layer_scale is None
+        and rowscale is None
+        and zero_centered_weight is False
+        and return_dropout_mask is False
+    ):
+        return NO_SUBLAYER
+    return Sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask)
+
+
 def layer_norm(
     x: Tensor,
     normalized_shape: Shape,
@@ -163,7 +179,7 @@ def add_layer_norm(
         backend=backend,
         out=out,
         residual_out=residual_out,
-        sublayer=Sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
+        sublayer=_sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
         parallel=parallel,
     )
 
@@ -209,6 +225,6 @@ def add_rms_norm(
         backend=backend,
         out=out,
         residual_out=residual_out,
-        sublayer=Sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
+        sublayer=_sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
         parallel=parallel,
     )

@@ -13,7 +13,8 @@ onnx          ``torch.onnx.export``: torch's own norm, which exports as the stan
 training      plain tensors in eager mode that take a gradient: :class:`~addnorm.autograd.EagerAddNorm`
 inference     plain tensors in eager mode without gradients (``no_grad``, or no input requires
               grad), or any call writing into ``out=``/``residual_out=``: the backend's forward
-              alone, nothing saved, the stream and the statistics written only when returned
+              alone, nothing saved, the stream and the statistics written only when returned; a
+              call without options before any other check (:mod:`addnorm.shortcut`)
 compiled      ``torch.compile`` / ``torch.export`` graphs: the custom op ``addnorm::forward``
               (into ``out=``/``residual_out=``: its results copied there)
 transform     ``torch.func`` transforms and forward-mode AD, compiled or not: the reference
@@ -37,20 +38,9 @@ import torch
 from torch import Tensor
 
 from . import backend as backends
-from . import reference
-from .autograd import (
-    EagerSecondNorm,
-    OpArgs,
-    _to,
-    eager_apply,
-    forward_op,
-    make_branch,
-    op_args,
-    train_forward,
-)
-from .autograd import (
-    transformed as is_transformed,
-)
+from . import reference, shortcut
+from .autograd import EagerSecondNorm, OpArgs, _to, eager_apply, forward_op, make_branch, op_args, train_forward
+from .autograd import transformed as is_transformed
 from .checks import (
     PLAIN,
     SUPPORTED_DTYPES,
@@ -150,6 +140,11 @@ def add_norm(
         check_flag("prenorm", prenorm)
     if residual_dtype is not None:
         check_residual_dtype(residual_dtype)
+    elif sublayer is NO_SUBLAYER and parallel is NO_PARALLEL and out is None and residual_out is None:
+        if backend == "auto":  # (a plain call: the backend's kernel straight away, where it has one)
+            result = shortcut.forward(x, residual, normalized_shape, weight, bias, eps, rms, prenorm)
+            if result is not None:
+                return result
     if isinstance(x, Tensor) and x.is_nested:
         if sublayer != NO_SUBLAYER or parallel is not NO_PARALLEL:
             raise TypeError(
@@ -477,11 +472,7 @@ def _parallel(
 def _eager_plain(*tensors) -> bool:
     """Whether ``tensors`` (None where absent) are plain tensors in eager mode: the training and
     inference routes."""
-    if any(t is not None and type(t) not in PLAIN for t in tensors):
-        return False
-    if _is_compiling() or _is_exporting() or _tracing_state() is not None or is_transformed():
-        return False
-    return not _dispatch_modes()  # (asked only in eager mode: while compiling it breaks the graph)
+    return all(t is None or type(t) in PLAIN for t in tensors) and shortcut.eager_mode()
 
 
 def _fuses_second_norm(backend, x, residual, weight, bias, weight1, bias1, sublayer) -> bool:

@@ -10,7 +10,8 @@ It calls the backend's ``forward`` and ``backward`` directly and compares them w
 independent float64 oracle (torch's own ops and autograd), on the rows that break naive code
 and on calls as addnorm makes them (leading dims, strides, eps, ``residual_dtype``, the stream
 recomputed from ``(x, residual)``, every result's dtype); it checks batch invariance, the
-dropout keep mask bit for bit, zero rows and bad input, and a backend declaring
+dropout keep mask bit for bit, zero rows and bad input, an optional ``plain_forward`` against
+``forward``, and a backend declaring
 ``Capabilities.second_norm`` its second norm (parallel blocks) against the same oracle, and one
 declaring ``Capabilities.adds_x1`` its ``x1`` against the same forward on the summed residual;
 it raises ``AssertionError`` saying what failed. The package's own backends pass it in the test
@@ -340,6 +341,34 @@ def _adds_x1(f, impl, dtype, device, g):
             f.same_bits(ours, theirs, f"{case}: forward {what}")
 
 
+def _plain_forward(f, impl, dtype, device, g):
+    """A backend's optional ``plain_forward`` (:mod:`addnorm.shortcut`): the bits of ``forward``
+    on the same call, or None (declined), on one row and a few, the rows that break naive code,
+    with and without a residual, weight and bias, LayerNorm and RMSNorm, the stream written or
+    not, leading dims and strided rows."""
+    for kind, m, n in (("normal", 1, 768), ("normal", 8, 768), ("offset", 16, 1000), ("constant", 4, 64)):
+        x, r, w, b = _inputs(kind, m, n, dtype, g, device, residual=True)
+        calls = (  # (x, residual, weight, bias, rms, write_stream)
+            (x, r, w, b, False, True),
+            (x, r, w, None, True, False),
+            (x, None, None, None, False, False),
+            (x.unsqueeze(0), r.unsqueeze(0), w, b, True, True),
+            (x.t().contiguous().t(), r, w, b, False, True),
+        )
+        for x_, r_, w_, b_, rms, write_stream in calls:
+            got = impl.plain_forward(x_, r_, w_, b_, 1e-5, rms, write_stream)
+            if got is None:  # declined: the general route takes the call
+                continue
+            kw = dict(eps=1e-5, rms=rms, residual_dtype=None, write_stream=write_stream, write_stats=False)
+            y, s, _, _ = impl.forward(x_, r_, w_, b_, **kw)
+            case = f"plain_forward: {dtype} {kind} {tuple(x_.shape)} rms={rms} residual={r_ is not None}"
+            f.same_bits(got[0], y, f"{case}: y")
+            if write_stream and r_ is not None:
+                f.same_bits(got[1], s, f"{case}: s")
+            else:
+                f.check(got[1] is None, f"{case}: s must be None unless the stream is written")
+
+
 def _zero_rows_and_buffers(f, impl, device):
     n = 16
     x, w, b = torch.empty(0, n, device=device), torch.ones(n, device=device), torch.zeros(n, device=device)
@@ -409,6 +438,8 @@ def check_backend(
             steps.append((f"{dtype} second norm", partial(_second_norm, f, impl, dtype, device, g)))
         if impl.CAPABILITIES.adds_x1 and dtype in (torch.float32, torch.bfloat16):
             steps.append((f"{dtype} x1", partial(_adds_x1, f, impl, dtype, device, g)))
+        if callable(getattr(impl, "plain_forward", None)):
+            steps.append((f"{dtype} plain_forward", partial(_plain_forward, f, impl, dtype, device, g)))
     steps.append(("dropout", partial(_dropout_bits, f, impl, device, g)))
     steps.append(("zero rows and buffers", partial(_zero_rows_and_buffers, f, impl, device)))
     steps.append(("bad input", partial(_bad_input, f, impl, device)))

@@ -43,6 +43,7 @@ from .branch import keep_rows
 from .entry import NO_BRANCH, backward_entry, dropped_entry, float64_bits, forward_entry
 from .launch import (
     branch_args,
+    constant_row,
     contiguous_rows,
     dropout_args,
     empty_output,
@@ -235,6 +236,64 @@ def forward(
     if second is None:
         return y, s, mean, rstd
     return y, s, mean, rstd, y1 if y1.dtype is y_dtype else y1.to(y_dtype)
+
+
+def _kernel_ready(t: Tensor) -> bool:
+    """Whether the kernels may read ``t`` through its data pointer as it is (:func:`contiguous_rows`)."""
+    return t.is_contiguous() and not t.is_neg() and not t._is_zerotensor()
+
+
+def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
+    """:func:`forward` of the call a decode step makes, in as few steps as it takes (the optional
+    ``plain_forward`` of the backend contract, :mod:`addnorm.backend`): ``x``, ``residual`` (or
+    None), ``weight`` and ``bias`` (or None) of one dtype; no statistics, buffers or branch.
+    Returns ``(y, s)`` (``s`` None unless ``write_stream``), or None where the call is not one of
+    these: a tensor :func:`forward` would copy first, work for more than one thread, or outputs
+    large enough to stream or to ask for huge pages. The kernel entry and its arguments are
+    :func:`forward`'s for the same call, so the bits are too."""
+    n = x.shape[-1]
+    m = x.numel() // n if n else 0
+    settings = config.SETTINGS
+    write_s = residual is not None and write_stream
+    moved = x.nbytes * (2 + (residual is not None) + write_s)  # as forward counts them
+    if not (
+        m
+        and m * n < settings.parallel_min_elements
+        and moved < settings.streaming_min_bytes
+        and x.nbytes < settings.huge_pages_min_bytes
+        and _kernel_ready(x)
+        and (residual is None or _kernel_ready(residual))
+        and (weight is None or _kernel_ready(weight))
+        and (bias is None or _kernel_ready(bias))
+    ):
+        return None
+    dtype = x.dtype
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if write_s else None
+    w = constant_row(n, dtype, 1.0) if weight is None else weight
+    b = constant_row(n, dtype, 0.0) if bias is None else bias
+    args = (  # in entry.ForwardSlot order
+        x.data_ptr(),
+        x.data_ptr() if residual is None else residual.data_ptr(),
+        w.data_ptr(),
+        b.data_ptr(),
+        y.data_ptr(),
+        s.data_ptr() if write_s else 0,
+        0,
+        0,
+        m,
+        n,
+        m,
+        residual is not None,
+        write_s,
+        rms,
+        False,
+        float64_bits(eps),
+        *_NO_SECOND,
+        *_NO_X1,
+    )
+    run_on_threads(forward_entry(dtype, dtype, dtype), 1, args, NO_BRANCH)
+    return y, s
 
 
 def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=None, param_dtype=None, second=None):

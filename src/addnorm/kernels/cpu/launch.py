@@ -138,7 +138,7 @@ def contiguous_rows(t: Tensor) -> Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _constant_row(n: int, dtype: torch.dtype, value: float) -> Tensor:
+def constant_row(n: int, dtype: torch.dtype, value: float) -> Tensor:
     """A weight of ones or a bias of zeros, made once per width (never written)."""
     return torch.full((n,), value, dtype=dtype, device="cpu")  # (never the default device)
 
@@ -146,7 +146,7 @@ def _constant_row(n: int, dtype: torch.dtype, value: float) -> Tensor:
 def param_row(p: Tensor | None, n: int, dtype: torch.dtype, fill: float) -> Tensor:
     """``p`` as ``n`` contiguous values of ``dtype`` (``fill`` when None)."""
     if p is None:
-        return _constant_row(n, dtype, fill)
+        return constant_row(n, dtype, fill)
     if p.dtype is dtype and p.is_contiguous() and not p.is_neg() and not p._is_zerotensor():
         return p
     # (.to() of the same dtype returns a strided or expanded 1-D tensor as it is, whatever its

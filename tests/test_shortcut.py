@@ -1,0 +1,158 @@
+"""The shortest route (addnorm.shortcut): plain calls without gradients go straight to the cpu
+backend's plain_forward, with the bits of the general route; every other call takes that route."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import addnorm
+from addnorm import backend as backends
+from addnorm.kernels import cpu
+from addnorm.kernels.cpu import config
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """The calls the cpu backend's plain_forward ran (not declined), counted."""
+    ran = []
+    original = cpu.plain_forward
+
+    def counting(*args):
+        result = original(*args)
+        ran.append(result is not None)
+        return result
+
+    monkeypatch.setattr(cpu, "plain_forward", counting)
+    addnorm.layer_norm(torch.randn(2, 8), 8)  # "auto" has chosen its cpu backend
+    ran.clear()
+    return ran
+
+
+def _oracle(x, residual, n, weight, bias, eps, rms):
+    """float64 torch ops: the stream rounded to its dtype, as every addnorm path rounds it."""
+    s = x if residual is None else x + residual
+    w = None if weight is None else weight.double()
+    if rms:
+        return TF.rms_norm(s.double(), (n,), w, eps), s
+    return TF.layer_norm(s.double(), (n,), w, None if bias is None else bias.double(), eps), s
+
+
+def _call(op, x, residual, n, weight, bias, prenorm, **kw):
+    if op == "layer_norm":
+        return addnorm.layer_norm(x, n, weight, bias, **kw)
+    if op == "rms_norm":
+        return addnorm.rms_norm(x, n, weight, **kw)
+    if op == "add_layer_norm":
+        return addnorm.add_layer_norm(x, residual, n, weight, bias, prenorm=prenorm, **kw)
+    return addnorm.add_rms_norm(x, residual, n, weight, prenorm=prenorm, **kw)
+
+
+CALLS = [
+    ("layer_norm", False),
+    ("rms_norm", False),
+    ("add_layer_norm", False),
+    ("add_layer_norm", True),
+    ("add_rms_norm", False),
+    ("add_rms_norm", True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op, prenorm", CALLS)
+@pytest.mark.parametrize("shape", [(768,), (1, 768), (8, 768), (2, 3, 1000), (5, 3)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_plain_calls_take_the_shortcut_with_the_general_routes_bits(taken, dtype, op, prenorm, shape, affine):
+    g = torch.Generator().manual_seed(sum(shape))
+    n = shape[-1]
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 4 + 300).to(dtype)
+    residual = torch.randn(shape, generator=g).to(dtype) if op.startswith("add") else None
+    weight = torch.randn(n, generator=g).to(dtype) if affine else None
+    bias = torch.randn(n, generator=g).to(dtype) if affine and "layer" in op else None
+    with torch.no_grad():
+        got = _call(op, x, residual, n, weight, bias, prenorm)
+        general = _call(op, x, residual, n, weight, bias, prenorm, backend="cpu")  # (never the shortcut)
+    assert taken == [True]
+    got, general = (got, general) if prenorm else ((got,), (general,))
+    for ours, theirs in zip(got, general):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    eps = 1e-5 if "layer" in op else torch.finfo(torch.float64 if dtype is torch.float64 else torch.float32).eps
+    want, s = _oracle(x, residual, n, weight, bias, eps, "rms" in op)
+    tol = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got[0].double(), want, rtol=tol, atol=tol)
+    if prenorm:
+        assert torch.equal(got[1], s)
+
+
+def test_module_calls_in_inference_take_the_shortcut(taken):
+    norm, add = addnorm.LayerNorm(64), addnorm.AddNorm(64, norm="rms", prenorm=True)
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    with torch.inference_mode():
+        y = norm(x)
+        z, s = add(x, r)
+    assert taken == [True, True]
+    torch.testing.assert_close(y, TF.layer_norm(x, (64,), norm.weight, norm.bias))
+    torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(z, TF.rms_norm(x + r, (64,), add.norm.weight, torch.finfo(torch.float32).eps))
+
+
+def test_calls_with_gradients_or_options_take_the_general_route(taken):
+    x, r, w, b = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32), torch.randn(32)
+    leaf = w.clone().requires_grad_()
+    y = addnorm.add_layer_norm(x, r, 32, leaf, b)  # a gradient to record
+    assert y.grad_fn is not None
+    with torch.no_grad():
+        addnorm.add_layer_norm(x, r, 32, w, b, residual_dtype=torch.float64)
+        addnorm.add_layer_norm(x, r, 32, w, b, dropout_p=0.1)
+        addnorm.layer_norm(x, 32, w, b, out=torch.empty_like(x))
+        addnorm.layer_norm(x, 32, w.double(), b)  # parameters of another dtype
+        addnorm.layer_norm(x.view(2, 2, 32), (2, 32), w.repeat(2).view(2, 32))  # two normalized dims
+        addnorm.layer_norm(x, 32, w, b, backend="reference")
+    assert taken == []
+
+
+def test_declined_calls_keep_their_bits(taken):
+    """Strided rows and calls past the one-thread threshold: the backend declines them, the general
+    route runs them."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(config.SETTINGS.parallel_min_elements // 512 + 7, 512, generator=g)
+    strided = torch.randn(64, 9, generator=g).t()
+    with torch.no_grad():
+        for x in (big, strided):
+            n = x.shape[-1]
+            w = torch.randn(n, generator=g)
+            got = addnorm.layer_norm(x, n, w)
+            assert torch.equal(got, addnorm.layer_norm(x, n, w, backend="cpu"))
+            torch.testing.assert_close(got.double(), TF.layer_norm(x.double(), (n,), w.double()), rtol=2e-6, atol=2e-5)
+    assert taken == [False, False]
+
+
+def test_bad_input_is_reported_as_before():
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="normalized_shape"):
+            addnorm.layer_norm(x, 8)
+        with pytest.raises(ValueError, match="residual must have the shape of x"):
+            addnorm.add_layer_norm(x, x[:2], 16)
+        with pytest.raises(ValueError, match="eps"):
+            addnorm.layer_norm(x, 16, eps=-1.0)
+        with pytest.warns(UserWarning, match="normalizing over 2 feature"):
+            addnorm.layer_norm(torch.randn(3, 2), 2)
+
+
+def test_a_registered_auto_backend_without_it_runs_its_own_forward():
+    """The shortcut asks the backend "auto" runs: one registered for the CPU runs its forward."""
+    import toy_backend
+
+    backends.register("toy_plain", toy_backend, device_types_for_auto=("cpu",))
+    try:
+        calls = toy_backend.calls
+        before = calls["forward"]
+        with torch.no_grad():
+            addnorm.layer_norm(torch.randn(2, 8), 8)
+        assert calls["forward"] == before + 1
+    finally:
+        backends.unregister("toy_plain")
