@@ -237,6 +237,66 @@ def test_jit_trace_at_size_records_the_custom_op(backend_name):
             torch.testing.assert_close(traced(t).double(), oracle, rtol=1.3e-6, atol=1e-5)
 
 
+class _FxBlock(torch.nn.Module):
+    """A pre-norm step, a torch norm (patched below) and a functional call, as a traced model has them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.add = torch.nn.Linear(16, 16), addnorm.AddNorm(16, prenorm=True)
+        self.rms, self.ln = addnorm.RMSNorm(16), torch.nn.LayerNorm(16)
+
+    def forward(self, x, r):
+        y, s = self.add(self.lin(x), r)
+        return self.ln(self.rms(y) + addnorm.add_rms_norm(y, s, 16)) + addnorm.functional.layer_norm(s, 16)
+
+
+def test_fx_symbolic_trace_records_each_norm_as_one_node():
+    """torch.fx records torch's norm modules as leaves; addnorm's functions are recorded as one
+    call each (the modules and a patched torch norm call them), and the graph computes the
+    model's outputs and gradients."""
+    model = _FxBlock()
+    addnorm.patch(model)
+    graph_module = torch.fx.symbolic_trace(model)
+    calls = [n.target.__name__ for n in graph_module.graph.nodes if n.op == "call_function" and "norm" in str(n.target)]
+    assert calls == ["add_layer_norm", "rms_norm", "add_rms_norm", "layer_norm", "layer_norm"]
+    x, r = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    model, graph_module = model.double(), graph_module.double()
+    inputs = [t.clone().requires_grad_() for t in (x, r, x, r)]
+    want, got = model(*inputs[:2]), graph_module(*inputs[2:])
+    assert torch.equal(got, want)
+    ours = torch.autograd.grad(got.sum(), inputs[2:] + list(graph_module.parameters()))
+    theirs = torch.autograd.grad(want.sum(), inputs[:2] + list(model.parameters()))
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    # an independent oracle: the same model as torch ops
+    eps = torch.finfo(torch.float64).eps
+    s = x @ model.lin.weight.T + model.lin.bias + r
+    y = TF.layer_norm(s, (16,), model.add.norm.weight, model.add.norm.bias, 1e-5)
+    z = TF.rms_norm(y, (16,), model.rms.weight, eps) + TF.rms_norm(y + s, (16,), None, eps)
+    oracle = TF.layer_norm(z, (16,), model.ln.weight, model.ln.bias, 1e-5) + TF.layer_norm(s, (16,))
+    torch.testing.assert_close(got, oracle, rtol=1e-12, atol=1e-12)
+
+
+def test_fx_proxy_reaching_the_checks_says_what_to_do():
+    from addnorm import layer_norm  # (a name bound outside addnorm's namespaces: traced into)
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return layer_norm(x, 8)
+
+    with pytest.raises(TypeError, match=r"x is a torch.fx Proxy.*torch.fx.wrap"):
+        torch.fx.symbolic_trace(Model())
+
+
+def test_layer_norm_takes_its_input_by_torchs_keyword():
+    x = torch.randn(3, 8)
+    norm = torch.nn.LayerNorm(8)
+    want = norm(input=x)
+    addnorm.patch(norm)
+    torch.testing.assert_close(norm(input=x), want)
+    torch.testing.assert_close(addnorm.LayerNorm(8)(input=x), TF.layer_norm(x, (8,)))
+
+
 def test_jit_script_points_to_torch_compile():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), addnorm.LayerNorm(8))
     with pytest.raises(TypeError, match="torch.jit.script.*torch.compile"):

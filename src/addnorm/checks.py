@@ -46,6 +46,12 @@ def check_float_tensor(name: str, t: object) -> Tensor:
     if type(t) in PLAIN and t.dtype in _SUPPORTED and t.layout is _STRIDED:
         return t
     if not isinstance(t, Tensor):
+        if isinstance(t, torch.fx.Proxy):
+            raise TypeError(
+                f"{name} is a torch.fx Proxy: symbolic tracing reached addnorm's checks. Call addnorm's "
+                "functions as addnorm.layer_norm(...) or addnorm.functional.layer_norm(...), which a trace "
+                "records as one node, or torch.fx.wrap the function that calls them"
+            )
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be a floating-point tensor ({_FLOAT_DTYPES}), got {t.dtype}")

@@ -228,3 +228,11 @@ def add_rms_norm(
         sublayer=_sublayer(dropout_p, generator, layer_scale, rowscale, zero_centered_weight, return_dropout_mask),
         parallel=parallel,
     )
+
+
+# torch.fx.symbolic_trace records a call of these functions, through this module or the package,
+# as one node (as it records torch's norm modules, which are its leaves) instead of tracing into
+# the checks, which take no Proxy. (torch.fx.wrap patches the namespace it is called from.)
+FX_LEAVES = ("layer_norm", "rms_norm", "add_layer_norm", "add_rms_norm")
+for _name in FX_LEAVES:
+    torch.fx.wrap(_name)

@@ -100,9 +100,9 @@ class LayerNorm(_Norm, nn.LayerNorm):
         super().__init__(shape, eps, elementwise_affine, bias, device, dtype)
         self._setup(zero_centered_weight, backend)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, input: Tensor) -> Tensor:  # (torch's name: LayerNorm(input=x) works as there)
         return F.layer_norm(
-            x,
+            input,
             self.normalized_shape,
             self.weight,
             self.bias,
