@@ -12,6 +12,8 @@ import torch
 
 import addnorm
 from addnorm.compat.flash_attn import (
+    LayerNormFn,
+    LayerNormLinearFn,
     RMSNorm,
     layer_norm_fn,
     layer_norm_linear_fn,
@@ -269,6 +271,21 @@ def test_layer_norm_linear_fn_is_the_norm_then_a_linear_layer(rms, prenorm):
         low = layer_norm_linear_fn(x, w, b, lw, None, residual=r, eps=1e-5, is_rms_norm=rms)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), (ref - lb.detach()).float(), rtol=0.05, atol=0.1)
+
+
+def test_functions_called_positionally_as_flash_attn_s_wrappers_call_them():
+    """``LayerNormFn.apply`` and ``LayerNormLinearFn.apply`` with every argument positional, in
+    the order flash-attn's ``rms_norm_fn`` and ``layer_norm_linear_fn`` pass them, against the
+    formula in float64."""
+    g = torch.Generator().manual_seed(5)
+    x, r, w, b = (torch.randn(shape, generator=g, dtype=torch.float64) for shape in [(3, 16), (3, 16), (16,), (16,)])
+    args = (x, w, b, r, None, None, None, 1e-5, 0.0, None, True, False, False, True, False, None, None, None)
+    y, s = LayerNormFn.apply(*args)
+    torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(y, (x + r) * torch.rsqrt((x + r).square().mean(-1, keepdim=True) + 1e-5) * w + b)
+    lw = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    out = LayerNormLinearFn.apply(x, w, b, lw, None, r, 1e-5, False, False, False)
+    torch.testing.assert_close(out, F.linear(F.layer_norm(x + r, (16,), w, b, 1e-5), lw))
 
 
 def test_rms_norm_module_is_flash_attn_s():

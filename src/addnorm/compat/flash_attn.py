@@ -5,6 +5,8 @@ addnorm with one import changed::
 
     from addnorm.compat.flash_attn import RMSNorm, layer_norm_fn, layer_norm_linear_fn, rms_norm_fn
 
+(``LayerNormFn.apply`` and ``LayerNormLinearFn.apply`` too, for code that calls flash-attn's
+Functions directly)
 and its tests, with ``layer_norm_ref`` / ``rms_norm_ref``, its formulas in plain torch ops. The
 arguments and the order of the results are flash-attn's; the numerics are addnorm's
 (statistics in float32, the corrected mean, the same bits on every backend). mamba_ssm 1.x's
@@ -242,6 +244,20 @@ def layer_norm_linear_fn(
     bias = linear_bias.to(dtype) if linear_bias is not None else None
     out = nn.functional.linear(y.to(dtype), linear_weight.to(dtype), bias)
     return (out, result[1]) if prenorm else out
+
+
+class LayerNormFn:
+    """flash-attn's autograd Function behind :func:`layer_norm_fn`, for code that calls it
+    directly: ``LayerNormFn.apply(...)`` takes :func:`layer_norm_fn`'s arguments, in its order."""
+
+    apply = staticmethod(layer_norm_fn)
+
+
+class LayerNormLinearFn:
+    """flash-attn's autograd Function behind :func:`layer_norm_linear_fn`: ``apply`` takes its
+    arguments, in its order."""
+
+    apply = staticmethod(layer_norm_linear_fn)
 
 
 def layer_norm_ref(
