@@ -26,6 +26,7 @@ def taken(monkeypatch):
         ran.append(result is not None)
         return result
 
+    counting.__module__ = cpu.__name__  # (a plain_forward is taken from its forward's module alone)
     monkeypatch.setattr(cpu, "plain_forward", counting)
     addnorm.layer_norm(torch.randn(2, 8), 8)  # "auto" has chosen its cpu backend
     ran.clear()
@@ -156,3 +157,61 @@ def test_a_registered_auto_backend_without_it_runs_its_own_forward():
         assert calls["forward"] == before + 1
     finally:
         backends.unregister("toy_plain")
+
+
+def test_a_backend_reexporting_the_cpu_backend_runs_its_own_forward(monkeypatch):
+    """A backend made of the cpu backend's functions (``import *``) with a forward of its own:
+    "auto" runs that forward, never the cpu backend's shortcut beside it."""
+    import types
+
+    mine = types.ModuleType("my_cpu_backend")
+    mine.__dict__.update({k: v for k, v in vars(cpu).items() if not k.startswith("_")})  # (as import *)
+    seen = []
+
+    def forward(x, residual, weight, bias, **kwargs):
+        seen.append(tuple(x.shape))
+        return cpu.forward(x, residual, weight, bias, **kwargs)
+
+    forward.__module__ = mine.__name__
+    mine.forward = forward
+    assert mine.plain_forward is cpu.plain_forward
+    backends.register("mine_reexported", mine, device_types_for_auto=("cpu",))
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                addnorm.layer_norm(torch.randn(2, 8), 8)
+        assert seen == [(2, 8)] * 3
+    finally:
+        backends.unregister("mine_reexported")
+
+
+def test_a_torch_function_mode_sees_the_general_routes_calls(taken):
+    """A ``__torch_function__`` mode sees the torch functions a call makes: under one, calls take
+    the general route (whose stream dtype a mode may change through ``torch.promote_types``)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.seen.append(getattr(func, "__name__", ""))
+            return func(*args, **(kwargs or {}))
+
+    x, r = torch.randn(2, 8), torch.randn(2, 8)
+    with torch.no_grad(), Seen() as mode:
+        y, s = addnorm.add_layer_norm(x, r, 8, prenorm=True)
+    assert taken == [] and "promote_types" in mode.seen
+    torch.testing.assert_close(s, x + r, rtol=0, atol=0)
+    torch.testing.assert_close(y, TF.layer_norm(x + r, (8,)))
+
+
+def test_the_kernel_entry_is_asked_for_by_name(taken, monkeypatch):
+    """The shortcut asks for the forward's kernel entry as forward does, its flags by name (what
+    code observing the entries reads)."""
+    asked, entry = [], cpu.forward_entry
+    monkeypatch.setattr(cpu, "forward_entry", lambda *a, **k: asked.append(k["streamed"]) or entry(*a, **k))
+    with torch.no_grad():
+        addnorm.rms_norm(torch.randn(3, 16), 16)
+    assert taken == [True] and asked == [False]

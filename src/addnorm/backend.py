@@ -35,7 +35,8 @@ Writing a backend, the checklist:
    call without ``forward``'s options (:mod:`addnorm.shortcut` hands it plain calls without
    gradients: tensors of one dtype, ``residual`` or ``bias`` may be None), returning ``(y, s)``
    (``s`` None unless ``write_stream`` with a residual) with ``forward``'s bits, or None to
-   decline, as for a layout or a size its shortest path does not take.
+   decline, as for a layout or a size its shortest path does not take; written in the module
+   that defines ``forward`` (:func:`auto_plain_forward`).
 9. ``register("mine", "my_package.my_backend", device_types_for_auto=("xpu",))`` makes
    ``backend="mine"`` work everywhere (and ``"auto"`` pick it on those device types);
    ``addnorm.testing.check_backend("mine")`` runs the conformance check that every backend of
@@ -306,9 +307,13 @@ _AUTO: dict[str, str] = {}
 
 def auto_plain_forward(device_type: str):
     """The optional ``plain_forward`` of the backend ``"auto"`` runs on ``device_type``
-    (:mod:`addnorm.shortcut`), once its first call there has chosen it; else None."""
-    name = _AUTO.get(device_type)
-    return None if name is None else getattr(_LOADED.get(name), "plain_forward", None)
+    (:mod:`addnorm.shortcut`), once its first call there has chosen it; else None. Only one
+    written beside the backend's ``forward`` (in the same module): a backend that re-exports
+    another's functions (``from addnorm.kernels.cpu import *``) and writes a ``forward`` of its
+    own gets that forward, not the other's shortcut."""
+    backend = _LOADED.get(_AUTO.get(device_type))
+    run = getattr(backend, "plain_forward", None)
+    return run if run is not None and run.__module__ == backend.forward.__module__ else None
 
 
 def auto_name(x: Tensor) -> str:

@@ -11,12 +11,12 @@ A plain call: ``backend="auto"``; plain tensors (:data:`addnorm.checks.PLAIN`) o
 one supported dtype, strided; ``x`` ending with ``normalized_shape``, one dim of more than two
 features; ``residual`` of ``x``'s shape (or None, not pre-norm); ``weight`` and ``bias`` of
 ``(N,)`` or None; ``eps`` a float the checks accept; ``prenorm`` a bool; no sublayer branch,
-parallel block, ``residual_dtype`` or buffer (the caller's part); no gradient to record; eager
-mode (no ``torch.compile``, export, trace, ``torch.func`` transform, forward-mode AD or Python
-dispatch mode). Such a call is one :func:`addnorm.ops.add_norm` would check, route to the
-backend's ``forward`` with nothing saved and return as it is: the same kernel, the same bits.
-Anything else, and every call the backend declines, takes that general route, which checks and
-reports what it must.
+parallel block, ``residual_dtype`` or buffer (the caller's part); no gradient to record; eager mode
+(no ``torch.compile``, export, trace, ``torch.func`` transform, forward-mode AD, Python dispatch
+mode or ``__torch_function__`` mode, which would see the general route's torch calls). Such a call
+is one :func:`addnorm.ops.add_norm` would check, route to the backend's ``forward`` with nothing
+saved and return as it is: the same kernel, the same bits. Anything else, and every call the
+backend declines, takes that general route, which checks and reports what it must.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _grad_enabled = torch.is_grad_enabled
 
 
+_function_modes = torch._C._is_torch_function_mode_enabled
+
+
 def eager_mode() -> bool:
     """Whether torch runs ops as they are called: not compiling, exporting or tracing, no
     ``torch.func`` transform or forward-mode AD, no Python dispatch mode (make_fx, FakeTensorMode,
@@ -57,8 +60,8 @@ def forward(
 ) -> Tensor | tuple[Tensor, Tensor] | None:  # fmt: skip
     """``y`` (``(y, s)`` with ``prenorm``) of a plain call (module docstring), or None: the call
     takes the general route."""
-    if not eager_mode():  # (first: nothing below is traced, no traced size compared)
-        return None
+    if not eager_mode() or _function_modes():  # (first: nothing below is traced, no traced size compared)
+        return None  # (a __torch_function__ mode sees the general route's torch calls: it takes that)
     n = normalized_shape
     if type(n) is not int:
         if type(n) not in _SHAPES or len(n) != 1 or type(n[0]) is not int:

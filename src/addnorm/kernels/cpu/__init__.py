@@ -292,7 +292,7 @@ def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
         *_NO_SECOND,
         *_NO_X1,
     )
-    run_on_threads(forward_entry(dtype, dtype, dtype), 1, args, NO_BRANCH)
+    run_on_threads(forward_entry(dtype, dtype, dtype, streamed=False), 1, args, NO_BRANCH)  # (by name, as forward)
     return y, s
 
 
