@@ -157,6 +157,34 @@ def test_near_constant_rows_far_from_zero_are_exact(backend, offset, n):
     assert error < 5e-7, f"{backend}: relative error {error:.3g}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("kind", ["constant", "normal", "offset"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_wide_rows_keep_the_statistics_of_narrow_ones(dtype, rms, kind, residual):
+    """A row of 2**20 elements (a norm over several dims): the cpu backend's mean, variance and
+    mean square, against float64 sums of the same row, within the error of a row of a thousand.
+    Each sum adds its row by blocks; one running lane sum would drift with the row's length (the
+    squares of a constant row most: nothing corrects them)."""
+    from addnorm import backend as backends
+
+    n, g = 1 << 20, torch.Generator().manual_seed(7)
+    base = {"constant": torch.full((1, n), 3.7), "normal": torch.randn(1, n, generator=g)}.get(kind)
+    x = (base if base is not None else 40 + 1e-2 * torch.randn(1, n, generator=g)).to(dtype)
+    r = (torch.randn(1, n, generator=g) if residual else torch.zeros(1, n)).to(dtype)
+    _, s, mean, rstd = backends.load("cpu").forward(
+        x, r if residual else None, None, None, eps=1e-5, rms=rms, residual_dtype=None
+    )
+    s = (x if s is None else s).double()
+    if rms:
+        want = 1 / torch.sqrt(s.square().mean(-1) + 1e-5)
+    else:
+        want = 1 / torch.sqrt(s.var(-1, unbiased=False) + 1e-5)
+        scale = s.square().mean().sqrt().item()  # (a normal row's mean is near 0: its error is to its scale)
+        torch.testing.assert_close(mean.double(), s.mean(-1), rtol=0, atol=2e-7 * scale)
+    torch.testing.assert_close(rstd.double(), want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("value", [3.7, 1e20, 2.0**99, -1e33, 6e35])
 @pytest.mark.parametrize("n", [8, 1000, 20000])
 @pytest.mark.parametrize("rows", [3, pytest.param(36, marks=pytest.mark.large)])  # 36 x 20000: threaded blocks

@@ -22,9 +22,10 @@ from .jit import njit
 
 SUM_MATH = {"reassoc"}  # the one fastmath flag, for the row sums only
 
-# The sum behind the first mean adds blocks of this many elements in vector lanes, then the
-# blocks' sums in float64: the error of a lane sum grows with the row's length, and the mean's
-# correction, itself rounded, cannot take back more than a few ulps of it.
+# Every row sum adds blocks of this many elements in vector lanes, then the blocks' sums in
+# float64: the error of a lane sum grows with the number of its terms, so a wide row's sums
+# (of squares above all: nothing corrects them) stay as accurate as a row of one block's. A row
+# of one block is summed as a lane sum alone (its float64 total is exact).
 _SUM_BLOCK = 1024
 
 _CANCEL = reference.CANCEL  # a third pass once c*c exceeds mean(d*d) / _CANCEL
@@ -44,9 +45,8 @@ def row_sum(a):
     return round_to(a, total)
 
 
-@njit(fastmath=SUM_MATH)
-def deviation_sums(a, mu):
-    """Sum of ``d = a - mu`` and of ``d * d`` in one pass."""
+@njit(fastmath=SUM_MATH, inline="always")  # (a row of one block: the loop as it was)
+def _deviation_block(a, mu):
     total = sq = mu - mu
     for j in range(a.shape[0]):
         d = a[j] - mu
@@ -56,7 +56,21 @@ def deviation_sums(a, mu):
 
 
 @njit(fastmath=SUM_MATH)
-def dot(a, b):
+def deviation_sums(a, mu):
+    """Sum of ``d = a - mu`` and of ``d * d`` in one pass, by blocks as :func:`row_sum`."""
+    n = a.shape[0]
+    if n <= _SUM_BLOCK:
+        return _deviation_block(a, mu)
+    total = sq = np.float64(0.0)
+    for lo in range(0, n, _SUM_BLOCK):
+        part, part_sq = _deviation_block(a[lo : min(lo + _SUM_BLOCK, n)], mu)
+        total += part
+        sq += part_sq
+    return round_to(a, total), round_to(a, sq)
+
+
+@njit(fastmath=SUM_MATH, inline="always")  # (a row of one block: the loop as it was)
+def _dot_block(a, b):
     total = a[0] * b[0]
     for j in range(1, a.shape[0]):
         total += a[j] * b[j]
@@ -64,10 +78,20 @@ def dot(a, b):
 
 
 @njit(fastmath=SUM_MATH)
-def load_row(xi, ri, si, buf, has_residual, write_s, rms):
-    """``buf`` = the row of ``s`` in the statistics dtype: ``x + residual`` rounded to the stream
-    dtype (both already in it), written to ``si`` when ``write_s``; else ``x``. Returns the sum of
-    the row (of its squares for RMSNorm), taken in the same pass."""
+def dot(a, b):
+    """Sum of ``a * b``, by blocks as :func:`row_sum`."""
+    n = a.shape[0]
+    if n <= _SUM_BLOCK:
+        return _dot_block(a, b)
+    total = np.float64(0.0)
+    for lo in range(0, n, _SUM_BLOCK):
+        hi = min(lo + _SUM_BLOCK, n)
+        total += _dot_block(a[lo:hi], b[lo:hi])
+    return round_to(a, total)
+
+
+@njit(fastmath=SUM_MATH, inline="always")  # (a row of one block: the loop as it was)
+def _load_block(xi, ri, si, buf, has_residual, write_s, rms):
     total = round_to(buf, 0.0)
     for j in range(buf.shape[0]):
         if has_residual:
@@ -78,6 +102,21 @@ def load_row(xi, ri, si, buf, has_residual, write_s, rms):
         buf[j] = v
         total += v * v if rms else v
     return total
+
+
+@njit(fastmath=SUM_MATH)
+def load_row(xi, ri, si, buf, has_residual, write_s, rms):
+    """``buf`` = the row of ``s`` in the statistics dtype: ``x + residual`` rounded to the stream
+    dtype (both already in it), written to ``si`` when ``write_s``; else ``x``. Returns the sum of
+    the row (of its squares for RMSNorm), taken in the same pass, by blocks as :func:`row_sum`."""
+    n = buf.shape[0]
+    if n <= _SUM_BLOCK:
+        return _load_block(xi, ri, si, buf, has_residual, write_s, rms)
+    total = np.float64(0.0)
+    for lo in range(0, n, _SUM_BLOCK):
+        hi = min(lo + _SUM_BLOCK, n)
+        total += _load_block(xi[lo:hi], ri[lo:hi], si[lo:hi], buf[lo:hi], has_residual, write_s, rms)
+    return round_to(buf, total)
 
 
 @njit
