@@ -3,6 +3,8 @@ backend's plain_forward, with the bits of the general route; every other call ta
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as TF
@@ -168,11 +170,11 @@ def test_a_backend_reexporting_the_cpu_backend_runs_its_own_forward(monkeypatch)
     mine.__dict__.update({k: v for k, v in vars(cpu).items() if not k.startswith("_")})  # (as import *)
     seen = []
 
+    @functools.wraps(cpu.forward)  # (its __module__ then names the cpu backend's)
     def forward(x, residual, weight, bias, **kwargs):
         seen.append(tuple(x.shape))
         return cpu.forward(x, residual, weight, bias, **kwargs)
 
-    forward.__module__ = mine.__name__
     mine.forward = forward
     assert mine.plain_forward is cpu.plain_forward
     backends.register("mine_reexported", mine, device_types_for_auto=("cpu",))

@@ -277,6 +277,45 @@ def test_fx_symbolic_trace_records_each_norm_as_one_node():
     torch.testing.assert_close(got, oracle, rtol=1e-12, atol=1e-12)
 
 
+def test_fx_traces_a_patched_hugging_face_norm_as_the_models_own():
+    """A norm class patch() made for a model (Llama's, Gemma's) traces as the model's own forward,
+    which computes the same."""
+    transformers = pytest.importorskip("transformers")
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(16, eps=1e-6)
+    gemma = transformers.models.gemma.modeling_gemma.GemmaRMSNorm(16, eps=1e-6)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), norm, gemma)
+    with torch.no_grad():
+        norm.weight.normal_(), gemma.weight.normal_()
+    x = torch.randn(3, 16)
+    want = model(x)
+    addnorm.patch(model)
+    graph_module = torch.fx.symbolic_trace(model)
+    torch.testing.assert_close(graph_module(x), want)
+    torch.testing.assert_close(model(x), want)
+
+
+def test_fx_traces_a_fused_block_as_the_models_own():
+    """A block patch(fuse_residual=True) gave a fused forward traces as its own forward."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=1)
+    bert = transformers.BertModel(config).eval()
+
+    class Holder(torch.nn.Module):  # (a fused block's forward takes *args: it is traced inside a model)
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x, r):
+            return self.block(x, r)
+
+    model = Holder(bert.encoder.layer[0].attention.output)  # dense, dropout, LayerNorm(h + input)
+    x, r = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    want = model(x, r)
+    addnorm.patch(bert, fuse_residual=True)
+    assert type(model.block).__name__.startswith("Addnorm")
+    torch.testing.assert_close(torch.fx.symbolic_trace(model)(x, r), want)
+
+
 def test_fx_proxy_reaching_the_checks_says_what_to_do():
     from addnorm import layer_norm  # (a name bound outside addnorm's namespaces: traced into)
 

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from ..ops import NO_SUBLAYER, Sublayer
 from .layout import NO_RESIDUAL, Family, Step, modules
-from .norms import add_norm_forward, fusable, hand_off, tensors
+from .norms import add_norm_forward, fusable, fx_tracing, hand_off, tensors
 
 ORIGINAL = "_addnorm_original_class"
 NEXT = "_addnorm_next"  # the norms the block's last add feeds, set by patch()
@@ -334,8 +334,12 @@ def _call_first(
 def block_forward(self, *args, **kwargs):
     """The forward of every block of ``FAMILIES``: the original's steps with each add fused."""
     family = self.__dict__[FAMILY]
-    if (kwargs and not type(self)._addnorm_renamed.isdisjoint(kwargs)) or _too_small(self, family, args, kwargs):
-        return self.__dict__[ORIGINAL].forward(self, *args, **kwargs)  # (renamed_arguments, _too_small)
+    if (
+        fx_tracing()  # (first: nothing below may take the Proxy values of a trace)
+        or (kwargs and not type(self)._addnorm_renamed.isdisjoint(kwargs))
+        or _too_small(self, family, args, kwargs)
+    ):
+        return self.__dict__[ORIGINAL].forward(self, *args, **kwargs)  # (fx_tracing, renamed_arguments, _too_small)
     if family.post_norm:
         return _post_norm_forward(self, family, *args, **kwargs)
     hidden_states, named, spread = _arguments(self, args, kwargs)

@@ -311,13 +311,21 @@ def handed_off(norm: nn.Module, x: Tensor) -> Tensor | None:
     return output
 
 
+# torch.fx.symbolic_trace of a patched model: each patched module traces as the model's own
+# (its original forward, which computes the same), whose Python takes the Proxy values a trace
+# passes; addnorm's own modules and torch's norms patched trace as one call of addnorm's op
+fx_tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing
+
+
 def norm_forward(self, x: Tensor) -> Tensor:
     """The forward of every class :func:`addnorm.patch` makes for a norm."""
+    if fx_tracing():
+        return super(type(self), self).forward(x)
     y = handed_off(self, x)
     return add_norm_forward(self, x) if y is None else y
 
 
 def torch_norm_forward(self, x: Tensor) -> Tensor:
     """The forward of addnorm's own LayerNorm / RMSNorm when a block hands them their output."""
-    y = handed_off(self, x)
+    y = None if fx_tracing() else handed_off(self, x)
     return super(type(self), self).forward(x) if y is None else y

@@ -111,6 +111,31 @@ def dropped(src: Tensor, addend: Tensor | None, n: int, p: float, seed: Tensor, 
     return out
 
 
+def _forward_slots(x, residual, w, b, y, s, mean, rstd, m, n, block_rows, rms, eps, second, x1) -> tuple[int, ...]:
+    """The forward entry's arguments, in ``entry.ForwardSlot`` order: ``s``, ``mean`` and ``rstd``
+    None where not written, ``second`` and ``x1`` their slots (``_NO_SECOND``, ``_NO_X1``)."""
+    return (
+        x.data_ptr(),
+        x.data_ptr() if residual is None else residual.data_ptr(),
+        w.data_ptr(),
+        b.data_ptr(),
+        y.data_ptr(),
+        0 if s is None else s.data_ptr(),
+        0 if mean is None else mean.data_ptr(),
+        0 if rstd is None else rstd.data_ptr(),
+        m,
+        n,
+        block_rows,
+        residual is not None,
+        s is not None,  # WRITE_S
+        rms,
+        rstd is not None,  # WRITE_STATS
+        float64_bits(eps),
+        *second,
+        *x1,
+    )
+
+
 def thread_plan(rows: int) -> tuple[int, int]:
     """``(threads, block_rows)`` of a forward of ``parallel_min_elements`` or more (smaller ones
     run as one block on the calling thread): torch's thread count, ``blocks_per_thread`` blocks
@@ -195,26 +220,7 @@ def forward(
         x1_args = _NO_X1
         if x1 is not None:
             x1_args = (x1.data_ptr(), *dropout_args(p1, seed1))
-        args = (  # in entry.ForwardSlot order
-            x.data_ptr(),
-            x.data_ptr() if residual is None else residual.data_ptr(),
-            w.data_ptr(),
-            b.data_ptr(),
-            y.data_ptr(),
-            s.data_ptr() if write_s else 0,
-            0 if mean is None else mean.data_ptr(),
-            0 if rstd is None else rstd.data_ptr(),
-            m,
-            n,
-            block_rows,
-            residual is not None,
-            write_s,
-            rms,
-            write_stats,
-            float64_bits(eps),
-            *second_args,
-            *x1_args,
-        )
+        args = _forward_slots(x, residual, w, b, y, s, mean, rstd, m, n, block_rows, rms, eps, second_args, x1_args)
         # y straight to memory when it is the output itself (not a float32 y cast afterwards)
         moved = x.nbytes * (2 + (residual is not None) + write_s + (y1 is not None) + (x1 is not None))
         stream_y = direct and streamed(y, moved) and (y1 is None or streamed(y1, moved))
@@ -272,26 +278,7 @@ def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
     s = torch.empty_like(x) if write_s else None
     w = constant_row(n, dtype, 1.0) if weight is None else weight
     b = constant_row(n, dtype, 0.0) if bias is None else bias
-    args = (  # in entry.ForwardSlot order
-        x.data_ptr(),
-        x.data_ptr() if residual is None else residual.data_ptr(),
-        w.data_ptr(),
-        b.data_ptr(),
-        y.data_ptr(),
-        s.data_ptr() if write_s else 0,
-        0,
-        0,
-        m,
-        n,
-        m,
-        residual is not None,
-        write_s,
-        rms,
-        False,
-        float64_bits(eps),
-        *_NO_SECOND,
-        *_NO_X1,
-    )
+    args = _forward_slots(x, residual, w, b, y, s, None, None, m, n, m, rms, eps, _NO_SECOND, _NO_X1)
     run_on_threads(forward_entry(dtype, dtype, dtype, streamed=False), 1, args, NO_BRANCH)  # (by name, as forward)
     return y, s
 
