@@ -35,10 +35,8 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max  # (the largest eps the checks acc
 _is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_exporting
 _tracing_state = torch._C._get_tracing_state
 _dispatch_modes = torch._C._len_torch_dispatch_stack
-_grad_enabled = torch.is_grad_enabled
-
-
 _function_modes = torch._C._is_torch_function_mode_enabled
+_grad_enabled = torch.is_grad_enabled
 
 
 def eager_mode() -> bool:
