@@ -140,11 +140,17 @@ def add_norm(
         check_flag("prenorm", prenorm)
     if residual_dtype is not None:
         check_residual_dtype(residual_dtype)
-    elif sublayer is NO_SUBLAYER and parallel is NO_PARALLEL and out is None and residual_out is None:
-        if backend == "auto":  # (a plain call: the backend's kernel straight away, where it has one)
-            result = shortcut.forward(x, residual, normalized_shape, weight, bias, eps, rms, prenorm)
-            if result is not None:
-                return result
+    elif (
+        backend == "auto"
+        and sublayer is NO_SUBLAYER
+        and parallel is NO_PARALLEL
+        and out is None
+        and residual_out is None
+    ):
+        # a plain call: the backend's kernel straight away, where it has one
+        result = shortcut.forward(x, residual, normalized_shape, weight, bias, eps, rms, prenorm)
+        if result is not None:
+            return result
     if isinstance(x, Tensor) and x.is_nested:
         if sublayer != NO_SUBLAYER or parallel is not NO_PARALLEL:
             raise TypeError(

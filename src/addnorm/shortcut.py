@@ -67,6 +67,9 @@ def forward(
         n = n[0]
     if type(x) not in PLAIN or type(eps) is not float or type(prenorm) is not bool:
         return None
+    grad = _grad_enabled()
+    if grad and x.requires_grad:  # (a training call, the commonest: declined before the checks below)
+        return None
     dtype = x.dtype
     if not (
         2 < n
@@ -82,9 +85,8 @@ def forward(
         and (bias is None or _plain(bias, dtype) and bias.dim() == 1 and bias.shape[0] == n)
     ):
         return None
-    if _grad_enabled() and (
-        x.requires_grad
-        or (residual is not None and residual.requires_grad)
+    if grad and (
+        (residual is not None and residual.requires_grad)
         or (weight is not None and weight.requires_grad)
         or (bias is not None and bias.requires_grad)
     ):

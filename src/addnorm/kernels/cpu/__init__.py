@@ -48,6 +48,7 @@ from .launch import (
     dropout_args,
     empty_output,
     kernel_param_dtype,
+    kernel_ready,
     param_row,
     run_on_threads,
     streamed,
@@ -244,11 +245,6 @@ def forward(
     return y, s, mean, rstd, y1 if y1.dtype is y_dtype else y1.to(y_dtype)
 
 
-def _kernel_ready(t: Tensor) -> bool:
-    """Whether the kernels may read ``t`` through its data pointer as it is (:func:`contiguous_rows`)."""
-    return t.is_contiguous() and not t.is_neg() and not t._is_zerotensor()
-
-
 def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
     """:func:`forward` of the call a decode step makes, in as few steps as it takes (the optional
     ``plain_forward`` of the backend contract, :mod:`addnorm.backend`): ``x``, ``residual`` (or
@@ -267,10 +263,10 @@ def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
         and m * n < settings.parallel_min_elements
         and moved < settings.streaming_min_bytes
         and x.nbytes < settings.huge_pages_min_bytes
-        and _kernel_ready(x)
-        and (residual is None or _kernel_ready(residual))
-        and (weight is None or _kernel_ready(weight))
-        and (bias is None or _kernel_ready(bias))
+        and kernel_ready(x)
+        and (residual is None or kernel_ready(residual))
+        and (weight is None or kernel_ready(weight))
+        and (bias is None or kernel_ready(bias))
     ):
         return None
     dtype = x.dtype

@@ -126,6 +126,12 @@ def streamed(out: Tensor, moved_bytes: int) -> bool:
     )
 
 
+def kernel_ready(t: Tensor) -> bool:
+    """Whether the kernels may read ``t`` through its data pointer as it is: what
+    :func:`contiguous_rows` makes of any tensor."""
+    return t.is_contiguous() and not t.is_neg() and not t._is_zerotensor()
+
+
 def contiguous_rows(t: Tensor) -> Tensor:
     """``t`` as the kernels read it, through its data pointer: rows contiguous, a lazy negation
     applied, a ZeroTensor (autograd's zeros with no memory) made real zeros; ``t`` itself when all
@@ -147,7 +153,7 @@ def param_row(p: Tensor | None, n: int, dtype: torch.dtype, fill: float) -> Tens
     """``p`` as ``n`` contiguous values of ``dtype`` (``fill`` when None)."""
     if p is None:
         return constant_row(n, dtype, fill)
-    if p.dtype is dtype and p.is_contiguous() and not p.is_neg() and not p._is_zerotensor():
+    if p.dtype is dtype and kernel_ready(p):
         return p
     # (.to() of the same dtype returns a strided or expanded 1-D tensor as it is, whatever its
     # memory_format: the kernels read n contiguous values)
