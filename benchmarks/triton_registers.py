@@ -82,11 +82,14 @@ def forward(
     x1: bool = False,
     x1_dtype: torch.dtype | None = None,
     layout: bool = False,
+    plain: bool = False,
 ) -> str:
     """The forward kernel's resources; ``x1``: parallel blocks' ``x1`` (of x's dtype, or
     ``x1_dtype``) added as the residual (in the stream dtype) is read, through its dropout when
     ``branch`` (one ``dropout_p`` for both). With ``layout``, the layout of its row sums instead,
-    compiled as a launch on rows of 16-aligned widths and strides."""
+    compiled as a launch on rows of 16-aligned widths and strides. ``plain``: the launch of a
+    plain call without gradients (``plain_forward``): neither the stream nor the statistics
+    written, the stream in ``dtype``."""
     cd = torch.float64 if stream == torch.float64 else torch.float32
     block_m, block_n, warps, chunked = config.plan("forward", n, torch.device("cuda"), dtype.itemsize)
     sig = {
@@ -95,9 +98,9 @@ def forward(
         "W": PTR[dtype],
         "B": "constexpr" if rms else PTR[dtype],
         "Y": PTR[dtype],
-        "S": PTR[stream],
-        "MEAN": "constexpr" if rms else PTR[cd],
-        "RSTD": PTR[cd],
+        "S": "constexpr" if plain else PTR[stream],
+        "MEAN": "constexpr" if rms or plain else PTR[cd],
+        "RSTD": "constexpr" if plain else PTR[cd],
         "M": "i32",
         "N": "i32",
         "sx": "i64",
@@ -119,6 +122,8 @@ def forward(
         "HAS_BIAS1": second and not rms,
         "ADDED": x1,
         "DROPPED1": x1 and branch,
+        "WRITE_STREAM": not plain,
+        "WRITE_STATS": not plain,
         "BLOCK_M": block_m,
         "BLOCK_N": block_n,
     }
@@ -250,6 +255,7 @@ def main(widths: list[int]) -> None:
             stream = torch.float32
             print(f"  {str(dtype)[6:]:8s} fwd add_layer_norm  {forward(n, dtype, stream, False)}")
             print(f"  {str(dtype)[6:]:8s} fwd add_rms_norm    {forward(n, dtype, stream, True)}")
+            print(f"  {str(dtype)[6:]:8s} fwd plain call      {forward(n, dtype, dtype, False, plain=True)}")
             print(f"  {str(dtype)[6:]:8s} bwd layer_norm      {backward(n, dtype, False)}")
             print(f"  {str(dtype)[6:]:8s} bwd rms_norm        {backward(n, dtype, True)}")
             print(f"  {str(dtype)[6:]:8s} fwd add_ln+dropout  {forward(n, dtype, stream, False, branch=True)}")

@@ -328,8 +328,9 @@ def test_a_kinds_bytes_per_thread_set_its_warps_on_a_gpu(monkeypatch):
 def test_every_launch_gives_the_bits_of_tritons_own_launcher(monkeypatch, dtype):
     """``common.launch`` calls a kernel compiled earlier directly on a GPU (CPU tensors go through
     the interpreter, and nothing is kept): forward and backward of a parallel block with dropout
-    on both branches, at 16-byte-aligned and unaligned addresses, give Triton's own launcher's
-    bits on the first call and on the calls that reuse a compiled kernel."""
+    on both branches, and the forwards that write less (inference, a plain call), at
+    16-byte-aligned and unaligned addresses, give Triton's own launcher's bits on the first call
+    and on the calls that reuse a compiled kernel."""
     from addnorm.kernels.triton import backward_kernels, dropped_kernels, forward_kernels
 
     m, n = 37, 200
@@ -350,6 +351,9 @@ def test_every_launch_gives_the_bits_of_tritons_own_launcher(monkeypatch, dtype)
             )
             (y.float().square().sum() + y1.float().sum() + s.float().sum()).backward()
             results += [y, y1, s, x.grad, x1g.grad, w.grad, b.grad, w1.grad]
+            with torch.no_grad():  # the forward writing y alone: inference's, and a plain call's
+                results.append(addnorm.add_layer_norm(x, r, n, w, b, backend="triton"))
+                results += K.plain_forward(x, r, w, b, 1e-5, False, True)
         return results
 
     monkeypatch.setattr(common, "_COMPILED", {})
@@ -394,6 +398,70 @@ def test_strided_rows_are_read_in_place():
     yc, sc = addnorm.add_layer_norm(x.contiguous(), r.contiguous(), 100, w, prenorm=True, backend="triton")
     assert torch.equal(y, yc) and torch.equal(s, sc)
     torch.testing.assert_close(y, TF.layer_norm(x + r, (100,), w))
+
+
+@pytest.mark.parametrize("path", ["fused", "chunked"])
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_forward_writing_less_gives_the_same_bits(monkeypatch, path, rms, dtype):
+    """Without the stream and the statistics (an inference call, a plain call's
+    ``plain_forward``) the forward kernel writes ``y`` alone, with the bits of the forward that
+    writes everything; a stream of another dtype than ``y``'s is written anyway (the kernel
+    reads the stream's dtype from it), with its bits."""
+    if path == "chunked":
+        force_chunked(monkeypatch)
+    m, n = 5, 600  # (chunked: three chunks of 256, the last cut)
+    x, r = rows_of(m, n, dtype), rows_of(m, n, dtype, seed=1, offset=3e2)
+    w, b = rows_of(1, n, dtype, seed=2)[0], None if rms else rows_of(1, n, dtype, seed=3)[0]
+    for residual_dtype in (None, torch.float32) if dtype != torch.float32 else (None,):
+        kw = dict(eps=1e-5, rms=rms, residual_dtype=residual_dtype)
+        y, s, mean, rstd = K.forward(x, r, w, b, **kw)
+        y_, s_, mean_, rstd_ = K.forward(x, r, w, b, **kw, write_stream=False, write_stats=False)
+        assert mean_ is None and rstd_ is None and rstd.dtype == torch.float32
+        assert mean is None if rms else mean.dtype == torch.float32
+        assert torch.equal(y_, y)
+        assert s_ is None if residual_dtype is None else torch.equal(s_, s)
+    for residual, write_stream in ((r, True), (r, False), (None, False)):
+        got_y, got_s = K.plain_forward(x, residual, w, b, 1e-5, rms, write_stream)
+        y, s, _, _ = K.forward(x, residual, w, b, eps=1e-5, rms=rms, residual_dtype=None)
+        assert torch.equal(got_y, y)
+        assert torch.equal(got_s, s) if write_stream else got_s is None
+
+
+def test_plain_calls_take_the_triton_backends_plain_forward(monkeypatch):
+    """Where "auto" runs the triton backend (CUDA tensors; here, registered for the test's
+    device), a plain call without gradients goes to its ``plain_forward``, with the bits of
+    ``backend="triton"``; a call with gradients takes the general route."""
+    from addnorm.kernels.triton import forward_kernels
+
+    ran = []
+    original = forward_kernels.plain_forward
+
+    def counting(*args):
+        ran.append(args[0].shape)
+        return original(*args)
+
+    counting.__module__ = forward_kernels.__name__  # (a plain_forward is taken from its forward's module alone)
+    monkeypatch.setattr(K, "plain_forward", counting)
+    backends.register("triton_auto", K, device_types_for_auto=(TEST_DEVICE.type,))
+    try:
+        n = 96
+        x, r = rows_of(3, n, torch.bfloat16), rows_of(3, n, torch.bfloat16, seed=1)
+        w, b = rows_of(1, n, torch.bfloat16, seed=2)[0], rows_of(1, n, torch.bfloat16, seed=3)[0]
+        addnorm.layer_norm(x, n)  # (the first call chooses the backend "auto" runs)
+        ran.clear()
+        with torch.no_grad():
+            y, s = addnorm.add_layer_norm(x, r, n, w, b, prenorm=True)
+            y_rms = addnorm.rms_norm(x.unsqueeze(0), n, w)
+        assert ran == [(3, n), (1, 3, n)]
+        y_t, s_t = addnorm.add_layer_norm(x, r, n, w, b, prenorm=True, backend="triton")
+        assert torch.equal(y, y_t) and torch.equal(s, s_t)
+        assert torch.equal(y_rms, addnorm.rms_norm(x.unsqueeze(0), n, w, backend="triton"))
+        torch.testing.assert_close(y_rms[0].double(), TF.rms_norm(x.double(), (n,), w.double()), rtol=0, atol=2e-2)
+        addnorm.add_layer_norm(x.requires_grad_(), r, n, w, b)
+        assert len(ran) == 2
+    finally:
+        backends.unregister("triton_auto")
 
 
 def test_bf16_results_are_rounded_to_nearest_even():
@@ -450,7 +518,8 @@ def test_kernels_compile_for_sm90():
     (a loop-carried variable that changes type, say): compile them for an H100 (sm_90; no GPU
     needed). The sum of the gradients' partial rows (float32, float64, and float32 sums stored as
     bfloat16 parameters' gradients) and x1's dropout (forward and gradient) once;
-    the others at a width that takes the
+    the others (a plain call's forward, writing neither the stream nor the statistics, among
+    them) at a width that takes the
     fused forward and backward and, with the sublayer branch or a second norm, the chunked
     backward and its coefficient kernel; and at one that takes every chunked path (the forward's
     third variance pass included)."""
@@ -458,7 +527,7 @@ def test_kernels_compile_for_sm90():
     out = subprocess.run([sys.executable, str(script), "8192", "20000"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert sum("regs=" in line for line in lines) == 40 + 3 + 2, out.stdout  # + partials, x1's dropout
+    assert sum("regs=" in line for line in lines) == 44 + 3 + 2, out.stdout  # + partials, x1's dropout
     # the chunked backward (with its coefficient kernel): the branch's and the parallel block's at
     # 8192, every one at 20000
     assert sum("bwd" in line and "coef:" in line for line in lines) == 4 + 8, out.stdout

@@ -5,15 +5,18 @@ the kernel: :func:`addnorm.ops.add_norm` checks every argument and option and pi
 the backend's ``forward`` sorts through options the call does not use (docs/benchmarks.md,
 "Per-call cost at small sizes"). A call with none of them is recognized here in one expression and
 handed to the ``plain_forward`` of the backend ``"auto"`` runs on its device, where the backend
-has one (:mod:`addnorm.backend`; the cpu backend's takes calls small enough for one thread).
+has one (:mod:`addnorm.backend`): the cpu backend's takes calls small enough for one thread, the
+triton backend's (on CUDA tensors) launches the forward kernel writing neither statistics nor an
+unreturned stream, with less Python around the launch, which bounds a small call on a GPU.
 
-A plain call: ``backend="auto"``; plain tensors (:data:`addnorm.checks.PLAIN`) on the CPU, all of
-one supported dtype, strided; ``x`` ending with ``normalized_shape``, one dim of more than two
-features; ``residual`` of ``x``'s shape (or None, not pre-norm); ``weight`` and ``bias`` of
-``(N,)`` or None; ``eps`` a float the checks accept; ``prenorm`` a bool; no sublayer branch,
-parallel block, ``residual_dtype`` or buffer (the caller's part); no gradient to record; eager mode
-(no ``torch.compile``, export, trace, ``torch.func`` transform, forward-mode AD, Python dispatch
-mode or ``__torch_function__`` mode, which would see the general route's torch calls). Such a call
+A plain call: ``backend="auto"``; plain tensors (:data:`addnorm.checks.PLAIN`) on the CPU or all
+on one CUDA device, all of one supported dtype, strided; ``x`` ending with ``normalized_shape``,
+one dim of more than two features; ``residual`` of ``x``'s shape (or None, not pre-norm);
+``weight`` and ``bias`` of ``(N,)`` or None; ``eps`` a float the checks accept; ``prenorm`` a
+bool; no sublayer branch, parallel block, ``residual_dtype`` or buffer (the caller's part); no
+gradient to record; eager mode (no ``torch.compile``, export, trace, ``torch.func`` transform,
+forward-mode AD, Python dispatch mode or ``__torch_function__`` mode, which would see the general
+route's torch calls). Such a call
 is one :func:`addnorm.ops.add_norm` would check, route to the backend's ``forward`` with nothing
 saved and return as it is: the same kernel, the same bits. Anything else, and every call the
 backend declines, takes that general route, which checks and reports what it must.
@@ -48,8 +51,14 @@ def eager_mode() -> bool:
     return not _dispatch_modes()  # (asked only in eager mode: while compiling it breaks the graph)
 
 
-def _plain(t: Tensor, dtype: torch.dtype) -> bool:
-    return type(t) in PLAIN and t.dtype is dtype and t.is_cpu and t.layout is _STRIDED
+def _plain(t: Tensor, dtype: torch.dtype, device: torch.device | None) -> bool:
+    """``t`` a plain strided tensor of ``dtype`` on ``device`` (None: the CPU)."""
+    return (
+        type(t) in PLAIN
+        and t.dtype is dtype
+        and (t.is_cpu if device is None else t.device == device)
+        and t.layout is _STRIDED
+    )
 
 
 def forward(
@@ -70,19 +79,20 @@ def forward(
     grad = _grad_enabled()
     if grad and x.requires_grad:  # (a training call, the commonest: declined before the checks below)
         return None
-    dtype = x.dtype
+    dtype, cpu = x.dtype, x.is_cpu
+    device = None if cpu else x.device  # (x.device costs more than the rest of a CPU call)
     if not (
         2 < n
         and dtype in _DTYPES
-        and x.is_cpu
+        and (cpu or x.is_cuda)
         and x.layout is _STRIDED
         and not x.is_nested
         and x.dim() > 0
         and x.shape[-1] == n
         and 0.0 <= eps <= _FLOAT32_MAX
-        and (residual is None and not prenorm or _plain(residual, dtype) and residual.shape == x.shape)
-        and (weight is None or _plain(weight, dtype) and weight.dim() == 1 and weight.shape[0] == n)
-        and (bias is None or _plain(bias, dtype) and bias.dim() == 1 and bias.shape[0] == n)
+        and (residual is None and not prenorm or _plain(residual, dtype, device) and residual.shape == x.shape)
+        and (weight is None or _plain(weight, dtype, device) and weight.dim() == 1 and weight.shape[0] == n)
+        and (bias is None or _plain(bias, dtype, device) and bias.dim() == 1 and bias.shape[0] == n)
     ):
         return None
     if grad and (
@@ -91,7 +101,7 @@ def forward(
         or (bias is not None and bias.requires_grad)
     ):
         return None
-    run = backends.auto_plain_forward("cpu")
+    run = backends.auto_plain_forward("cpu" if cpu else "cuda")
     if run is None:
         return None
     result = run(x, residual, weight, bias, eps, rms, prenorm)

@@ -1,7 +1,8 @@
 """Triton kernels for every addnorm op: the contract of :mod:`addnorm.reference` on GPU rows.
 
 The backend contract the registry reads (:mod:`addnorm.backend`): :data:`CAPABILITIES`,
-:func:`unavailable_reason`, :func:`forward` and :func:`backward`. The package holds:
+:func:`unavailable_reason`, :func:`forward` and :func:`backward`, and the optional
+:func:`plain_forward`. The package holds:
 
 - :mod:`.forward_kernels`: the forward kernel (fused and chunked rows) and its launcher;
 - :mod:`.backward_kernels`: the coefficient, backward and partial-sum kernels and their launcher;
@@ -29,9 +30,9 @@ from torch import Tensor
 from ...backend import Capabilities
 from .backward_kernels import backward
 from .common import _INTERPRETED
-from .forward_kernels import forward
+from .forward_kernels import forward, plain_forward
 
-__all__ = ["CAPABILITIES", "backward", "forward", "unavailable_reason"]
+__all__ = ["CAPABILITIES", "backward", "forward", "plain_forward", "unavailable_reason"]
 
 
 # CUDA tensors; CPU tensors only through Triton's interpreter (how CI runs these kernels)

@@ -137,17 +137,23 @@ FAST_LAUNCH = True
 _COMPILED: dict = {}  # specialization key -> (compiled kernel, the constexprs in parameter order)
 
 
-def _spec(a) -> object:
-    """What Triton specializes a kernel on for argument ``a`` (or finer): a tensor's dtype and
+def _specs(args: tuple) -> tuple:
+    """What Triton specializes a kernel on for each of ``args`` (or finer): a tensor's dtype and
     whether its address is 16-byte aligned; an int's value being 1, its divisibility by 16 and
-    its width; a float's type; None."""
-    if isinstance(a, Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool) or a is None:
-        return a
-    if isinstance(a, int):
-        return a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a < 2**63
-    return type(a)
+    its width; a float's type; None and bools themselves. (One loop: a launch's key is built on
+    every call, and a function call per argument cost twice as much.)"""
+    out = []
+    add = out.append
+    for a in args:
+        if a is None or a.__class__ is bool:
+            add(a)
+        elif isinstance(a, Tensor):
+            add((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):
+            add((a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a < 2**63))
+        else:
+            add(type(a))
+    return tuple(out)
 
 
 def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> None:
@@ -156,15 +162,12 @@ def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> No
     next launch of it calls the compiled kernel directly: Triton's own launcher binds, specializes
     and hashes every argument in Python on each call, several times the cost of the launch
     itself, and a call of a few rows is bound by it (docs/performance-log.md, "On an NVIDIA H200: the
-    direct launcher"). The key holds everything Triton's specialization reads (:func:`_spec`) and
+    direct launcher"). The key holds everything Triton's specialization reads (:func:`_specs`) and
     the settings its own key holds (:func:`_settings`), so a launch reuses only the kernel Triton
     itself would have picked. Hooks (a profiler's, a kernel's pre-run hooks) and Triton before
     3.4 (no ``triton.knobs``) take Triton's path."""
     x = args[0]
-    settings = _settings(kernel) if FAST_LAUNCH and x.is_cuda else None
-    key = None
-    if settings is not None:
-        key = (kernel, x.device.index, num_warps, settings, *constexprs.items(), *map(_spec, args))
+    key = _key(kernel, args, num_warps, constexprs) if FAST_LAUNCH and x.is_cuda else None
     hit = None if key is None else _COMPILED.get(key)
     if hit is None:  # Triton's own launcher (which compiles the specialization if it has not)
         compiled = kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
@@ -178,6 +181,15 @@ def launch(kernel, grid: tuple, args: tuple, num_warps: int, **constexprs) -> No
     compiled.run(
         grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail
     )
+
+
+def _key(kernel, args: tuple, num_warps: int, constexprs: dict) -> tuple | None:
+    """The key of a launch's compiled kernel in :data:`_COMPILED` (:func:`launch`), or None where
+    Triton's own launcher must run it (:func:`_settings`)."""
+    settings = _settings(kernel)
+    if settings is None:
+        return None
+    return (kernel, args[0].device.index, num_warps, settings, *constexprs.items(), *_specs(args))
 
 
 def _settings(kernel) -> tuple | None:
@@ -240,7 +252,7 @@ def _constant(n: int, dtype: torch.dtype, device: torch.device, value: float) ->
         if len(_CONSTANTS) >= _MAX_CONSTANTS:
             _CONSTANTS.pop(next(iter(_CONSTANTS)))  # the oldest
         _CONSTANTS[key] = kept
-    return kept[:n]
+    return kept if size == n else kept[:n]
 
 
 def _capturing(device: torch.device) -> bool:

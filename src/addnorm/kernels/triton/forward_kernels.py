@@ -58,7 +58,7 @@ def _rsqrt(v):
 def _load_stream(
     X,
     R,
-    S,
+    SD: tl.constexpr,
     rows,
     cols,
     mask,
@@ -82,7 +82,7 @@ def _load_stream(
     ADDED: tl.constexpr,
     DROPPED1: tl.constexpr,
 ):
-    """``s = x + residual`` rounded to the stream dtype (``S``'s), returned in ``CD``; with
+    """``s = x + residual`` rounded to the stream dtype ``SD``, returned in ``CD``; with
     ``BRANCH``, ``x`` goes through :func:`_branch` first. With ``ADDED`` the residual is first
     ``residual + dropout1(x1)`` (parallel blocks' ``x1``, with ``DROPPED1`` through its dropout),
     summed in ``CD`` and rounded to the stream dtype: the bits of the separate pass
@@ -92,15 +92,15 @@ def _load_stream(
         r = _load_tile(R, rows, cols, sr, mask).to(CD)
         if ADDED:  # x1 rounded to the stream dtype first (exact when it widens), as x1.to(sd)
             a = _load_tile(X1, rows, cols, sx1, mask)
-            if X1.dtype.element_ty != S.dtype.element_ty:
-                a = _round(a, S.dtype.element_ty)
+            if X1.dtype.element_ty != SD:
+                a = _round(a, SD)
             a = a.to(CD)
             if DROPPED1:
                 a = a * _gate(rows, cols, SEED1, SCALE1, threshold1, CD)
-            r = _round(r + a, S.dtype.element_ty).to(CD)
+            r = _round(r + a, SD).to(CD)
         if BRANCH:
             x = _branch(x, rows, cols, M, N, SEED, SCALE, LS, RSC, threshold, CD)[0]
-        x = _round(x + r, S.dtype.element_ty).to(CD)
+        x = _round(x + r, SD).to(CD)
     return x
 
 
@@ -117,7 +117,7 @@ def _load_param(P, cols, N, CD: tl.constexpr, HAS: tl.constexpr):
 def _stream_chunk_k(
     X,
     R,
-    S,
+    SD: tl.constexpr,
     rows,
     start,
     cols,
@@ -147,16 +147,16 @@ def _stream_chunk_k(
     ccols = start + cols
     mask = (rows < M)[:, None] & (ccols < N)[None, :]
     s = _load_stream(
-        X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+        X, R, SD, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
         X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
     )  # fmt: skip
     return s * k[:, None], mask
 
 
 @triton.jit
-def _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL: tl.constexpr):
-    """Write the stream ``s`` of one tile (with a residual; nothing without)."""
-    if HAS_RESIDUAL:  # s holds values of S's dtype already: the cast is exact
+def _store_stream(s, S, rows, cols, mask, N, WRITE_STREAM: tl.constexpr):
+    """Write the stream ``s`` of one tile (with ``WRITE_STREAM``; nothing without)."""
+    if WRITE_STREAM:  # s holds values of S's dtype already: the cast is exact
         tl.store(S + rows[:, None] * N + cols[None, :], s.to(S.dtype.element_ty), mask=mask)
 
 
@@ -210,13 +210,21 @@ def _forward_kernel(
     HAS_BIAS1: tl.constexpr,
     ADDED: tl.constexpr,
     DROPPED1: tl.constexpr,
+    WRITE_STREAM: tl.constexpr,
+    WRITE_STATS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``y`` (``s``, the statistics) of a tile of rows; with ``SECOND`` also ``y1`` from the same
     ``xhat`` with ``W1``/``B1`` (a second norm of the same stream: parallel blocks); with
-    ``ADDED``, parallel blocks' ``x1`` added to the residual as it is read (:func:`_load_stream`)."""
-    CD: tl.constexpr = RSTD.dtype.element_ty
+    ``ADDED``, parallel blocks' ``x1`` added to the residual as it is read (:func:`_load_stream`).
+    ``s`` is written with ``WRITE_STREAM`` (then in ``S``'s dtype; else the stream is in ``y``'s),
+    the statistics with ``WRITE_STATS``."""
+    CD: tl.constexpr = EPS.dtype.element_ty  # the statistics dtype (eps is passed in it)
+    if WRITE_STREAM:
+        SD: tl.constexpr = S.dtype.element_ty
+    else:
+        SD: tl.constexpr = Y.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols = tl.arange(0, BLOCK_N)
@@ -225,12 +233,12 @@ def _forward_kernel(
     if not CHUNKED:  # the whole row is in registers: every pass is over registers
         mask = row_ok[:, None] & (cols < N)[None, :]
         s = _load_stream(
-            X, R, S, rows, cols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+            X, R, SD, rows, cols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
             X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
         )  # fmt: skip
         w = _load_param(W, cols, N, CD, HAS_WEIGHT)  # issued now: latency hidden by the reductions
         b = _load_param(B, cols, N, CD, HAS_BIAS)
-        _store_stream(s, S, rows, cols, mask, N, HAS_RESIDUAL)  # now: s need not stay live
+        _store_stream(s, S, rows, cols, mask, N, WRITE_STREAM)  # now: s need not stay live
         k = _row_scale(tl.max(tl.abs(s), axis=1))
         sk = s * k[:, None]
         c = sk
@@ -250,10 +258,10 @@ def _forward_kernel(
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
             s = _load_stream(
-                X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+                X, R, SD, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
                 X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
             )  # fmt: skip
-            _store_stream(s, S, rows, ccols, mask, N, HAS_RESIDUAL)
+            _store_stream(s, S, rows, ccols, mask, N, WRITE_STREAM)
             amax = tl.maximum(amax, tl.max(tl.abs(s), axis=1))
             k_new = _row_scale(amax)
             if not IS_RMS:
@@ -263,7 +271,7 @@ def _forward_kernel(
         m2 = tl.zeros([BLOCK_M], dtype=CD)
         for start in range(0, N, BLOCK_N):
             c, mask = _stream_chunk_k(
-                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+                X, R, SD, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
                 X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
             )  # fmt: skip
             if not IS_RMS:
@@ -280,7 +288,7 @@ def _forward_kernel(
         m3 = tl.zeros([BLOCK_M], dtype=CD)
         for start in range(0, N * tl.max(redo.to(tl.int32), axis=0), BLOCK_N):
             c, mask = _stream_chunk_k(
-                X, R, S, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+                X, R, SD, rows, start, cols, k, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
                 X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
             )  # fmt: skip
             c = tl.where(mask, (c - mean_k[:, None]) - corr[:, None], 0.0)
@@ -289,9 +297,10 @@ def _forward_kernel(
     eps = tl.load(EPS)  # (in CD: a float argument is fp32)
     rstd_k = _rsqrt(var_k + eps * k * k)  # = rstd / k
     rstd_k = tl.where(var_k == 0, _rsqrt(var_k + eps) / k, rstd_k)  # a constant row: reference.forward_rows
-    if not IS_RMS:
-        tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
-    tl.store(RSTD + rows, rstd_k * k, mask=row_ok)
+    if WRITE_STATS:
+        if not IS_RMS:
+            tl.store(MEAN + rows, (mean_k + corr) / k, mask=row_ok)
+        tl.store(RSTD + rows, rstd_k * k, mask=row_ok)
     if not CHUNKED:
         xhat = _xhat(_centre(sk, mask, mean_k, IS_RMS), corr, rstd_k, IS_RMS)
         _store_y(xhat, w, b, Y, rows, cols, mask, N, HAS_WEIGHT, HAS_BIAS)
@@ -303,7 +312,7 @@ def _forward_kernel(
             ccols = start + cols
             mask = row_ok[:, None] & (ccols < N)[None, :]
             sk = _load_stream(
-                X, R, S, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
+                X, R, SD, rows, ccols, mask, sx, sr, M, N, SEED, SCALE, LS, RSC, threshold,
                 X1, sx1, SEED1, SCALE1, threshold1, CD, HAS_RESIDUAL, BRANCH, ADDED, DROPPED1,
             ) * k[:, None]  # fmt: skip
             w = _load_param(W, ccols, N, CD, HAS_WEIGHT)
@@ -315,7 +324,9 @@ def _forward_kernel(
                 _store_y(xhat, w1, b1, Y1, rows, ccols, mask, N, True, HAS_BIAS1)
 
 
-# --------------------------------------------------------------------------- launcher
+# --------------------------------------------------------------------------- launchers
+
+_NO_X1 = (None, 0, None, None, 0)  # (X1, sx1, SEED1, SCALE1, threshold1) without parallel blocks' x1
 
 
 def forward(
@@ -327,7 +338,7 @@ def forward(
     eps: float,
     rms: bool,
     residual_dtype: torch.dtype | None,
-    write_stream: bool = True,  # s and the statistics are always written here
+    write_stream: bool = True,
     write_stats: bool = True,
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
@@ -336,10 +347,12 @@ def forward(
     x1=None,
 ) -> tuple:
     """:func:`addnorm.kernels.torch.forward`, fused: one read of the inputs, one write of the
-    outputs. ``second``: ``(weight1, bias1)`` of a second norm of the same stream (parallel
-    blocks), whose ``y1`` the same kernel writes and which is returned fifth. ``x1``: an
-    :class:`~addnorm.backend.X1` (parallel blocks), added to each row of ``residual`` (which must
-    be given) as it is read."""
+    outputs. ``s`` is written when ``write_stream`` or ``residual_out`` asks for it, and whenever
+    its dtype is not ``y``'s (the kernel takes the stream's dtype from ``S``, else from ``Y``);
+    the statistics when ``write_stats``. ``second``: ``(weight1, bias1)`` of a second norm of the
+    same stream (parallel blocks), whose ``y1`` the same kernel writes and which is returned
+    fifth. ``x1``: an :class:`~addnorm.backend.X1` (parallel blocks), added to each row of
+    ``residual`` (which must be given) as it is read."""
     shape, n = x.shape, x.shape[-1]
     y_dtype = x.dtype
     sd = reference.stream_dtype(x, residual, residual_dtype)
@@ -349,7 +362,7 @@ def forward(
     residual = _rows(residual.reshape(-1, n)) if residual is not None else None
     m = x.shape[0]
     cd = reference.stats_dtype(sd)
-    x1_args, dropped1 = (None, 0, None, None, 0), False
+    x1_args, dropped1 = _NO_X1, False
     if x1 is not None:  # in its own dtype: the kernel rounds it to the stream dtype as it reads it
         x1, p1, seed1 = x1
         if residual is None or x1.shape != shape:
@@ -358,14 +371,48 @@ def forward(
         x1_args, dropped1 = (x1, x1.stride(0), *_dropout_args(p1, seed1, cd, x.device)), p1 > 0
     y = out if out is not None else torch.empty(shape, dtype=y_dtype, device=x.device)
     s = None
-    if residual is not None:
+    if residual is not None and (write_stream or residual_out is not None or sd != y_dtype):
         s = residual_out if residual_out is not None else torch.empty(shape, dtype=sd, device=x.device)
-    mean = None if rms else torch.empty((m,), dtype=cd, device=x.device)
-    rstd = torch.empty((m,), dtype=cd, device=x.device)
+    mean = None if rms or not write_stats else torch.empty((m,), dtype=cd, device=x.device)
+    rstd = None if not write_stats else torch.empty((m,), dtype=cd, device=x.device)
     y1 = None if second is None else torch.empty(shape, dtype=y_dtype, device=x.device)
     outputs = (y, s, mean, rstd) if second is None else (y, s, mean, rstd, y1)
-    if m == 0:
-        return outputs
+    if m:
+        branch_args = _branch_args(branch, m, n, cd, x.device)
+        second_args = (None, None, None) if second is None else (_rows(second[0]), _rows(second[1]), y1)
+        flags = dict(BRANCH=branch is not None, SECOND=second is not None, ADDED=x1 is not None, DROPPED1=dropped1)
+        flags["HAS_BIAS1"] = second is not None and second[1] is not None
+        _launch(x, residual, weight, bias, y, s, mean, rstd, eps, cd, rms, branch_args, second_args, x1_args, flags)
+    return outputs
+
+
+_CONTIGUOUS = torch.contiguous_format
+_PLAIN_FLAGS = dict(BRANCH=False, SECOND=False, ADDED=False, DROPPED1=False, HAS_BIAS1=False)
+_PLAIN_ARGS = _branch_args(None, 0, 0, None, None), (None, None, None), _NO_X1
+
+
+def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
+    """:func:`forward` of the call a decode step makes (the optional ``plain_forward`` of the
+    backend contract, :mod:`addnorm.backend`): ``x``, ``residual`` (or None), ``weight`` and
+    ``bias`` (or None) of one dtype; no statistics, buffers, branch or parallel block. Returns
+    ``(y, s)`` (``s`` None unless ``write_stream`` with a residual): the launch :func:`forward`
+    makes for the call, with less Python around it (on a GPU a call of a few rows is bound by
+    the host: docs/benchmarks.md, "GPU: where it stands")."""
+    y = torch.empty_like(x, memory_format=_CONTIGUOUS)  # (the fewest Python steps to a new tensor)
+    s = torch.empty_like(x, memory_format=_CONTIGUOUS) if write_stream and residual is not None else None
+    if y.numel():
+        n, dtype = x.shape[-1], x.dtype
+        x = _rows(x if x.dim() == 2 else x.reshape(-1, n))
+        residual = None if residual is None else _rows(residual if residual.dim() == 2 else residual.reshape(-1, n))
+        cd = torch.float64 if dtype is torch.float64 else torch.float32  # reference.stats_dtype
+        _launch(x, residual, weight, bias, y, s, None, None, eps, cd, rms, *_PLAIN_ARGS, _PLAIN_FLAGS)
+    return y, s
+
+
+def _launch(x, residual, weight, bias, y, s, mean, rstd, eps, cd, rms, branch_args, second_args, x1_args, flags):
+    """One launch of :func:`_forward_kernel` over the rows of ``x`` (``residual``'s rows of its
+    shape): writes ``y``, and ``s``, ``mean``, ``rstd`` where given."""
+    m, n = x.shape
     block_m, block_n, num_warps, chunked = config.plan("forward", n, x.device, x.element_size())
     with _device(x):
         launch(
@@ -385,8 +432,8 @@ def forward(
                 x.stride(0),
                 residual.stride(0) if residual is not None else 0,
                 _constant(1, cd, x.device, eps),
-                *_branch_args(branch, m, n, cd, x.device),
-                *((None, None, None) if second is None else (_rows(second[0]), _rows(second[1]), y1)),
+                *branch_args,
+                *second_args,
                 *x1_args,
             ),
             num_warps=num_warps,
@@ -395,12 +442,9 @@ def forward(
             HAS_BIAS=bias is not None,
             IS_RMS=rms,
             CHUNKED=chunked,
-            BRANCH=branch is not None,
-            SECOND=second is not None,
-            HAS_BIAS1=second is not None and second[1] is not None,
-            ADDED=x1 is not None,
-            DROPPED1=dropped1,
+            **flags,
+            WRITE_STREAM=s is not None,
+            WRITE_STATS=rstd is not None,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
         )
-    return outputs

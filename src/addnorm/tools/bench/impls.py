@@ -4,6 +4,7 @@ backends, and Liger, Apex and flash-attn when installed. Each is ``f(x, residual
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -122,19 +123,29 @@ def make_impl(name: str, op: str, device: str) -> Callable:
 def traffic(name: str, device: str, dtype: torch.dtype) -> dict[str, bool]:
     """How implementation ``name`` runs a post-norm call of ``dtype``, as
     :func:`~.measure.bytes_moved`'s keywords: ``recomputes_stream`` as its backend declares it
-    for ``dtype``; ``writes_unused`` for every backend but those that recompute the stream of
-    some dtype, which are the ones that write only what the call returns or saves
-    (``write_stream``, ``write_stats``: the ``cpu`` kernels); for
-    ``torch.compile``, whose graph writes only what it returns or saves; and for everything
-    else, which adds then normalizes as torch does (``s`` and the statistics written; an unfused
-    add's second read of ``s`` is not counted)."""
+    for ``dtype``; ``writes_unused`` where its backend's forward writes the stream or the
+    statistics it is not asked for (``write_stream``, ``write_stats``: the ``reference``
+    backend; the ``cpu`` and ``triton`` kernels write only what the call returns or saves), as
+    one small call shows; for ``torch.compile``, whose graph writes only what it returns or
+    saves, not; and for everything else, which adds then normalizes as torch does (``s`` and the
+    statistics written; an unfused add's second read of ``s`` is not counted)."""
     if name == "torch-compile":
         return {"recomputes_stream": False, "writes_unused": False}
     if not name.startswith("addnorm"):
         return {"recomputes_stream": False, "writes_unused": True}
     backend = name.removeprefix("addnorm-") if name != "addnorm" else backends.auto_name(torch.empty(0, device=device))
     recomputes = backends.load(backend).CAPABILITIES.recomputes_stream
-    return {"recomputes_stream": dtype in recomputes, "writes_unused": not recomputes}
+    return {"recomputes_stream": dtype in recomputes, "writes_unused": _writes_unused(backend, device, dtype)}
+
+
+@functools.cache
+def _writes_unused(backend: str, device: str, dtype: torch.dtype) -> bool:
+    """Whether ``backend``'s forward writes the stream or the statistics when asked for neither:
+    one call on two rows of 16 features."""
+    x = torch.zeros(2, 16, dtype=dtype, device=device)
+    kw = dict(eps=1e-5, rms=False, residual_dtype=None, write_stream=False, write_stats=False)
+    _, s, mean, rstd = backends.load(backend).forward(x, x, None, None, **kw)
+    return s is not None or mean is not None or rstd is not None
 
 
 def out_variant(name: str, op: str, fn: Callable, x, r, w, b) -> Callable | None:
