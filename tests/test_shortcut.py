@@ -217,3 +217,26 @@ def test_the_kernel_entry_is_asked_for_by_name(taken, monkeypatch):
     with torch.no_grad():
         addnorm.rms_norm(torch.randn(3, 16), 16)
     assert taken == [True] and asked == [False]
+
+
+@pytest.mark.parametrize("default", ["cpu", "meta"])
+def test_a_default_device_keeps_the_shortcut(taken, default):
+    """``torch.set_default_device`` and ``with torch.device(...)`` install a ``__torch_function__``
+    mode that only gives a device to factory calls naming none: plain calls keep the shortcut,
+    with the general route's bits, their results on the inputs' device (a "meta" default would
+    catch a factory call on the route that names no device)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x, r, w = (torch.randn(*s, generator=g, device="cpu") for s in ((4, 64), (4, 64), (64,)))
+    previous = torch.get_default_device()
+    with torch.no_grad():
+        want = addnorm.add_layer_norm(x, r, 64, w, prenorm=True, backend="cpu")  # (never the shortcut)
+        with torch.device(default):
+            in_context = addnorm.add_layer_norm(x, r, 64, w, prenorm=True)
+        torch.set_default_device(default)
+        try:
+            by_default = addnorm.add_layer_norm(x, r, 64, w, prenorm=True)
+        finally:
+            torch.set_default_device(previous)
+    assert taken == [True, True]
+    for got in (in_context, by_default):
+        assert all(a.device.type == "cpu" and torch.equal(a, b) for a, b in zip(got, want, strict=True))

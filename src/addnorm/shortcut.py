@@ -16,7 +16,7 @@ one dim of more than two features; ``residual`` of ``x``'s shape (or None, not p
 bool; no sublayer branch, parallel block, ``residual_dtype`` or buffer (the caller's part); no
 gradient to record; eager mode (no ``torch.compile``, export, trace, ``torch.func`` transform,
 forward-mode AD, Python dispatch mode or ``__torch_function__`` mode, which would see the general
-route's torch calls). Such a call
+route's torch calls; a default device's mode, ``torch.set_default_device``, may be on). Such a call
 is one :func:`addnorm.ops.add_norm` would check, route to the backend's ``forward`` with nothing
 saved and return as it is: the same kernel, the same bits. Anything else, and every call the
 backend declines, takes that general route, which checks and reports what it must.
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils._device import DeviceContext as _DeviceContext
 
 from . import backend as backends
 from .autograd import transformed
@@ -39,6 +40,7 @@ _is_compiling, _is_exporting = torch.compiler.is_compiling, torch.compiler.is_ex
 _tracing_state = torch._C._get_tracing_state
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
+_function_mode_count, _function_mode_at = torch._C._len_torch_function_stack, torch._C._get_function_stack_at
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -49,6 +51,13 @@ def eager_mode() -> bool:
     if _is_compiling() or _is_exporting() or _tracing_state() is not None or transformed():
         return False
     return not _dispatch_modes()  # (asked only in eager mode: while compiling it breaks the graph)
+
+
+def _device_modes_only() -> bool:
+    """Whether every ``__torch_function__`` mode on is a default device's (``torch.set_default_device``,
+    ``with torch.device(...)``): one gives a device to the factory calls that name none, and every
+    call on this route names one, so it would see the general route's calls to no effect."""
+    return all(type(_function_mode_at(i)) is _DeviceContext for i in range(_function_mode_count()))
 
 
 def _plain(t: Tensor, dtype: torch.dtype, device: torch.device | None) -> bool:
@@ -67,7 +76,7 @@ def forward(
 ) -> Tensor | tuple[Tensor, Tensor] | None:  # fmt: skip
     """``y`` (``(y, s)`` with ``prenorm``) of a plain call (module docstring), or None: the call
     takes the general route."""
-    if not eager_mode() or _function_modes():  # (first: nothing below is traced, no traced size compared)
+    if not eager_mode() or (_function_modes() and not _device_modes_only()):  # (first: nothing below is traced)
         return None  # (a __torch_function__ mode sees the general route's torch calls: it takes that)
     n = normalized_shape
     if type(n) is not int:
