@@ -277,6 +277,19 @@ def test_fx_symbolic_trace_records_each_norm_as_one_node():
     torch.testing.assert_close(got, oracle, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm", "AddNorm"])
+def test_a_graph_module_rooted_at_a_module_pickles(module):
+    """A GraphModule traced from one of addnorm's modules (as from torch's) pickles and loads,
+    with the module's outputs: torch.fx writes forward's annotations into its code."""
+    import pickle
+
+    model = getattr(addnorm, module)(16)
+    graph_module = pickle.loads(pickle.dumps(torch.fx.symbolic_trace(model)))
+    x, r = torch.randn(4, 16), torch.randn(4, 16)
+    args = (x, r) if module == "AddNorm" else (x,)
+    assert torch.equal(graph_module(*args), model(*args))
+
+
 def test_fx_traces_a_patched_hugging_face_norm_as_the_models_own():
     """A norm class patch() made for a model (Llama's, Gemma's) traces as the model's own forward,
     which computes the same."""

@@ -7,8 +7,8 @@ torch checkpoint loads with ``strict=True`` and code that initialises "every
 ``nn.LayerNorm``" keeps working. Only ``forward`` differs: it runs addnorm's ops.
 """
 
-from __future__ import annotations
-
+# (no `from __future__ import annotations`: torch.fx copies forward's annotations into the code of
+# a GraphModule rooted at one of these modules, which then pickles only if they are types)
 from collections.abc import Sequence
 
 import torch
