@@ -154,7 +154,7 @@ def _stream_not_recomputed(dy, dstream, s_parts, *args, **kwargs):  # takes (x, 
     [
         ({"forward": _two_d_only}, (), r"calls as addnorm makes them: raised ValueError"),
         ({"forward": _fixed_eps}, (), r"strided, eps=0.1, residual_dtype=None: forward y"),
-        ({"forward": _stream_in_x_dtype}, (), r"residual_dtype=torch.float32: forward s = x \+ residual in"),
+        ({"forward": _stream_in_x_dtype}, (), r"residual_dtype=torch.float32: forward s = x.to\(torch.float32\)"),
         ({"forward": _contiguous_strides}, (), r"\(2, 3, 64\) strided, .*: forward y"),
         ({"forward": _stats_in_float64}, (), r"strided, .*: mean is torch.float64"),
         ({"backward": _ds_in_float32}, (), r"bfloat16 normal 37x256 layer: backward ds is torch.float32, expected"),

@@ -428,6 +428,25 @@ def test_a_forward_writing_less_gives_the_same_bits(monkeypatch, path, rms, dtyp
         assert torch.equal(got_s, s) if write_stream else got_s is None
 
 
+@pytest.mark.parametrize("into", ["residual", "x"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stream_written_into_an_input_on_the_chunked_path(chunked, into, dtype):
+    """``residual_out=`` one of the inputs (an input may be its own buffer): the chunked forward
+    reads its inputs again after writing the stream, so it writes a buffer of its own and copies
+    it into ``residual_out`` after: ``y`` and ``s`` as with a buffer apart (the fused path reads
+    each row once, before it writes)."""
+    m, n = 4, 600  # three chunks of 256
+    x, r = rows_of(m, n, dtype), rows_of(m, n, dtype, seed=1, offset=5.0)
+    w = rows_of(1, n, dtype, seed=2)[0]
+    want = addnorm.add_layer_norm(x, r, n, w, prenorm=True, backend="triton")
+    inputs = {"x": x.clone(), "residual": r.clone()}
+    y, s = addnorm.add_layer_norm(
+        inputs["x"], inputs["residual"], n, w, prenorm=True, backend="triton", residual_out=inputs[into]
+    )
+    assert s is inputs[into]
+    assert torch.equal(y, want[0]) and torch.equal(s, want[1])
+
+
 def test_plain_calls_take_the_triton_backends_plain_forward(monkeypatch):
     """Where "auto" runs the triton backend (CUDA tensors; here, registered for the test's
     device), a plain call without gradients goes to its ``plain_forward``, with the bits of

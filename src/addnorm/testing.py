@@ -199,48 +199,56 @@ def _forward_backward(f, impl, dtype, kind, m, n, rms, residual, device, g):
 def _calls_as_addnorm_makes_them(f, impl, dtype, device, g):
     """What addnorm's calls hand a backend besides contiguous 2-D rows at eps 1e-5: leading dims
     of any number, any strides (a transposed activation, a gradient expanded over the rows),
-    another eps, a stream dtype of its own (``residual_dtype=float32`` under 16-bit inputs), and,
-    for a stream dtype it ``recomputes_stream`` for, post-norm's saved ``(x, residual)``: each
-    result against the oracle, in its dtype and shape."""
+    another eps, a stream dtype of its own (``residual_dtype=float32`` under 16-bit inputs, and
+    ``bfloat16`` under wider ones, whose inputs are each rounded to it before they are added),
+    and, for a stream dtype it ``recomputes_stream`` for, post-norm's saved ``(x, residual)``:
+    each result against the oracle, in its dtype and shape."""
     n, eps = 64, 0.1  # rows of variance about 0.01: eps weighs
-    sd = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    residual_dtype = None if sd is dtype else sd
-    cd = reference.stats_dtype(sd)
+    widest = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     strided = lambda: (torch.randn(n, 6, generator=g) * 0.1).to(dtype).to(device).t().unflatten(0, (2, 3))  # noqa: E731
     x, r, dstream = strided(), strided(), strided()
     dy = torch.randn(n, generator=g).to(dtype).to(device).expand(2, 3, n)  # stride 0 over the rows
-    for rms in (False, True):
-        w, b = _param(n, dtype, g, device), None if rms else _param(n, dtype, g, device, shift=-1)
-        case = f"{dtype} {'rms' if rms else 'layer'} (2, 3, {n}) strided, eps={eps}, residual_dtype={residual_dtype}"
-        y, s, mean, rstd = impl.forward(x, r, w, b, eps=eps, rms=rms, residual_dtype=residual_dtype)
-        stream = reference.stream(x, r, residual_dtype)
-        oy, omean, orstd, (gs, gw, gb) = _oracle(stream.reshape(-1, n), w, b, dy.reshape(-1, n), None, eps, rms)
-        f.check(y.shape == x.shape and y.dtype == dtype, f"{case}: y is {y.dtype} {tuple(y.shape)}")
-        f.close(y.reshape(-1, n), oy, f"{case}: forward y", dtype)
-        f.same_bits(s, stream, f"{case}: forward s = x + residual in {sd}")
-        for got, want, what in ((mean, omean, "mean"), (rstd, orstd, "rstd")):
-            if want is not None and got is not None:
-                f.check(got.dtype == cd and got.shape == (6,), f"{case}: {what} is {got.dtype} {tuple(got.shape)}")
-                f.close(got, want, f"{case}: {what}", cd, scale=1 / float(orstd.min()) if what == "mean" else 1.0)
-        saved = [(s,)]
-        if sd in impl.CAPABILITIES.recomputes_stream and residual_dtype is None:
-            saved.append((x, r))
-        for parts in saved:
-            grads = impl.backward(dy, None, parts, w, mean, rstd, rms=rms, has_bias=b is not None)
-            what = f"{case}: backward from {'(x, residual)' if len(parts) == 2 else '(s,)'}"
-            ok = grads.ds.shape == x.shape and grads.ds.dtype == sd
-            f.check(ok, f"{what}: ds is {grads.ds.dtype} {tuple(grads.ds.shape)}, expected {sd} {tuple(x.shape)}")
-            f.close(grads.ds.reshape(-1, n), gs, f"{what}: ds", sd)
-            for got, want, name in ((grads.dweight, gw, "dweight"), (grads.dbias, gb, "dbias")):
-                f.check(
-                    got is None or got.dtype == cd, f"{what}: {name} is {getattr(got, 'dtype', None)}, expected {cd}"
-                )
-                f.close(got, want, f"{what}: {name}", cd, scale=math.sqrt(6))
-    # a stream gradient (pre-norm) that is strided too
-    y, s, mean, rstd = impl.forward(x, r, w, b, eps=eps, rms=True, residual_dtype=residual_dtype)
-    _, _, _, (gs, _, _) = _oracle(s.reshape(-1, n), w, None, dy.reshape(-1, n), dstream.reshape(-1, n), eps, True)
-    grads = impl.backward(dy, dstream, (s,), w, mean, rstd, rms=True, has_bias=False)
-    f.close(grads.ds.reshape(-1, n), gs, f"{dtype} rms strided: backward ds with a strided dstream", sd)
+    narrower = (torch.bfloat16,) if dtype is torch.float32 else ()  # (16-bit inputs: a stream of float32)
+    for sd in (widest, *narrower):
+        residual_dtype = None if sd is dtype else sd
+        cd = reference.stats_dtype(sd)
+        for rms in (False, True):
+            w, b = _param(n, dtype, g, device), None if rms else _param(n, dtype, g, device, shift=-1)
+            case = (
+                f"{dtype} {'rms' if rms else 'layer'} (2, 3, {n}) strided, eps={eps}, residual_dtype={residual_dtype}"
+            )
+            y, s, mean, rstd = impl.forward(x, r, w, b, eps=eps, rms=rms, residual_dtype=residual_dtype)
+            stream = reference.stream(x, r, residual_dtype)
+            oy, omean, orstd, (gs, gw, gb) = _oracle(stream.reshape(-1, n), w, b, dy.reshape(-1, n), None, eps, rms)
+            f.check(y.shape == x.shape and y.dtype == dtype, f"{case}: y is {y.dtype} {tuple(y.shape)}")
+            f.close(y.reshape(-1, n), oy, f"{case}: forward y", dtype)
+            f.same_bits(s, stream, f"{case}: forward s = x.to({sd}) + residual.to({sd})")
+            for got, want, what in ((mean, omean, "mean"), (rstd, orstd, "rstd")):
+                if want is not None and got is not None:
+                    f.check(got.dtype == cd and got.shape == (6,), f"{case}: {what} is {got.dtype} {tuple(got.shape)}")
+                    f.close(got, want, f"{case}: {what}", cd, scale=1 / float(orstd.min()) if what == "mean" else 1.0)
+            saved = [(s,)]
+            if sd in impl.CAPABILITIES.recomputes_stream and residual_dtype is None:
+                saved.append((x, r))
+            for parts in saved:
+                grads = impl.backward(dy, None, parts, w, mean, rstd, rms=rms, has_bias=b is not None)
+                what = f"{case}: backward from {'(x, residual)' if len(parts) == 2 else '(s,)'}"
+                ok = grads.ds.shape == x.shape and grads.ds.dtype == sd
+                f.check(ok, f"{what}: ds is {grads.ds.dtype} {tuple(grads.ds.shape)}, expected {sd} {tuple(x.shape)}")
+                f.close(grads.ds.reshape(-1, n), gs, f"{what}: ds", sd)
+                for got, want, name in ((grads.dweight, gw, "dweight"), (grads.dbias, gb, "dbias")):
+                    f.check(
+                        got is None or got.dtype == cd,
+                        f"{what}: {name} is {getattr(got, 'dtype', None)}, expected {cd}",
+                    )
+                    f.close(got, want, f"{what}: {name}", cd, scale=math.sqrt(6))
+        # a stream gradient (pre-norm) that is strided too
+        y, s, mean, rstd = impl.forward(x, r, w, b, eps=eps, rms=True, residual_dtype=residual_dtype)
+        _, _, _, (gs, _, _) = _oracle(s.reshape(-1, n), w, None, dy.reshape(-1, n), dstream.reshape(-1, n), eps, True)
+        grads = impl.backward(dy, dstream, (s,), w, mean, rstd, rms=True, has_bias=False)
+        f.close(
+            grads.ds.reshape(-1, n), gs, f"{dtype} rms strided, stream {sd}: backward ds with a strided dstream", sd
+        )
 
 
 def _batch_invariance(f, impl, dtype, device, g):

@@ -82,14 +82,21 @@ def _load_stream(
     ADDED: tl.constexpr,
     DROPPED1: tl.constexpr,
 ):
-    """``s = x + residual`` rounded to the stream dtype ``SD``, returned in ``CD``; with
+    """``s = x + residual`` rounded to the stream dtype ``SD`` (each of them rounded to it first, as
+    ``x.to(sd) + residual.to(sd)``), returned in ``CD``; with
     ``BRANCH``, ``x`` goes through :func:`_branch` first. With ``ADDED`` the residual is first
     ``residual + dropout1(x1)`` (parallel blocks' ``x1``, with ``DROPPED1`` through its dropout),
     summed in ``CD`` and rounded to the stream dtype: the bits of the separate pass
     (:mod:`.dropped_kernels`)."""
-    x = _load_tile(X, rows, cols, sx, mask).to(CD)
+    x = _load_tile(X, rows, cols, sx, mask)
+    if X.dtype.element_ty != SD:  # each input rounded to the stream dtype first (exact when it widens)
+        x = _round(x, SD)
+    x = x.to(CD)
     if HAS_RESIDUAL:
-        r = _load_tile(R, rows, cols, sr, mask).to(CD)
+        r = _load_tile(R, rows, cols, sr, mask)
+        if R.dtype.element_ty != SD:
+            r = _round(r, SD)
+        r = r.to(CD)
         if ADDED:  # x1 rounded to the stream dtype first (exact when it widens), as x1.to(sd)
             a = _load_tile(X1, rows, cols, sx1, mask)
             if X1.dtype.element_ty != SD:
@@ -370,20 +377,35 @@ def forward(
         x1 = _rows(x1.reshape(-1, n))
         x1_args, dropped1 = (x1, x1.stride(0), *_dropout_args(p1, seed1, cd, x.device)), p1 > 0
     y = out if out is not None else torch.empty(shape, dtype=y_dtype, device=x.device)
-    s = None
+    s = into = None
     if residual is not None and (write_stream or residual_out is not None or sd != y_dtype):
         s = residual_out if residual_out is not None else torch.empty(shape, dtype=sd, device=x.device)
+        if residual_out is not None and _reads_again(n, x) and _shares_storage(residual_out, x, residual, x1):
+            into, s = residual_out, torch.empty(shape, dtype=sd, device=x.device)  # copied into it after
     mean = None if rms or not write_stats else torch.empty((m,), dtype=cd, device=x.device)
     rstd = None if not write_stats else torch.empty((m,), dtype=cd, device=x.device)
     y1 = None if second is None else torch.empty(shape, dtype=y_dtype, device=x.device)
-    outputs = (y, s, mean, rstd) if second is None else (y, s, mean, rstd, y1)
     if m:
         branch_args = _branch_args(branch, m, n, cd, x.device)
         second_args = (None, None, None) if second is None else (_rows(second[0]), _rows(second[1]), y1)
         flags = dict(BRANCH=branch is not None, SECOND=second is not None, ADDED=x1 is not None, DROPPED1=dropped1)
         flags["HAS_BIAS1"] = second is not None and second[1] is not None
         _launch(x, residual, weight, bias, y, s, mean, rstd, eps, cd, rms, branch_args, second_args, x1_args, flags)
-    return outputs
+    if into is not None:
+        s = into.copy_(s)
+    return (y, s, mean, rstd) if second is None else (y, s, mean, rstd, y1)
+
+
+def _reads_again(n: int, x: Tensor) -> bool:
+    """Whether the forward reads the inputs of rows of ``n`` features again after writing their
+    stream: the chunked path, whose later passes read ``x`` and ``residual`` (and ``x1``) again."""
+    return config.plan("forward", n, x.device, x.element_size()).chunked
+
+
+def _shares_storage(t: Tensor, *others: Tensor | None) -> bool:
+    """Whether ``t`` lies in the memory of one of ``others`` (the same storage: conservatively)."""
+    ptr = t.untyped_storage().data_ptr()
+    return any(o is not None and o.untyped_storage().data_ptr() == ptr for o in others)
 
 
 _CONTIGUOUS = torch.contiguous_format
