@@ -256,7 +256,12 @@ def _constant(n: int, dtype: torch.dtype, device: torch.device, value: float) ->
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    """Whether ``device``'s current stream is capturing a CUDA graph (asked on that device: the
+    current device may be another)."""
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _make_constant(size: int, dtype: torch.dtype, device: torch.device, value: float, stream) -> Tensor:
