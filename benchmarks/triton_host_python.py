@@ -13,7 +13,8 @@ allocation is cheaper than a CUDA tensor's, so the GPU's host cost is more than 
 Routes (``add_layer_norm`` post-norm, no gradients): ``backend="triton"`` (the general route);
 ``backend="auto"`` with the triton backend as the CPU's "auto" (the shortcut to its
 ``plain_forward``, where the tree has one); the backend's ``forward`` and ``plain_forward``
-called directly. Run it against another tree with ``PYTHONPATH=<tree>/src`` to compare.
+called directly. Then a training step's forward and backward (``torch.autograd.grad``) with
+``backend="triton"``. Run it against another tree with ``PYTHONPATH=<tree>/src`` to compare.
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ def _launch_found(kernel, grid, args, num_warps, **constexprs) -> None:
 
 @contextlib.contextmanager
 def launches_stopped():
-    """Within: every forward launch stops once its compiled kernel is found (the kernel never runs)."""
-    real = K.forward_kernels.launch
-    K.forward_kernels.launch = _launch_found
+    """Within: every launch of the forward's and the backward's kernels stops once its compiled
+    kernel is found (the kernel never runs: what it would write is left as allocated)."""
+    modules = (K.forward_kernels, K.backward_kernels)
+    real = [module.launch for module in modules]
+    for module in modules:
+        module.launch = _launch_found
     try:
         yield
     finally:
-        K.forward_kernels.launch = real
+        for module, launch in zip(modules, real, strict=True):
+            module.launch = launch
 
 
 @contextlib.contextmanager
@@ -67,8 +72,8 @@ def triton_as_auto():
 
 
 def calls(m: int, n: int, dtype: torch.dtype) -> dict[str, Callable]:
-    """The timed calls by name, on rows of ``m x n`` (post-norm ``add_layer_norm``, no gradients):
-    each returns ``y``. The ``backend='auto'`` call needs :func:`triton_as_auto`."""
+    """The timed calls by name, on rows of ``m x n`` (post-norm ``add_layer_norm`` on inputs that
+    need no gradient): each returns ``y``. The ``backend='auto'`` call needs :func:`triton_as_auto`."""
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(m, n, generator=g).to(dtype) for _ in range(2))
     w, b = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
@@ -81,6 +86,23 @@ def calls(m: int, n: int, dtype: torch.dtype) -> dict[str, Callable]:
         runs["add_layer_norm, backend='auto'"] = lambda: addnorm.add_layer_norm(x, r, n, w, b)
         runs["backend plain_forward"] = lambda: K.plain_forward(x, r, w, b, 1e-5, False, False)[0]
     return runs
+
+
+def training_call(m: int, n: int, dtype: torch.dtype) -> Callable:
+    """A training step's call, ``backend="triton"`` (what "auto" runs on CUDA tensors): the forward
+    of post-norm ``add_layer_norm`` on inputs that require gradients, and their gradients through
+    ``torch.autograd.grad``; returns ``(y, grads)``."""
+    g = torch.Generator().manual_seed(0)
+    leaves = [
+        t.to(dtype).requires_grad_() for t in (torch.randn(*s, generator=g) for s in ((m, n), (m, n), (n,), (n,)))
+    ]
+    dy = torch.randn(m, n, generator=g).to(dtype)
+
+    def step():
+        y = addnorm.add_layer_norm(leaves[0], leaves[1], n, *leaves[2:], backend="triton")
+        return y.detach(), torch.autograd.grad(y, leaves, dy)
+
+    return step
 
 
 def main() -> None:
@@ -101,9 +123,10 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"{machine_name('cpu')}, torch {torch.__version__}, 1 thread, {m}x{n} {args.dtype}")
     print(f"addnorm from {os.path.dirname(addnorm.__file__)}")
-    with launches_stopped(), triton_as_auto(), torch.no_grad():
+    with launches_stopped(), triton_as_auto():
         addnorm.layer_norm(torch.zeros(1, n, dtype=dtype), n)  # ("auto" chooses its backend on its first call)
-        for name, call in calls(m, n, dtype).items():
+        runs = {**calls(m, n, dtype), "fwd+bwd, backend='triton'": training_call(m, n, dtype)}
+        for name, call in runs.items():
             call()
             best = min(timeit.repeat(call, number=2000, repeat=args.rounds)) / 2000
             print(f"  {name:36s} {best * 1e6:7.2f} µs per call")

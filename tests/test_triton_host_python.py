@@ -50,18 +50,36 @@ def test_every_timed_call_computes_the_same_y(monkeypatch):
     torch.testing.assert_close(first.double(), want, rtol=0, atol=3e-2)
 
 
+def test_the_training_call_gives_torch_s_gradients(on_cpu):
+    m, n = 3, 40
+    y, grads = host.training_call(m, n, torch.float32)()
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(*s, generator=g).double().requires_grad_() for s in ((m, n), (m, n), (n,), (n,))]
+    dy = torch.randn(m, n, generator=g).double()
+    want = TF.layer_norm(leaves[0] + leaves[1], (n,), leaves[2], leaves[3])
+    torch.testing.assert_close(y.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(grads, torch.autograd.grad(want, leaves, dy), strict=True):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_stopped_launches_reach_the_launch_key(on_cpu, monkeypatch):
+    """Every launch of the timed calls, training's backward kernels included, stops at its key:
+    no kernel runs."""
+    from addnorm.kernels.triton import backward_kernels
+
     keys = []
     real = host.common._key
     monkeypatch.setattr(host.common, "_key", lambda *a: keys.append(a[0]) or real(*a))
     ran = []
-    monkeypatch.setattr(host.K.forward_kernels._forward_kernel, "run", lambda *a, **k: ran.append(1))
-    with host.launches_stopped(), torch.no_grad():
-        for call in host.calls(2, 16, torch.float32).values():
+    kernels = (host.K.forward_kernels._forward_kernel, backward_kernels._backward_kernel)
+    kernels += (backward_kernels._sum_partials_kernel,)
+    for kernel in kernels:
+        monkeypatch.setattr(kernel, "run", lambda *a, **k: ran.append(1))
+    with host.launches_stopped():
+        for call in (*host.calls(2, 16, torch.float32).values(), host.training_call(2, 16, torch.float32)):
             call()
-    assert keys and all(k is host.K.forward_kernels._forward_kernel for k in keys)
-    assert not ran
-    assert host.K.forward_kernels.launch is host.common.launch  # (put back)
+    assert set(keys) == set(kernels) and not ran
+    assert host.K.forward_kernels.launch is backward_kernels.launch is host.common.launch  # (put back)
 
 
 @pytest.mark.parametrize("argv", [["--shape", "8by768"], ["--shape", "0x768"], ["--rounds", "0"]])
