@@ -149,7 +149,7 @@ def bytes_moved(
     ``s`` from them (a backend with ``Capabilities.recomputes_stream``, such as ``cpu``): the
     forward writes no ``s``, the backward reads two tensors for it; ``fwd+bwd`` moves the same
     bytes either way. ``writes_unused``: every forward writes ``s`` and the statistics, used or
-    not (the ``triton`` and ``reference`` backends, and torch's add then norm). ``writes_stream``:
+    not (the ``reference`` backend, and torch's add then norm). ``writes_stream``:
     the call fills a ``residual_out`` buffer (``--out-buffers``).
 
     Left out: the 8-byte dropout seed, and what a kernel keeps in its own buffers (per-thread
