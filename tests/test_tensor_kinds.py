@@ -290,6 +290,25 @@ def test_a_graph_module_rooted_at_a_module_pickles(module):
     assert torch.equal(graph_module(*args), model(*args))
 
 
+def test_a_graph_module_rooted_at_a_patched_norm_pickles():
+    """A Hugging Face norm class patched by addnorm (Llama's RMSNorm, its forward addnorm's) as
+    the root of a GraphModule: it pickles and loads, with the traced graph's outputs (the model's
+    own formula, which a patched norm runs while torch.fx traces it)."""
+    import pickle
+
+    transformers = pytest.importorskip("transformers")
+    norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    addnorm.patch(norm)
+    assert type(norm).__module__.startswith("addnorm")
+    traced = torch.fx.symbolic_trace(norm)
+    loaded = pickle.loads(pickle.dumps(traced))
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded(x), traced(x))
+    torch.testing.assert_close(loaded(x), TF.rms_norm(x, (16,), norm.weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
 def test_fx_traces_a_patched_hugging_face_norm_as_the_models_own():
     """A norm class patch() made for a model (Llama's, Gemma's) traces as the model's own forward,
     which computes the same."""

@@ -31,8 +31,9 @@ that changes either in between (a hook, a clamp, a dtype cast, an edit of the we
 compute as usual.
 """
 
-from __future__ import annotations
-
+# (no `from __future__ import annotations`: a patched norm's forward is defined here, and torch.fx
+# copies its annotations into the code of a GraphModule rooted at it, which pickles only if they
+# are types)
 import inspect
 import weakref
 
