@@ -194,7 +194,7 @@ def forward(
         if residual is None or x1.shape != x.shape:
             raise ValueError(f"x1 is added to the residual: it needs one, and x's shape {tuple(x.shape)}")
         x1 = contiguous_rows(x1)
-    cd = torch.float64 if sd is torch.float64 else torch.float32
+    cd = reference.stats_dtype(sd)
     x = contiguous_rows(x)
     m = x.numel() // n if n else 0
     direct = sd is y_dtype  # else y is computed in the statistics dtype, then cast once

@@ -426,7 +426,7 @@ def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
         n, dtype = x.shape[-1], x.dtype
         x = _rows(x if x.dim() == 2 else x.reshape(-1, n))
         residual = None if residual is None else _rows(residual if residual.dim() == 2 else residual.reshape(-1, n))
-        cd = torch.float64 if dtype is torch.float64 else torch.float32  # reference.stats_dtype
+        cd = reference.stats_dtype(dtype)
         _launch(x, residual, weight, bias, y, s, None, None, eps, cd, rms, *_PLAIN_ARGS, _PLAIN_FLAGS)
     return y, s
 
