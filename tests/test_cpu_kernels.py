@@ -754,3 +754,59 @@ def test_post_norm_training_gives_the_same_bits_whether_the_stream_is_saved_or_r
     same_dtype = norm_grads(s, w, b, dy)
     for ours, k in ((recomputed[0], 0), (recomputed[1], 1), (recomputed[3], 2)):
         assert_matches_oracle(ours, oracle[k], same_dtype[k], scale=m if k == 2 else 1.0)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor the kernels cannot read as it is (every other element)."""
+    return torch.stack([t, t], -1)[..., 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("rows", [1, 85, 86])  # 85 x 768 the last one-thread call, 86 x 768 past it
+def test_calls_of_one_block_in_fewer_steps_give_the_bits_of_the_full_path(monkeypatch, dtype, rows):
+    """forward and backward take a call of one block with no option, whose tensors the kernel
+    reads as they are, in fewer steps (``_plain``, ``_plain_backward``): the same call with every
+    tensor strided takes the full path, with the same bits, for LayerNorm and RMSNorm, with and
+    without a residual, weight, bias and stream gradient, the stream saved or recomputed, and
+    dweight/dbias in each dtype backward returns them in."""
+    n = 768
+    taken = {"forward": 0, "backward": 0}
+    for name, direction in (("_plain", "forward"), ("_plain_backward", "backward")):
+        original = getattr(cpu, name)
+
+        def counting(*args, _original=original, _direction=direction):
+            result = _original(*args)
+            taken[_direction] += result is not None
+            return result
+
+        monkeypatch.setattr(cpu, name, counting)
+    g = torch.Generator().manual_seed(rows)
+    x, r, dy, dstream = ((torch.randn(rows, n, generator=g) * 3 + 50).to(dtype) for _ in range(4))
+    w, b = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+    calls = 0
+    for rms in (False, True):
+        for residual, weight, bias in ((r, w, b), (None, w, None), (r, None, None)):
+            kw = dict(eps=1e-5, rms=rms, residual_dtype=None, write_stream=residual is not None)
+            fast = cpu.forward(x, residual, weight, bias, **kw)
+            full = cpu.forward(*(None if t is None else _strided(t) for t in (x, residual, weight, bias)), **kw)
+            for ours, theirs in zip(fast, full, strict=True):
+                assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+            _, s, mean, rstd = fast
+            cd = rstd.dtype
+            for parts in ((x,),) if residual is None else ((s,), (x, residual)):
+                for d in (None, dstream):
+                    for param_dtype in {None, dtype, cd}:
+                        args = (mean, rstd)
+                        kw = dict(rms=rms, has_bias=bias is not None, param_dtype=param_dtype)
+                        fast = cpu.backward(dy, d, parts, weight, *args, **kw)
+                        strided = [None if t is None else _strided(t) for t in (dy, d, weight)]
+                        full = cpu.backward(
+                            strided[0], strided[1], tuple(map(_strided, parts)), strided[2], *args, **kw
+                        )
+                        calls += 1
+                        for ours, theirs in zip(fast, full, strict=True):
+                            assert (ours is None and theirs is None) or (
+                                ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+                            )
+    one_block = rows * n < cpu.config.SETTINGS.parallel_min_elements
+    assert taken == ({"forward": 6, "backward": calls} if one_block else {"forward": 0, "backward": 0})

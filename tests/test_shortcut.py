@@ -1,5 +1,6 @@
 """The shortest route (addnorm.shortcut): plain calls without gradients go straight to the cpu
-backend's plain_forward, with the bits of the general route; every other call takes that route."""
+backend's plain_forward, plain calls that take gradients straight to the training Function, each
+with the bits of the general route; every other call takes that route."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as TF
 
 import addnorm
 from addnorm import backend as backends
+from addnorm import shortcut
 from addnorm.kernels import cpu
 from addnorm.kernels.cpu import config
 
@@ -32,6 +34,20 @@ def taken(monkeypatch):
     monkeypatch.setattr(cpu, "plain_forward", counting)
     addnorm.layer_norm(torch.randn(2, 8), 8)  # "auto" has chosen its cpu backend
     ran.clear()
+    return ran
+
+
+@pytest.fixture
+def trained(monkeypatch):
+    """The training calls the shortcut handed to the training Function, counted."""
+    ran = []
+    original = shortcut._training
+
+    def counting(*args):
+        ran.append(True)
+        return original(*args)
+
+    monkeypatch.setattr(shortcut, "_training", counting)
     return ran
 
 
@@ -90,6 +106,75 @@ def test_plain_calls_take_the_shortcut_with_the_general_routes_bits(taken, dtype
         assert torch.equal(got[1], s)
 
 
+GRADS = {"all": (0, 1, 2, 3), "x": (0,), "weight": (2,), "residual and bias": (1, 3)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op, prenorm", CALLS)
+@pytest.mark.parametrize("shape", [(8, 768), (2, 3, 100), (5, 3)])
+@pytest.mark.parametrize("wanted", GRADS)
+def test_training_calls_take_the_shortcut_with_the_general_routes_bits(trained, dtype, op, prenorm, shape, wanted):
+    """A plain call that takes gradients goes straight to the training Function: its outputs and
+    every gradient (of y, and of s with pre-norm) the bits of the general route, whichever inputs
+    require grad."""
+    g = torch.Generator().manual_seed(sum(shape) + len(wanted))
+    n = shape[-1]
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 4 + 300).to(dtype)
+    residual = torch.randn(shape, generator=g).to(dtype) if op.startswith("add") else None
+    weight = torch.randn(n, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype) if "layer" in op else None
+    dy, ds = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    results = []
+    for kw in ({}, {"backend": "cpu"}):  # the shortcut, then the general route (never the shortcut)
+        inputs = [None if t is None else t.clone() for t in (x, residual, weight, bias)]
+        leaves = [inputs[i] for i in GRADS[wanted] if inputs[i] is not None]
+        for t in leaves:
+            t.requires_grad_()
+        out = _call(op, *inputs[:2], n, *inputs[2:], prenorm, **kw)
+        out = out if prenorm else (out,)
+        grads = torch.autograd.grad(out, leaves, (dy, ds)[: len(out)]) if leaves else ()
+        results.append((out, grads))
+    assert trained == ([True] if leaves else [])  # (none of the inputs there: a call without gradients)
+    (got, got_grads), (general, general_grads) = results
+    for ours, theirs in zip((*got, *got_grads), (*general, *general_grads), strict=True):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+
+
+def test_training_on_the_shortcut_differentiates_twice_as_the_general_route(trained):
+    """``create_graph=True`` through a call on the shortcut: the second derivative is the general
+    route's, and matches torch's own norm's in float64."""
+    g = torch.Generator().manual_seed(5)
+    x, r, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((3, 16), (3, 16), (16,), (16,)))
+    results = []
+    for kw in ({}, {"backend": "cpu"}, None):
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        if kw is None:  # torch's own ops
+            y = TF.layer_norm(leaves[0] + leaves[1], (16,), leaves[2], leaves[3])
+        else:
+            y = addnorm.add_layer_norm(*leaves[:2], 16, *leaves[2:], **kw)
+        (dx,) = torch.autograd.grad((y * y.sin()).sum(), leaves[0], create_graph=True)
+        results.append(torch.autograd.grad(dx.pow(2).sum(), leaves))
+    assert trained == [True]
+    for ours, general, torchs in zip(*results, strict=True):
+        assert torch.equal(ours, general)
+        torch.testing.assert_close(ours, torchs)
+
+
+def test_an_unused_output_on_the_shortcut_gives_the_general_routes_gradients(trained):
+    """Pre-norm with only the stream used: no gradient for the weight and bias (None), as the
+    general route and torch's norms give."""
+    x, r, w, b = (torch.randn(*s) for s in ((4, 32), (4, 32), (32,), (32,)))
+    results = []
+    for kw in ({}, {"backend": "cpu"}):
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        _, s = addnorm.add_layer_norm(*leaves[:2], 32, *leaves[2:], prenorm=True, **kw)
+        results.append(torch.autograd.grad(s.sum(), leaves, allow_unused=True))
+    assert trained == [True]
+    for ours, theirs in zip(*results, strict=True):
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+    assert results[0][2] is None and results[0][3] is None
+
+
 def test_module_calls_in_inference_take_the_shortcut(taken):
     norm, add = addnorm.LayerNorm(64), addnorm.AddNorm(64, norm="rms", prenorm=True)
     x, r = torch.randn(3, 64), torch.randn(3, 64)
@@ -102,11 +187,11 @@ def test_module_calls_in_inference_take_the_shortcut(taken):
     torch.testing.assert_close(z, TF.rms_norm(x + r, (64,), add.norm.weight, torch.finfo(torch.float32).eps))
 
 
-def test_calls_with_gradients_or_options_take_the_general_route(taken):
+def test_calls_with_options_take_the_general_route(taken, trained):
     x, r, w, b = torch.randn(4, 32), torch.randn(4, 32), torch.randn(32), torch.randn(32)
     leaf = w.clone().requires_grad_()
-    y = addnorm.add_layer_norm(x, r, 32, leaf, b)  # a gradient to record
-    assert y.grad_fn is not None
+    y = addnorm.add_layer_norm(x, r, 32, leaf, b, dropout_p=0.1)  # a gradient to record, and an option
+    assert y.grad_fn is not None and trained == []
     with torch.no_grad():
         addnorm.add_layer_norm(x, r, 32, w, b, residual_dtype=torch.float64)
         addnorm.add_layer_norm(x, r, 32, w, b, dropout_p=0.1)
@@ -189,7 +274,7 @@ def test_a_backend_reexporting_the_cpu_backend_runs_its_own_forward(monkeypatch)
 
 def test_a_torch_function_mode_sees_the_general_routes_calls(taken):
     """A ``__torch_function__`` mode sees the torch functions a call makes: under one, calls take
-    the general route (whose stream dtype a mode may change through ``torch.promote_types``)."""
+    the general route (its checks, ``check_inputs``, among what the mode sees)."""
     from torch.overrides import TorchFunctionMode
 
     class Seen(TorchFunctionMode):
@@ -204,7 +289,7 @@ def test_a_torch_function_mode_sees_the_general_routes_calls(taken):
     x, r = torch.randn(2, 8), torch.randn(2, 8)
     with torch.no_grad(), Seen() as mode:
         y, s = addnorm.add_layer_norm(x, r, 8, prenorm=True)
-    assert taken == [] and "promote_types" in mode.seen
+    assert taken == [] and "dim" in mode.seen
     torch.testing.assert_close(s, x + r, rtol=0, atol=0)
     torch.testing.assert_close(y, TF.layer_norm(x + r, (8,)))
 

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.utils._device import DeviceContext as _DeviceContext
 
 from . import backend as backends
-from .autograd import transformed
+from .autograd import eager_apply, op_args, transformed
 from .checks import PLAIN, SUPPORTED_DTYPES
 
 _DTYPES = frozenset(SUPPORTED_DTYPES)
@@ -85,9 +85,6 @@ def forward(
         n = n[0]
     if type(x) not in PLAIN or type(eps) is not float or type(prenorm) is not bool:
         return None
-    grad = _grad_enabled()
-    if grad and x.requires_grad:  # (a training call, the commonest: declined before the checks below)
-        return None
     dtype, cpu = x.dtype, x.is_cpu
     device = None if cpu else x.device  # (x.device costs more than the rest of a CPU call)
     if not (
@@ -104,12 +101,13 @@ def forward(
         and (bias is None or _plain(bias, dtype, device) and bias.dim() == 1 and bias.shape[0] == n)
     ):
         return None
-    if grad and (
-        (residual is not None and residual.requires_grad)
+    if _grad_enabled() and (
+        x.requires_grad
+        or (residual is not None and residual.requires_grad)
         or (weight is not None and weight.requires_grad)
         or (bias is not None and bias.requires_grad)
     ):
-        return None
+        return _training(x, residual, weight, bias, eps, rms, prenorm)
     run = backends.auto_plain_forward("cpu" if cpu else "cuda")
     if run is None:
         return None
@@ -117,3 +115,13 @@ def forward(
     if result is None:
         return None
     return result if prenorm else result[0]
+
+
+def _training(x: Tensor, residual: Tensor | None, weight, bias, eps: float, rms: bool, prenorm: bool):
+    """A plain call that takes a gradient: :class:`~addnorm.autograd.EagerAddNorm` straight away,
+    as the general route's training route calls it for these arguments."""
+    a = op_args((x, residual, weight, bias, eps, rms, None, "auto", prenorm, 0.0, None, None, None))
+    y = eager_apply(a, x, weight, bias) if residual is None else eager_apply(a, x, weight, bias, residual)
+    if prenorm:
+        return y
+    return y[0] if type(y) is tuple else y

@@ -137,6 +137,34 @@ def _forward_slots(x, residual, w, b, y, s, mean, rstd, m, n, block_rows, rms, e
     )
 
 
+def _backward_slots(
+    dy, dst, s, residual, w, mean, rstd, ds, dw, db, dx, dls, m, n, block_rows, blocks, dstream, rms, second
+) -> tuple[int, ...]:  # fmt: skip
+    """The backward entry's arguments, in ``entry.BackwardSlot`` order: ``residual``, ``dw``,
+    ``db``, ``dx`` and ``dls`` None where there are none, ``second`` its slots (``_NO_SECOND_GRAD``)."""
+    return (
+        dy.data_ptr(),
+        dst.data_ptr(),
+        s.data_ptr(),
+        0 if residual is None else residual.data_ptr(),
+        w.data_ptr(),
+        (rstd if rms else mean).data_ptr(),
+        rstd.data_ptr(),
+        ds.data_ptr(),
+        0 if dw is None else dw.data_ptr(),
+        0 if db is None else db.data_ptr(),
+        0 if dx is None else dx.data_ptr(),
+        0 if dls is None else dls.data_ptr(),
+        m,
+        n,
+        block_rows,
+        blocks,
+        dstream is not None,
+        rms,
+        *second,
+    )
+
+
 def thread_plan(rows: int) -> tuple[int, int]:
     """``(threads, block_rows)`` of a forward of ``parallel_min_elements`` or more (smaller ones
     run as one block on the calling thread): torch's thread count, ``blocks_per_thread`` blocks
@@ -180,6 +208,17 @@ def forward(
     norm of the same stream (parallel blocks), whose output ``y1`` is written by the same loop
     and returned fifth. ``x1``: an :class:`~addnorm.backend.X1` (parallel blocks), added to each
     row of ``residual`` (which must be given) as it is read."""
+    if branch is None and second is None and x1 is None and out is None and residual_out is None:
+        dtype = x.dtype
+        if (
+            residual_dtype is None
+            and (residual is None or residual.dtype is dtype)
+            and (weight is None or weight.dtype is dtype)
+            and (bias is None or bias.dtype is dtype)
+        ):
+            plain = _plain(x, residual, weight, bias, eps, rms, write_stream, write_stats)
+            if plain is not None:
+                return plain
     n = x.shape[-1]
     y_dtype = sd = x.dtype
     if residual is not None:
@@ -253,6 +292,13 @@ def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
     these: a tensor :func:`forward` would copy first, work for more than one thread, or outputs
     large enough to stream or to ask for huge pages. The kernel entry and its arguments are
     :func:`forward`'s for the same call, so the bits are too."""
+    result = _plain(x, residual, weight, bias, eps, rms, write_stream, False)
+    return None if result is None else result[:2]
+
+
+def _plain(x, residual, weight, bias, eps, rms, write_stream, write_stats):
+    """``(y, s, mean, rstd)`` of a call :func:`plain_forward` takes (``residual``, ``weight`` and
+    ``bias`` of x's dtype where given), with the statistics when ``write_stats``; else None."""
     n = x.shape[-1]
     m = x.numel() // n if n else 0
     settings = config.SETTINGS
@@ -272,11 +318,16 @@ def plain_forward(x, residual, weight, bias, eps, rms, write_stream):
     dtype = x.dtype
     y = torch.empty_like(x)
     s = torch.empty_like(x) if write_s else None
+    mean = rstd = None
+    if write_stats:
+        cd = reference.stats_dtype(dtype)
+        mean = None if rms else torch.empty(m, dtype=cd, device="cpu")
+        rstd = torch.empty(m, dtype=cd, device="cpu")
     w = constant_row(n, dtype, 1.0) if weight is None else weight
     b = constant_row(n, dtype, 0.0) if bias is None else bias
-    args = _forward_slots(x, residual, w, b, y, s, None, None, m, n, m, rms, eps, _NO_SECOND, _NO_X1)
+    args = _forward_slots(x, residual, w, b, y, s, mean, rstd, m, n, m, rms, eps, _NO_SECOND, _NO_X1)
     run_on_threads(forward_entry(dtype, dtype, dtype, streamed=False), 1, args, NO_BRANCH)  # (by name, as forward)
-    return y, s
+    return y, s, mean, rstd
 
 
 def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=None, param_dtype=None, second=None):
@@ -285,6 +336,10 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
     ``second``: ``(dy1, weight1, has_bias1)`` of a second norm of the same stream (parallel
     blocks): ``g = dy * weight + dy1 * weight1`` in the same passes, and ``dweight1``/``dbias1``
     in the returned :class:`Grads`."""
+    if branch is None and second is None:
+        plain = _plain_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, param_dtype)
+        if plain is not None:
+            return plain
     check_s_parts(s_parts, branch)
     s, residual = s_parts if len(s_parts) == 2 else (s_parts[0], None)
     sd = s_parts[-1].dtype  # the stream dtype (with a branch, residual's)
@@ -335,26 +390,26 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
             w1 = param_row(weight1, n, pd, 1.0)  # held: the kernel reads it
             second_args = (dy1.data_ptr(), w1.data_ptr(), dw1.data_ptr(), 0 if db1 is None else db1.data_ptr())
         branch_slots, held = branch_args(branch, m, n, cd) if branch is not None else (NO_BRANCH, ())
-        args = (  # in entry.BackwardSlot order
-            dy.data_ptr(),
-            dst.data_ptr(),
-            s.data_ptr(),
-            0 if residual is None else residual.data_ptr(),
-            w.data_ptr(),
-            (rstd if rms else mean).data_ptr(),
-            rstd.data_ptr(),
-            ds.data_ptr(),
-            0 if dw is None else dw.data_ptr(),
-            0 if db is None else db.data_ptr(),
-            0 if dx is None else dx.data_ptr(),
-            0 if dls is None else dls.data_ptr(),
+        args = _backward_slots(
+            dy,
+            dst,
+            s,
+            residual,
+            w,
+            mean,
+            rstd,
+            ds,
+            dw,
+            db,
+            dx,
+            dls,
             m,
             n,
             block_rows,
             blocks,
-            dstream is not None,
+            dstream,
             rms,
-            *second_args,
+            second_args,
         )
         # ds straight to memory; through a branch, whose loops read ds back, dx. The bytes the
         # call moves: dy, s, ds, and residual, dstream and dx where there are
@@ -377,3 +432,41 @@ def backward(dy, dstream, s_parts, weight, mean, rstd, *, rms, has_bias, branch=
     if branch is None or branch.layer_scale is None:
         dls = None
     return Grads(ds, dw, db, dx, dls, dw1, db1)
+
+
+def _plain_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, param_dtype) -> Grads | None:
+    """:func:`backward` without a branch or a second norm, in as few steps as it takes, for a
+    call of one block (one thread) whose tensors the kernel reads as they are, all of the stream
+    dtype (``param_dtype`` None, it or the statistics dtype); else None. The kernel entry and its
+    arguments are :func:`backward`'s for the same call, so the bits are too."""
+    s = s_parts[0]
+    sd, cd = s.dtype, rstd.dtype
+    residual = s_parts[1] if len(s_parts) == 2 else None
+    n = s.shape[-1] if s.dim() else 0
+    m = s.numel() // n if n else 0
+    if not (
+        m
+        and m * n < config.SETTINGS.parallel_min_elements
+        and len(s_parts) <= 2
+        and dy.dtype is sd
+        and (param_dtype is None or param_dtype is sd or param_dtype is cd)
+        and (residual is None or residual.dtype is sd and residual.shape == s.shape and kernel_ready(residual))
+        and (dstream is None or dstream.dtype is sd and kernel_ready(dstream))
+        and (weight is None or weight.dtype is sd and kernel_ready(weight))
+        and kernel_ready(s)
+        and kernel_ready(dy)
+    ):
+        return None
+    od = cd if param_dtype is None else param_dtype  # (as backward picks it)
+    ds = torch.empty_like(s)
+    dw = torch.empty(n, dtype=od, device="cpu") if weight is not None else None
+    db = torch.empty(n, dtype=od, device="cpu") if has_bias else None
+    w = constant_row(n, sd, 1.0) if weight is None else weight
+    dst = s if dstream is None else dstream
+    args = _backward_slots(
+        dy, dst, s, residual, w, mean, rstd, ds, dw, db, None, None, m, n, m, 1, dstream, rms, _NO_SECOND_GRAD
+    )
+    stream = streamed(ds, (3 + (residual is not None) + (dstream is not None)) * ds.nbytes)
+    entry = backward_entry(sd, sd, sd, sd, od, residual is not None, False, streamed=stream)
+    run_on_threads(entry, 1, args, NO_BRANCH)
+    return Grads(ds, dw, db)
