@@ -1,25 +1,29 @@
-"""The shortest route: a plain call without gradients, handed straight to the backend's kernel.
+"""The shortest route: a plain call, handed straight to the backend's kernel or to the training
+Function.
 
 A decode step normalizes one row per call, and there the Python around the kernel costs more than
 the kernel: :func:`addnorm.ops.add_norm` checks every argument and option and picks a route, and
 the backend's ``forward`` sorts through options the call does not use (docs/benchmarks.md,
-"Per-call cost at small sizes"). A call with none of them is recognized here in one expression and
-handed to the ``plain_forward`` of the backend ``"auto"`` runs on its device, where the backend
-has one (:mod:`addnorm.backend`): the cpu backend's takes calls small enough for one thread, the
-triton backend's (on CUDA tensors) launches the forward kernel writing neither statistics nor an
-unreturned stream, with less Python around the launch, which bounds a small call on a GPU.
+"Per-call cost at small sizes"). A call with none of them is recognized here in one expression.
+Without gradients it is handed to the ``plain_forward`` of the backend ``"auto"`` runs on its
+device, where the backend has one (:mod:`addnorm.backend`): the cpu backend's takes calls small
+enough for one thread, the triton backend's (on CUDA tensors) launches the forward kernel writing
+neither statistics nor an unreturned stream, with less Python around the launch, which bounds a
+small call on a GPU. A call that takes a gradient goes to :class:`~addnorm.autograd.EagerAddNorm`
+with the arguments the general route would give it.
 
 A plain call: ``backend="auto"``; plain tensors (:data:`addnorm.checks.PLAIN`) on the CPU or all
 on one CUDA device, all of one supported dtype, strided; ``x`` ending with ``normalized_shape``,
 one dim of more than two features; ``residual`` of ``x``'s shape (or None, not pre-norm);
 ``weight`` and ``bias`` of ``(N,)`` or None; ``eps`` a float the checks accept; ``prenorm`` a
-bool; no sublayer branch, parallel block, ``residual_dtype`` or buffer (the caller's part); no
-gradient to record; eager mode (no ``torch.compile``, export, trace, ``torch.func`` transform,
-forward-mode AD, Python dispatch mode or ``__torch_function__`` mode, which would see the general
-route's torch calls; a default device's mode, ``torch.set_default_device``, may be on). Such a call
-is one :func:`addnorm.ops.add_norm` would check, route to the backend's ``forward`` with nothing
-saved and return as it is: the same kernel, the same bits. Anything else, and every call the
-backend declines, takes that general route, which checks and reports what it must.
+bool; no sublayer branch, parallel block, ``residual_dtype`` or buffer (the caller's part); eager
+mode (no ``torch.compile``, export, trace, ``torch.func`` transform, forward-mode AD, Python
+dispatch mode or ``__torch_function__`` mode, which would see the general route's torch calls; a
+default device's mode, ``torch.set_default_device``, may be on). Such a call is one
+:func:`addnorm.ops.add_norm` would check, then route to the backend's ``forward`` with nothing
+saved (or, taking a gradient, to EagerAddNorm) and return as it is: the same kernel, the same
+bits. Anything else, and every call the backend declines, takes that general route, which checks
+and reports what it must.
 """
 
 from __future__ import annotations
