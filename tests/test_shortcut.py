@@ -175,6 +175,22 @@ def test_an_unused_output_on_the_shortcut_gives_the_general_routes_gradients(tra
     assert results[0][2] is None and results[0][3] is None
 
 
+def test_a_residual_made_in_inference_mode_is_saved_as_by_the_general_route(trained):
+    """A residual made under ``torch.inference_mode`` cannot be saved for backward: the shortcut's
+    training call saves a copy (post-norm saves x and the residual), as EagerAddNorm does, with
+    the general route's bits."""
+    with torch.inference_mode():
+        r = torch.randn(4, 32)
+    x, w, dy = torch.randn(4, 32), torch.randn(32), torch.randn(4, 32)
+    results = []
+    for kw in ({}, {"backend": "cpu"}):
+        leaf = x.clone().requires_grad_()
+        y = addnorm.add_layer_norm(leaf, r, 32, w, prenorm=False, **kw)
+        results.append((y, *torch.autograd.grad(y, leaf, dy)))
+    assert trained == [True]
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 def test_module_calls_in_inference_take_the_shortcut(taken):
     norm, add = addnorm.LayerNorm(64), addnorm.AddNorm(64, norm="rms", prenorm=True)
     x, r = torch.randn(3, 64), torch.randn(3, 64)
@@ -242,6 +258,9 @@ def test_a_registered_auto_backend_without_it_runs_its_own_forward():
         with torch.no_grad():
             addnorm.layer_norm(torch.randn(2, 8), 8)
         assert calls["forward"] == before + 1
+        x = torch.randn(2, 8, requires_grad=True)  # a training call on the shortcut: its forward and backward
+        addnorm.add_rms_norm(x, torch.randn(2, 8), 8, prenorm=True)[0].sum().backward()
+        assert calls["forward"] == before + 2 and x.grad is not None
     finally:
         backends.unregister("toy_plain")
 

@@ -341,10 +341,46 @@ class EagerAddNorm(torch.autograd.Function):
         return None, dx, dweight, dbias, dresidual, dlayer_scale  # (trailing Nones beyond the inputs are dropped)
 
 
+class PlainAddNorm(torch.autograd.Function):
+    """:class:`EagerAddNorm` for a plain call (:mod:`addnorm.shortcut`: plain tensors of one dtype,
+    no branch, ``residual_dtype`` or buffer), with less bookkeeping per call: the backend ``impl``
+    is given, and the backward calls its ``backward`` straight. The same save plan, the same
+    tensors saved, the same bits; an unused output and a second derivative take EagerAddNorm's
+    backward (:func:`_grads`)."""
+
+    @staticmethod
+    def forward(ctx, a, impl, x, weight, bias, residual=None):
+        plan = save_plan(impl, a, None)
+        y, s, mean, rstd = impl.forward(
+            x, residual, weight, bias, eps=a.eps, rms=a.rms, residual_dtype=None, write_stream=plan.write_stream
+        )
+        _save(ctx, a, plan, mean, rstd, s)
+        ctx.impl = impl
+        if not plan.write_stream:
+            return y
+        ctx.set_materialize_grads(False)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, dstream=None):
+        saved, meta = ctx.saved_tensors, ctx.meta
+        if dy is None or torch.is_grad_enabled():
+            dx, dresidual, dweight, dbias, _ = _grads(dy, dstream, saved, meta, run_backward)
+            return None, None, dx, dweight, dbias, dresidual
+        weight, mean, rstd = saved[:3]
+        has_bias = meta.bias_dtype is not None
+        param_dtype = meta.bias_dtype if weight is None else weight.dtype  # (one dtype: the stream's, or None)
+        g = ctx.impl.backward(
+            dy, dstream, saved[6:], weight, mean, rstd, rms=meta.rms, has_bias=has_bias, param_dtype=param_dtype
+        )
+        return None, None, g.ds, g.dweight, g.dbias, None if meta.residual_dtype is None else g.ds
+
+
 # Function.apply's Python wrapper binds setup_context arguments and unwraps functorch tensors:
 # neither applies here (the eager route runs only outside torch.func transforms), so the C
 # implementation it ends in is called directly.
 eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, EagerAddNorm)
+plain_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, PlainAddNorm)
 
 
 # --------------------------------------------------------------------------- the custom ops

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.utils._device import DeviceContext as _DeviceContext
 
 from . import backend as backends
-from .autograd import eager_apply, op_args, transformed
+from .autograd import op_args, plain_apply, transformed
 from .checks import PLAIN, SUPPORTED_DTYPES
 
 _DTYPES = frozenset(SUPPORTED_DTYPES)
@@ -122,10 +122,14 @@ def forward(
 
 
 def _training(x: Tensor, residual: Tensor | None, weight, bias, eps: float, rms: bool, prenorm: bool):
-    """A plain call that takes a gradient: :class:`~addnorm.autograd.EagerAddNorm` straight away,
-    as the general route's training route calls it for these arguments."""
+    """A plain call that takes a gradient: :class:`~addnorm.autograd.PlainAddNorm`, which saves and
+    differentiates as the general route's :class:`~addnorm.autograd.EagerAddNorm` would."""
     a = op_args((x, residual, weight, bias, eps, rms, None, "auto", prenorm, 0.0, None, None, None))
-    y = eager_apply(a, x, weight, bias) if residual is None else eager_apply(a, x, weight, bias, residual)
+    impl = backends.resolve("auto", x)
+    if residual is None:
+        y = plain_apply(a, impl, x, weight, bias)
+    else:
+        y = plain_apply(a, impl, x, weight, bias, residual)
     if prenorm:
         return y
     return y[0] if type(y) is tuple else y
