@@ -5,7 +5,8 @@ same backward (:func:`_grads`):
 
 - :class:`EagerAddNorm`, an ``autograd.Function`` for plain tensors in eager mode, with as little
   autograd bookkeeping per call as the custom op allows (a small norm's whole call costs little
-  more than that bookkeeping: docs/benchmarks.md, "What limits it");
+  more than that bookkeeping: docs/benchmarks.md, "What limits it"), and :class:`PlainAddNorm`,
+  the same for a call without options (:mod:`addnorm.shortcut`) with less bookkeeping still;
 - the custom ops ``addnorm::forward`` / ``addnorm::backward``, whose fake kernels and autograd
   registration serve ``torch.compile``, ``torch.export``, ``torch.jit.trace`` and tensor
   subclasses (FakeTensor, DTensor through :mod:`addnorm.sharding`).
@@ -194,6 +195,17 @@ def _save(ctx, a: OpArgs, plan: SavePlan, mean: Tensor | None, rstd: Tensor, s: 
     ctx.meta = _meta(a, plan.write_stream)
 
 
+def _saved_outputs(ctx, a: OpArgs, plan: SavePlan, y: Tensor, s: Tensor | None, mean, rstd) -> Tensor | tuple:
+    """Save what ``plan`` says, then the eager Functions' outputs: ``y``, and ``s`` whenever it is
+    written (and so saved), so that a second derivative reaches x and residual through it
+    (post-norm discards it)."""
+    _save(ctx, a, plan, mean, rstd, s)
+    if not plan.write_stream:
+        return y
+    ctx.set_materialize_grads(False)
+    return y, s
+
+
 class BackwardArgs(NamedTuple):
     """The arguments of one backward, as both wrappers pass them (the fields of the custom op
     ``addnorm::backward``'s schema, :data:`_BACKWARD_SCHEMA`, checked at import)."""
@@ -327,13 +339,7 @@ class EagerAddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, x, weight, bias, residual=None, layer_scale=None):
         plan, _, (y, s, mean, rstd) = train_forward(a)
-        _save(ctx, a, plan, mean, rstd, s)
-        # s is an output whenever it is written (and so saved), so that a second derivative
-        # reaches x and residual through it; post-norm discards it
-        if not plan.write_stream:
-            return y
-        ctx.set_materialize_grads(False)
-        return y, s
+        return _saved_outputs(ctx, a, plan, y, s, mean, rstd)
 
     @staticmethod
     def backward(ctx, dy, dstream=None):
@@ -354,12 +360,8 @@ class PlainAddNorm(torch.autograd.Function):
         y, s, mean, rstd = impl.forward(
             x, residual, weight, bias, eps=a.eps, rms=a.rms, residual_dtype=None, write_stream=plan.write_stream
         )
-        _save(ctx, a, plan, mean, rstd, s)
         ctx.impl = impl
-        if not plan.write_stream:
-            return y
-        ctx.set_materialize_grads(False)
-        return y, s
+        return _saved_outputs(ctx, a, plan, y, s, mean, rstd)
 
     @staticmethod
     def backward(ctx, dy, dstream=None):
