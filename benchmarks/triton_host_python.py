@@ -14,7 +14,8 @@ Routes (``add_layer_norm`` post-norm, no gradients): ``backend="triton"`` (the g
 ``backend="auto"`` with the triton backend as the CPU's "auto" (the shortcut to its
 ``plain_forward``, where the tree has one); the backend's ``forward`` and ``plain_forward``
 called directly. Then a training step's forward and backward (``torch.autograd.grad``) with
-``backend="triton"``. Run it against another tree with ``PYTHONPATH=<tree>/src`` to compare.
+``backend="triton"`` and with ``backend="auto"`` (the triton backend as "auto", as above). Run it
+against another tree with ``PYTHONPATH=<tree>/src`` to compare.
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ def calls(m: int, n: int, dtype: torch.dtype) -> dict[str, Callable]:
     return runs
 
 
-def training_call(m: int, n: int, dtype: torch.dtype) -> Callable:
-    """A training step's call, ``backend="triton"`` (what "auto" runs on CUDA tensors): the forward
-    of post-norm ``add_layer_norm`` on inputs that require gradients, and their gradients through
-    ``torch.autograd.grad``; returns ``(y, grads)``."""
+def training_call(m: int, n: int, dtype: torch.dtype, backend: str = "triton") -> Callable:
+    """A training step's call, ``backend="triton"`` (the general route), or ``"auto"`` (the
+    shortcut, where the tree has one: what "auto" runs on CUDA tensors; needs
+    :func:`triton_as_auto`): the forward of post-norm ``add_layer_norm`` on inputs that require
+    gradients, and their gradients through ``torch.autograd.grad``; returns ``(y, grads)``."""
     g = torch.Generator().manual_seed(0)
     leaves = [
         t.to(dtype).requires_grad_() for t in (torch.randn(*s, generator=g) for s in ((m, n), (m, n), (n,), (n,)))
@@ -99,7 +101,7 @@ def training_call(m: int, n: int, dtype: torch.dtype) -> Callable:
     dy = torch.randn(m, n, generator=g).to(dtype)
 
     def step():
-        y = addnorm.add_layer_norm(leaves[0], leaves[1], n, *leaves[2:], backend="triton")
+        y = addnorm.add_layer_norm(leaves[0], leaves[1], n, *leaves[2:], backend=backend)
         return y.detach(), torch.autograd.grad(y, leaves, dy)
 
     return step
@@ -125,7 +127,9 @@ def main() -> None:
     print(f"addnorm from {os.path.dirname(addnorm.__file__)}")
     with launches_stopped(), triton_as_auto():
         addnorm.layer_norm(torch.zeros(1, n, dtype=dtype), n)  # ("auto" chooses its backend on its first call)
-        runs = {**calls(m, n, dtype), "fwd+bwd, backend='triton'": training_call(m, n, dtype)}
+        runs = calls(m, n, dtype)
+        for backend in ("triton", "auto"):
+            runs[f"fwd+bwd, backend='{backend}'"] = training_call(m, n, dtype, backend)
         for name, call in runs.items():
             call()
             best = min(timeit.repeat(call, number=2000, repeat=args.rounds)) / 2000

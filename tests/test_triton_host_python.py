@@ -50,9 +50,19 @@ def test_every_timed_call_computes_the_same_y(monkeypatch):
     torch.testing.assert_close(first.double(), want, rtol=0, atol=3e-2)
 
 
-def test_the_training_call_gives_torch_s_gradients(on_cpu):
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_the_training_call_gives_torch_s_gradients(on_cpu, monkeypatch, backend):
+    """Either route runs the triton backend's forward and backward, with torch's results."""
+    ran = []
+    for name in ("forward", "backward"):
+        real = getattr(host.K, name)
+        monkeypatch.setattr(host.K, name, lambda *a, _real=real, _name=name, **k: ran.append(_name) or _real(*a, **k))
     m, n = 3, 40
-    y, grads = host.training_call(m, n, torch.float32)()
+    with host.triton_as_auto():
+        host.addnorm.layer_norm(torch.zeros(1, n), n)  # ("auto" chooses its backend)
+        ran.clear()
+        y, grads = host.training_call(m, n, torch.float32, backend)()
+    assert ran == ["forward", "backward"]
     g = torch.Generator().manual_seed(0)
     leaves = [torch.randn(*s, generator=g).double().requires_grad_() for s in ((m, n), (m, n), (n,), (n,))]
     dy = torch.randn(m, n, generator=g).double()
