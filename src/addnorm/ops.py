@@ -11,7 +11,8 @@ route         taken by
 nested        jagged nested tensors: the norm of their packed values
 onnx          ``torch.onnx.export``: torch's own norm, which exports as the standard ONNX op
 training      plain tensors in eager mode that take a gradient: :class:`~addnorm.autograd.EagerAddNorm`
-              (a call without options before any other check: :mod:`addnorm.shortcut`)
+              (a call without options before any other check: :mod:`addnorm.shortcut`, its
+              :class:`~addnorm.autograd.PlainAddNorm`)
 inference     plain tensors in eager mode without gradients (``no_grad``, or no input requires
               grad), or any call writing into ``out=``/``residual_out=``: the backend's forward
               alone, nothing saved, the stream and the statistics written only when returned; a

@@ -9,8 +9,8 @@ Without gradients it is handed to the ``plain_forward`` of the backend ``"auto"`
 device, where the backend has one (:mod:`addnorm.backend`): the cpu backend's takes calls small
 enough for one thread, the triton backend's (on CUDA tensors) launches the forward kernel writing
 neither statistics nor an unreturned stream, with less Python around the launch, which bounds a
-small call on a GPU. A call that takes a gradient goes to :class:`~addnorm.autograd.EagerAddNorm`
-with the arguments the general route would give it.
+small call on a GPU. A call that takes a gradient goes to :class:`~addnorm.autograd.PlainAddNorm`,
+which saves and differentiates as the general route's :class:`~addnorm.autograd.EagerAddNorm`.
 
 A plain call: ``backend="auto"``; plain tensors (:data:`addnorm.checks.PLAIN`) on the CPU or all
 on one CUDA device, all of one supported dtype, strided; ``x`` ending with ``normalized_shape``,
@@ -22,7 +22,8 @@ dispatch mode or ``__torch_function__`` mode, which would see the general route'
 default device's mode, ``torch.set_default_device``, may be on). Such a call is one
 :func:`addnorm.ops.add_norm` would check, then route to the backend's ``forward`` with nothing
 saved (or, taking a gradient, to EagerAddNorm) and return as it is: the same kernel, the same
-bits. Anything else, and every call the backend declines, takes that general route, which checks
+bits (a training call's backward node is then ``PlainAddNormBackward``, not
+``EagerAddNormBackward``). Anything else, and every call the backend declines, takes that general route, which checks
 and reports what it must.
 """
 
