@@ -205,6 +205,33 @@ def test_buffers_take_the_rows_flat_as_flash_attn_takes_them():
         layer_norm_fn(x, w, None, out=torch.empty(3, 64))
 
 
+@pytest.mark.parametrize("prenorm", [True, False])
+def test_buffers_under_autograd_are_written_and_returned_as_flash_attn_does(prenorm):
+    """flash-attn's Function writes ``out`` and ``residual_out`` under autograd too: the results
+    are the buffers (views of them in ``x``'s shape), holding the allocating call's values, and
+    gradients reach every input through them as through the allocating call's results."""
+    g = torch.Generator().manual_seed(1)
+    x, r, w, b, dy = (torch.randn(*s, generator=g) for s in ((2, 3, 32), (2, 3, 32), (32,), (32,), (2, 3, 32)))
+    results = []
+    for buffers in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+        out, residual_out = (torch.empty(6, 32), torch.empty(6, 32)) if buffers else (None, None)
+        got = layer_norm_fn(
+            *leaves[:1], *leaves[2:], residual=leaves[1], prenorm=prenorm, out=out, residual_out=residual_out
+        )
+        y, s = got if prenorm else (got, None)
+        if buffers:
+            assert y.data_ptr() == out.data_ptr() and y.shape == x.shape
+            assert torch.equal(residual_out.view(x.shape), x + r)
+            assert s is None or s.data_ptr() == residual_out.data_ptr()
+        loss = (y * dy).sum() + (0 if s is None else s.square().sum())
+        results.append((y.detach(), *torch.autograd.grad(loss, leaves)))
+    for a, e in zip(*results, strict=True):
+        assert torch.equal(a, e)
+    with pytest.raises(ValueError, match="out must be a torch.float32 tensor of shape"):
+        layer_norm_fn(x.requires_grad_(), w, b, residual=r, out=torch.empty(2, 3, 32, dtype=torch.float64))
+
+
 def test_jit_trace_of_a_flash_attn_call():
     """``torch.jit.trace`` (and the TorchScript ONNX exporter, which traces) of a compat call:
     the hidden size is read as an int, not a traced shape, and the trace replays on new rows."""

@@ -25,10 +25,12 @@ copy (``mamba_ssm.ops.triton.layernorm``) has no ``x1``: pass its ``eps``, ``pre
   (:func:`addnorm.add_layer_norm`); flash-attn sums the three in float32 before one rounding;
 - ``out_dtype`` converts the result of the input dtype (flash-attn writes it in ``out_dtype``
   directly, so a wider ``out_dtype`` than ``x``'s keeps more bits there);
-- ``out=`` / ``residual_out=`` are for calls without autograd, as everywhere in addnorm; ``out``
-  has ``x``'s dtype (not with an ``out_dtype`` of another), and neither combines with ``x1`` or
-  ``weight1``. As in flash-attn, a buffer may hold ``x``'s rows in another shape (``(rows,
-  hidden)`` for a 3-D ``x``), and the result is then a view of it in ``x``'s shape.
+- ``out=`` / ``residual_out=``: without autograd the kernels write them, as everywhere in addnorm;
+  under autograd (an input requires grad) the results are computed, then copied into them (a copy
+  autograd records; flash-attn's kernel writes them directly). ``out`` has ``x``'s dtype (not with
+  an ``out_dtype`` of another), and neither combines with ``x1`` or ``weight1``. As in flash-attn,
+  a buffer may hold ``x``'s rows in another shape (``(rows, hidden)`` for a 3-D ``x``), and the
+  result is then a view of it in ``x``'s shape.
 """
 
 from __future__ import annotations
@@ -99,6 +101,11 @@ def layer_norm_fn(
         residual_dtype = check_float_tensor("residual", residual).dtype
     else:
         residual_dtype = torch.float32 if residual_in_fp32 else None
+    buffers = None
+    if (out is not None or residual_out is not None) and x1 is None and weight1 is None and bias1 is None:
+        tensors = (x, residual, weight, bias)
+        if torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors):
+            buffers, out, residual_out = (out, residual_out), None, None  # (written after: _copied_into)
     sublayer = NO_SUBLAYER
     if dropout_p or rowscale is not None or zero_centered_weight or return_dropout_mask:
         sublayer = Sublayer(dropout_p, None, None, rowscale, zero_centered_weight, return_dropout_mask)
@@ -112,7 +119,7 @@ def layer_norm_fn(
         bias,
         eps,
         rms=is_rms_norm,
-        prenorm=prenorm,
+        prenorm=prenorm or (buffers is not None and buffers[1] is not None),
         residual_dtype=residual_dtype,
         backend=backend,
         out=out,
@@ -122,6 +129,8 @@ def layer_norm_fn(
     )
     result = list(result) if isinstance(result, tuple) else [result]
     outputs = 2 if weight1 is not None else 1
+    if buffers is not None:
+        result = _copied_into(result, buffers, prenorm)
     if out_dtype is not None:
         result[:outputs] = [y.to(out_dtype) for y in result[:outputs]]
     if return_dropout_mask:
@@ -133,6 +142,34 @@ def layer_norm_fn(
         return head
     rest = tuple(result[outputs:])
     return (*head, *rest) if outputs == 2 else (head, *rest)
+
+
+def _copied_into(result: list, buffers: tuple, prenorm: bool) -> list:
+    """``out=`` / ``residual_out=`` under autograd, as flash-attn's Function writes and returns them:
+    ``y`` (``result[0]``) and the stream (``result[1]``, computed for ``residual_out`` whatever
+    ``prenorm``) copied into their buffers, a copy autograd records, so that gradients reach the
+    inputs through the buffers returned in their place; the stream left out again without
+    ``prenorm``. A buffer must have its result's shape, dtype and device."""
+    for i, (name, buffer) in enumerate(zip(("out", "residual_out"), buffers)):
+        if buffer is None:
+            continue
+        t = result[i]
+        if (
+            not isinstance(buffer, Tensor)
+            or buffer.shape != t.shape
+            or buffer.dtype != t.dtype
+            or buffer.device != t.device
+        ):
+            got = (
+                f"{buffer.dtype} of shape {tuple(buffer.shape)} on {buffer.device}"
+                if isinstance(buffer, Tensor)
+                else type(buffer).__name__
+            )
+            raise ValueError(f"{name} must be a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}, got {got}")
+        result[i] = buffer.copy_(t)
+    if buffers[1] is not None and not prenorm:
+        del result[1]
+    return result
 
 
 def _shaped_as(x: Tensor, buffer: Tensor | None) -> Tensor | None:
