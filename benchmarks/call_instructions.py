@@ -10,7 +10,10 @@ only once it is warm, and only the instructions inside one ``sorted`` over ``--s
 counted (``--toggle-collect`` on CPython's ``list_sort_impl``). Instructions are not time (Python's
 code runs fewer of them per cycle than torch's C++), so the counts compare how much host code each
 call runs, before and after a change, not how fast it is (docs/benchmarks.md, "Per-call cost at
-small sizes"). Needs valgrind and a CPython whose symbols valgrind can see.
+small sizes"). Needs valgrind and a CPython whose symbols valgrind can see. After an edit to the
+kernels' source, run it twice and keep the second: the first run after one counted 726 K
+instructions for a forward+backward the next run counted at 530 K (the kernel entries had to
+compile anew for the new source; why that moved the count was not traced).
 """
 
 from __future__ import annotations
@@ -25,12 +28,9 @@ import time
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-
-import addnorm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compiled_call_cost import AllocatesOnly  # noqa: E402
+from compiled_call_cost import AllocatesOnly, inputs, norms  # noqa: E402
 
 CALLS = (
     "addnorm fwd+bwd",
@@ -46,16 +46,8 @@ def calls(m: int, n: int, dtype: torch.dtype) -> dict[str, Callable[[], object]]
     and backward (``autograd.grad`` of ``y`` over x, the residual, the weight and the bias) and
     forward alone without gradients, and the floor of a Python ``autograd.Function`` with the same
     inputs that only allocates (benchmarks/compiled_call_cost.py)."""
-    g = torch.Generator().manual_seed(0)
-    x, r, dy = (torch.randn(m, n, generator=g).to(dtype) for _ in range(3))
-    w, b = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
-    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
-
-    def ours(x, r, w, b):
-        return addnorm.add_layer_norm(x, r, n, w, b, prenorm=True)[0]
-
-    def torchs(x, r, w, b):
-        return F.layer_norm(x + r, (n,), w, b)
+    x, r, w, b, dy, leaves = inputs(m, n, dtype, "cpu")
+    ours, torchs = norms(n)
 
     def step(fn):
         return lambda: torch.autograd.grad(fn(*leaves), leaves, dy)

@@ -41,17 +41,32 @@ class AllocatesOnly(torch.autograd.Function):
         return ds, ds, dy.new_empty(dy.shape[-1:]), dy.new_empty(dy.shape[-1:])
 
 
-def calls(m: int, n: int, dtype: torch.dtype, device: str) -> dict:
+def inputs(m: int, n: int, dtype: torch.dtype, device: str) -> tuple:
+    """``(x, r, w, b, dy, leaves)`` of the timed call: rows ``x`` and ``r``, parameters ``w`` and
+    ``b``, an incoming gradient ``dy``, and ``leaves``, copies of x, r, w, b that require grad
+    (benchmarks/call_instructions.py counts calls on the same inputs)."""
     g = torch.Generator(device=device).manual_seed(0)
     x, r, dy = (torch.randn(m, n, generator=g, device=device).to(dtype) for _ in range(3))
     w, b = (torch.randn(n, generator=g, device=device).to(dtype) for _ in range(2))
-    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    return x, r, w, b, dy, [t.clone().requires_grad_() for t in (x, r, w, b)]
+
+
+def norms(n: int) -> tuple:
+    """The two calls compared, of ``(x, r, w, b)`` with rows of ``n`` features: addnorm's pre-norm
+    ``add_layer_norm`` (its ``y``) and torch's ``layer_norm(x + r)``."""
 
     def ours(x, r, w, b):
         return addnorm.add_layer_norm(x, r, n, w, b, prenorm=True)[0]
 
     def torch_norm(x, r, w, b):
         return F.layer_norm(x + r, (n,), w, b)
+
+    return ours, torch_norm
+
+
+def calls(m: int, n: int, dtype: torch.dtype, device: str) -> dict:
+    x, r, w, b, dy, leaves = inputs(m, n, dtype, device)
+    ours, torch_norm = norms(n)
 
     def step(fn):
         return lambda: torch.autograd.grad(fn(*leaves), leaves, dy)

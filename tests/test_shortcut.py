@@ -111,7 +111,7 @@ GRADS = {"all": (0, 1, 2, 3), "x": (0,), "weight": (2,), "residual and bias": (1
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op, prenorm", CALLS)
-@pytest.mark.parametrize("shape", [(8, 768), (2, 3, 100), (5, 3)])
+@pytest.mark.parametrize("shape", [(8, 768), (2, 3, 100), (5, 3), (86, 768)])  # (the last past one thread)
 @pytest.mark.parametrize("wanted", GRADS)
 def test_training_calls_take_the_shortcut_with_the_general_routes_bits(trained, dtype, op, prenorm, shape, wanted):
     """A plain call that takes gradients goes straight to the training Function: its outputs and

@@ -47,6 +47,7 @@ from .launch import (
     contiguous_rows,
     dropout_args,
     empty_output,
+    empty_vector,
     kernel_param_dtype,
     kernel_ready,
     param_row,
@@ -321,9 +322,8 @@ def _plain(x, residual, weight, bias, eps, rms, write_stream, write_stats):
     mean = rstd = None
     if write_stats:
         cd = reference.stats_dtype(dtype)
-        new = x.new_empty if cd is dtype else partial(torch.empty, dtype=cd, device="cpu")  # (the first: fewer steps)
-        mean = None if rms else new(m)
-        rstd = new(m)
+        mean = None if rms else empty_vector(x, m, cd)
+        rstd = empty_vector(x, m, cd)
     w = constant_row(n, dtype, 1.0) if weight is None else weight
     b = constant_row(n, dtype, 0.0) if bias is None else bias
     args = _forward_slots(x, residual, w, b, y, s, mean, rstd, m, n, m, rms, eps, _NO_SECOND, _NO_X1)
@@ -460,16 +460,14 @@ def _plain_backward(dy, dstream, s_parts, weight, mean, rstd, rms, has_bias, par
         return None
     od = cd if param_dtype is None else param_dtype  # (as backward picks it)
     ds = torch.empty_like(s)
-    new = s.new_empty if od is sd else partial(torch.empty, dtype=od, device="cpu")  # (the first: fewer steps)
-    dw = new(n) if weight is not None else None
-    db = new(n) if has_bias else None
+    dw = empty_vector(s, n, od) if weight is not None else None
+    db = empty_vector(s, n, od) if has_bias else None
     w = constant_row(n, sd, 1.0) if weight is None else weight
     dst = s if dstream is None else dstream
     args = _backward_slots(
         dy, dst, s, residual, w, mean, rstd, ds, dw, db, None, None, m, n, m, 1, dstream, rms, _NO_SECOND_GRAD
     )
-    moved = (3 + (residual is not None) + (dstream is not None)) * ds.nbytes
-    stream = moved >= config.SETTINGS.streaming_min_bytes and streamed(ds, moved)
+    stream = streamed(ds, (3 + (residual is not None) + (dstream is not None)) * ds.nbytes)  # (as backward counts)
     entry = backward_entry(sd, sd, sd, sd, od, residual is not None, False, streamed=stream)
     run_on_threads(entry, 1, args, NO_BRANCH)
     return Grads(ds, dw, db)

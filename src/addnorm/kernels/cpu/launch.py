@@ -111,6 +111,12 @@ def empty_output(like: Tensor, dtype: torch.dtype) -> Tensor:
     return t
 
 
+def empty_vector(like: Tensor, size: int, dtype: torch.dtype) -> Tensor:
+    """``size`` uninitialized values of ``dtype`` on the CPU: ``like.new_empty`` where ``like``
+    (a CPU tensor) has that dtype, which takes fewer steps than a dtype and device named."""
+    return like.new_empty(size) if like.dtype is dtype else torch.empty(size, dtype=dtype, device="cpu")
+
+
 def streamed(out: Tensor, moved_bytes: int) -> bool:
     """Whether a kernel writes ``out`` with non-temporal stores (:class:`.floats.Streamed`): when
     the call moves at least ``streaming_min_bytes`` (:mod:`.config`), ``out``'s rows are contiguous,
