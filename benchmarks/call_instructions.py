@@ -4,8 +4,9 @@ without the machine's noise.
     python benchmarks/call_instructions.py [--shape 8x768] [--dtype float32] [--steps 200] [--calls a,b]
 
 At a small shape a call's time is its host cost (Python, dispatch, allocations, autograd), and on
-a shared machine that time moves from run to run; the instructions the call executes do not. Each call runs in a process of its own under ``valgrind --tool=callgrind``, instrumented
-only once it is warm, and only the instructions inside one ``sorted`` over ``--steps`` calls are
+a shared machine that time moves from run to run; the instructions the call executes do not.
+Each call runs in a process of its own under ``valgrind --tool=callgrind``, instrumented only
+once it is warm, and only the instructions inside one ``sorted`` over ``--steps`` calls are
 counted (``--toggle-collect`` on CPython's ``list_sort_impl``). Instructions are not time (Python's
 code runs fewer of them per cycle than torch's C++), so the counts compare how much host code each
 call runs, before and after a change, not how fast it is (docs/benchmarks.md, "Per-call cost at
